@@ -165,7 +165,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(config)"
+        loc = ".".join(str(x) for x in e["loc"]) or "config"
         value = e.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         lines.append(f"  {loc}: {e['msg']}{shown}")

@@ -1,0 +1,114 @@
+"""Padding and splitting: completions -> ``TrainBatch``, worked examples -> ``SFTBatch``, and the split of a
+rollout batch into minibatches and data-parallel shards with their global normalisers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.contracts import Completion, SFTBatch, TrainBatch
+
+
+def build_train_batch(
+    completions: list[Completion], rewards: torch.Tensor, advantages: torch.Tensor, pad_token_id: int
+) -> TrainBatch:
+    """Right-pad ``prompt + response`` of every completion into a ``TrainBatch``.
+
+    Args:
+        completions: N completions (groups consecutive).
+        rewards: float32 ``[N]`` (NaN = invalid sample).
+        advantages: float32 ``[N]``.
+        pad_token_id: id used for padding.
+
+    Returns:
+        TrainBatch with targets aligned to ``input_ids[:, 1:]``: ``response_mask[i, t]`` is True where
+        ``input_ids[i, t+1]`` is a response token, ``old_log_probs[i, t]`` its behaviour log-prob.
+
+    Raises:
+        ValueError: lengths disagree (rewards/advantages vs completions, or log-probs vs response tokens).
+    """
+    n = len(completions)
+    if rewards.shape != (n,) or advantages.shape != (n,):
+        raise ValueError(f"rewards {tuple(rewards.shape)} and advantages {tuple(advantages.shape)} must be ({n},)")
+    lengths = [len(c.prompt_token_ids) + len(c.response_token_ids) for c in completions]
+    L = max(max(lengths), 2)
+    input_ids = torch.full((n, L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, L), dtype=torch.long)
+    response_mask = torch.zeros((n, L - 1), dtype=torch.bool)
+    old = torch.zeros((n, L - 1), dtype=torch.float32)
+    for i, c in enumerate(completions):
+        p, r = len(c.prompt_token_ids), len(c.response_token_ids)
+        if len(c.response_logprobs) != r:
+            raise ValueError(
+                f"completion {c.prompt_uid}#{c.sample_index}: {len(c.response_logprobs)} log-probs for {r} tokens"
+            )
+        if p == 0:
+            raise ValueError(f"completion {c.prompt_uid}#{c.sample_index} has an empty prompt")
+        input_ids[i, :p] = torch.tensor(c.prompt_token_ids, dtype=torch.long)
+        if r:
+            input_ids[i, p : p + r] = torch.tensor(c.response_token_ids, dtype=torch.long)
+            # Target t predicts token t+1: response token j sits at p+j, so its target index is p+j-1.
+            response_mask[i, p - 1 : p - 1 + r] = True
+            old[i, p - 1 : p - 1 + r] = torch.tensor(c.response_logprobs, dtype=torch.float32)
+        attention_mask[i, : p + r] = 1
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        old_log_probs=old,
+        advantages=advantages.to(torch.float32),
+        rewards=rewards.to(torch.float32),
+        prompt_uids=[c.prompt_uid for c in completions],
+        weight_versions=torch.tensor([c.weight_version for c in completions], dtype=torch.long),
+    )
+
+
+def build_sft_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int) -> SFTBatch:
+    """Right-pad supervised examples; the loss covers the response tokens only (targets aligned to
+    ``input_ids[:, 1:]``)."""
+    n = len(prompts)
+    L = max(max(len(p) + len(r) for p, r in zip(prompts, responses)), 2)
+    input_ids = torch.full((n, L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, L), dtype=torch.long)
+    loss_mask = torch.zeros((n, L - 1), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq = p + r
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+        loss_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = True
+    return SFTBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+
+
+@dataclass
+class RankPlan:
+    """What one learner rank trains on for one rollout batch."""
+
+    minibatches: list[TrainBatch]
+    num_sequences: list[int]
+    num_tokens: list[int]
+
+
+def split_for_ranks(batch: TrainBatch, num_minibatches: int, world_size: int, seed: int) -> list[RankPlan]:
+    """Shuffle the sequences (seeded), cut them into ``num_minibatches`` minibatches and each minibatch into
+    ``world_size`` equal shards. Each rank gets its shard of every minibatch plus the minibatch's totals
+    (sequence count and response-token count over all ranks): the global normalisers of the loss.
+
+    Raises:
+        ValueError: N is not divisible by ``num_minibatches * world_size``.
+    """
+    n = len(batch)
+    if n % (num_minibatches * world_size):
+        raise ValueError(f"{n} sequences do not split into {num_minibatches} minibatches x {world_size} ranks")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    mb = n // num_minibatches
+    shard = mb // world_size
+    plans = [RankPlan([], [], []) for _ in range(world_size)]
+    for m in range(num_minibatches):
+        idx = perm[m * mb : (m + 1) * mb]
+        tokens = int(batch.response_mask[idx].sum())
+        for r in range(world_size):
+            plans[r].minibatches.append(batch.select(idx[r * shard : (r + 1) * shard]))
+            plans[r].num_sequences.append(mb)
+            plans[r].num_tokens.append(tokens)
+    return plans

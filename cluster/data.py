@@ -1,0 +1,196 @@
+"""Prompts for training and evaluation: the procedural arithmetic task, GSM8K, and the prompt stream.
+
+Rows become ``PromptRow`` (cluster/contracts.py). Bad rows (missing fields, empty or over-long prompts,
+undecodable bytes) are counted and skipped with a warning that names the row; a split with no usable row
+stops with ``DataError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cluster.contracts import PromptRow
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used (no usable rows, unreadable file); the message names file and field."""
+
+
+@dataclass
+class LoadReport:
+    """What loading a split kept and skipped. ``skipped`` maps a reason to its count."""
+
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        log.warning("skipping %s: %s", where, reason)
+
+
+# --------------------------------------------------------------------------------------------- arithmetic
+
+
+def arithmetic_solution(a: int, b: int) -> str:
+    """The response the warm start imitates for ``a+b``: the sum in decimal, e.g. ``"85"`` for 37+48."""
+    return str(a + b)
+
+
+def arithmetic_rows(
+    tokenize: Callable[[str], list[int]], *, max_operand: int, num_train: int, num_eval: int, seed: int
+) -> tuple[list[PromptRow], list[PromptRow]]:
+    """All ``a+b`` problems with ``0 <= a, b <= max_operand``, shuffled with ``seed``; the first ``num_eval``
+    are the held-out split and the next ``num_train`` the training split (disjoint by construction).
+
+    Raises:
+        DataError: when ``num_eval`` leaves no training problem.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
+    if num_eval >= len(pairs):
+        raise DataError(
+            f"data.num_eval={num_eval} leaves no training prompt: only {len(pairs)} problems with "
+            f"data.max_operand={max_operand}"
+        )
+
+    def row(a: int, b: int, split: str) -> PromptRow:
+        prompt = f"{a}+{b}="
+        return PromptRow(
+            uid=f"{split}/{a}+{b}",
+            prompt=prompt,
+            prompt_token_ids=tokenize(prompt),
+            answer=str(a + b),
+            verifier="exact",
+            meta={"solution": arithmetic_solution(a, b)},
+        )
+
+    eval_rows = [row(a, b, "eval") for a, b in pairs[:num_eval]]
+    train_rows = [row(a, b, "train") for a, b in pairs[num_eval : num_eval + num_train]]
+    return train_rows, eval_rows
+
+
+# ------------------------------------------------------------------------------------------------- GSM8K
+
+GSM8K_PROMPT = "Question: {question}\nAnswer:"
+_CALC = re.compile(r"<<[^>]*>>")
+
+
+def resolve_data_path(path: str) -> Path:
+    """A data path as given, or relative to the repository root (``../shared/data/...`` from a clone)."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+def gsm8k_rows(
+    path: str, tokenize: Callable[[str], list[int]], *, split: str, max_prompt_tokens: int, limit: int | None
+) -> tuple[list[PromptRow], LoadReport]:
+    """GSM8K rows from a JSONL file with ``question`` and ``answer`` fields, the reference being the text
+    after ``####`` (commas removed). Loaded with the ``datasets`` library.
+
+    Raises:
+        DataError: the file is missing or has no usable row.
+    """
+    import datasets
+
+    file = resolve_data_path(path)
+    if not file.is_file():
+        raise DataError(f"data file {str(file)!r} (from {path!r}) does not exist")
+    report = LoadReport()
+    rows: list[PromptRow] = []
+    ds = datasets.load_dataset("json", data_files=str(file), split="train")
+    for i, rec in enumerate(ds):
+        where = f"{file.name} row {i}"
+        q, a = rec.get("question"), rec.get("answer")
+        if not isinstance(q, str) or not isinstance(a, str):
+            report.skip("missing or non-text 'question'/'answer' field", where)
+            continue
+        if not q.strip():
+            report.skip("empty question", where)
+            continue
+        if "####" not in a:
+            report.skip("answer has no '####' line", where)
+            continue
+        prompt = GSM8K_PROMPT.format(question=q.strip())
+        ids = tokenize(prompt)
+        if len(ids) > max_prompt_tokens:
+            report.skip(f"prompt of {len(ids)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}", where)
+            continue
+        reference = a.rsplit("####", 1)[1].strip().replace(",", "")
+        solution = _CALC.sub("", a).strip()
+        rows.append(
+            PromptRow(
+                uid=f"{split}/{i}",
+                prompt=prompt,
+                prompt_token_ids=ids,
+                answer=reference,
+                verifier="math",
+                meta={"solution": solution},
+            )
+        )
+        if limit is not None and len(rows) >= limit:
+            break
+    report.kept = len(rows)
+    if not rows:
+        raise DataError(f"data file {str(file)!r} has no usable row (skipped: {report.skipped})")
+    if report.skipped:
+        log.warning("%s: kept %d rows, skipped %s", file.name, report.kept, report.skipped)
+    return rows, report
+
+
+# ------------------------------------------------------------------------------------------ prompt stream
+
+
+class PromptStream:
+    """An endless, reproducible stream of training prompts: epoch ``e`` is the rows shuffled with
+    ``Random(seed + e)``; ``take(n)`` returns the next ``n``. The whole state is ``position`` (prompts taken
+    so far), so a resumed run that restores it sees exactly the prompts an uninterrupted run would, across
+    epoch boundaries too.
+    """
+
+    def __init__(self, rows: list[PromptRow], seed: int, position: int = 0):
+        if not rows:
+            raise DataError("the training split has no usable row")
+        self.rows = rows
+        self.seed = seed
+        self.position = position
+        self._epoch_cache: tuple[int, list[int]] | None = None
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed + epoch).shuffle(order)
+            self._epoch_cache = (epoch, order)
+        return self._epoch_cache[1]
+
+    @property
+    def epoch(self) -> int:
+        return self.position // len(self.rows)
+
+    def take(self, n: int) -> list[PromptRow]:
+        """The next ``n`` prompts (advancing ``position`` by ``n``)."""
+        out = []
+        for _ in range(n):
+            epoch, idx = divmod(self.position, len(self.rows))
+            out.append(self.rows[self._order(epoch)[idx]])
+            self.position += 1
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "num_rows": len(self.rows)}
+
+
+def dump_rows(rows: list[PromptRow], path: Path) -> None:
+    """Write rows as JSONL (for inspection of what a run trained and evaluated on)."""
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"uid": r.uid, "prompt": r.prompt, "answer": r.answer, "verifier": r.verifier}) + "\n")

@@ -1,0 +1,243 @@
+"""Starting the services as Ray actors in placement groups, and the calls that fan work out to them.
+
+This is the only module (with the driver) that knows Ray placement. Each learner rank, rollout engine and
+reward worker is one actor (one process). Learner ranks share one placement group; every rollout engine has
+a group of its own, so engines can be added and removed while the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import Config
+from cluster.contracts import Completion, PromptRow
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def actor_env(threads: int) -> dict[str, str]:
+    """Environment of a service process: one thread pool of ``threads`` threads, CPU accelerator for
+    DeepSpeed when there is no GPU, offline hubs."""
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(REPO_ROOT),
+        "WANDB_SILENT": "true",
+    }
+    for key in ("DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE", "RAY_DEDUP_LOGS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now (for the learner's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resource_demand(cfg: Config) -> float:
+    """Logical CPUs the run's actors reserve in total."""
+    return (
+        cfg.learner.world_size * cfg.learner.num_cpus_per_rank
+        + cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
+        + cfg.reward.num_workers * cfg.reward.num_cpus_per_worker
+    )
+
+
+def init_ray(cfg: Config, run_dir: Path) -> None:
+    """Connect to a cluster (``trainer.ray_address``, or ``RAY_ADDRESS`` inside a job) or start a local one
+    bound to ``trainer.bind_host`` with no dashboard. A local cluster gets as many logical CPUs as the actors
+    reserve (at least the machine's cores): phases run one after another, so they share the cores."""
+    if ray.is_initialized():
+        return
+    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    num_cpus = max(os.cpu_count() or 1, int(resource_demand(cfg) + 0.999))
+    ray.init(
+        num_cpus=num_cpus,
+        num_gpus=0 if cfg.learner.num_gpus_per_rank == 0 and cfg.rollout.num_gpus_per_engine == 0 else None,
+        include_dashboard=False,
+        _node_ip_address=cfg.trainer.bind_host,
+        runtime_env={"env_vars": actor_env(1)},
+        _temp_dir=None,
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level=logging.WARNING,
+    )
+
+
+def _wait_ready(pg, what: str, bundles: list[dict[str, float]], timeout_s: float = 120.0) -> None:
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise RuntimeError(
+            f"placement group for {what} ({bundles}) was not scheduled within {timeout_s:.0f}s; cluster "
+            f"resources: {ray.cluster_resources()}. Lower the per-actor CPU/GPU settings or add nodes."
+        )
+
+
+def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
+    """Start ``learner.world_size`` DeepSpeed ranks in one placement group (STRICT_PACK on GPUs, PACK on CPU).
+
+    Returns:
+        (actors in rank order, placement group).
+    """
+    from learner.service import LearnerRank
+
+    lc = cfg.learner
+    bundle = {"CPU": lc.num_cpus_per_rank}
+    if lc.num_gpus_per_rank:
+        bundle["GPU"] = lc.num_gpus_per_rank
+    bundles = [dict(bundle) for _ in range(lc.world_size)]
+    pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
+    _wait_ready(pg, "learner", bundles)
+    master_addr = cfg.trainer.bind_host
+    port = free_port(master_addr)
+    cls = ray.remote(LearnerRank)
+    actors = []
+    for rank in range(lc.world_size):
+        actors.append(
+            cls.options(
+                num_cpus=lc.num_cpus_per_rank,
+                num_gpus=lc.num_gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": actor_env(lc.threads_per_rank)},
+                name=None,
+            ).remote(
+                model_path,
+                lc,
+                rank=rank,
+                world_size=lc.world_size,
+                master_addr=master_addr,
+                master_port=port,
+                seed=cfg.trainer.seed,
+                temperature=cfg.rollout.temperature,
+                warm_start=cfg.warm_start,
+            )
+        )
+    # Constructors rendezvous with each other; wait for all so a failure surfaces here.
+    ray.get([a.pid.remote() for a in actors])
+    return actors, pg
+
+
+class EngineFleet:
+    """The rollout engines: one actor and one placement group each. Spreads prompts over the engines,
+    syncs weights to all of them at once, and can grow or shrink between steps."""
+
+    def __init__(self, cfg: Config, model_path: str, cache_dir: Path):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.cache_dir = cache_dir
+        self.engines: list[Any] = []
+        self.groups: list[Any] = []
+        self._next_index = 0
+        self.weight_version = 0
+        self.restarts = 0
+
+    def _start_one(self) -> tuple[Any, Any]:
+        from rollout.engine import RolloutEngine
+
+        rc = self.cfg.rollout
+        bundle = {"CPU": rc.num_cpus_per_engine}
+        if rc.num_gpus_per_engine:
+            bundle["GPU"] = rc.num_gpus_per_engine * rc.tensor_parallel_size
+        pg = placement_group([bundle], strategy="STRICT_PACK")
+        _wait_ready(pg, "rollout engine", [bundle])
+        index = self._next_index
+        self._next_index += 1
+        actor = (
+            ray.remote(RolloutEngine)
+            .options(
+                num_cpus=rc.num_cpus_per_engine,
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                runtime_env={"env_vars": actor_env(rc.threads_per_engine)},
+            )
+            .remote(self.model_path, rc, engine_index=index, cache_dir=str(self.cache_dir / f"engine{index}"))
+        )
+        return actor, pg
+
+    def start(self, count: int) -> None:
+        """Start ``count`` more engines (from the model folder; call ``sync`` to give them current weights)."""
+        new = [self._start_one() for _ in range(count)]
+        ray.get([a.pid.remote() for a, _ in new])
+        for a, pg in new:
+            self.engines.append(a)
+            self.groups.append(pg)
+
+    def stop(self, count: int) -> None:
+        """Stop the last ``count`` engines (between steps, so no prompt is in flight)."""
+        for _ in range(min(count, len(self.engines))):
+            actor, pg = self.engines.pop(), self.groups.pop()
+            try:
+                ray.get(actor.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(actor)
+            remove_placement_group(pg)
+
+    def shutdown(self) -> None:
+        self.stop(len(self.engines))
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    @staticmethod
+    def _chunks(items: list[PromptRow], k: int) -> list[list[PromptRow]]:
+        base, extra = divmod(len(items), k)
+        out, start = [], 0
+        for i in range(k):
+            size = base + (1 if i < extra else 0)
+            out.append(items[start : start + size])
+            start += size
+        return out
+
+    def generate(self, prompts: list[PromptRow], n: int, *, greedy: bool = False, seed: int | None = None) -> list[Completion]:
+        """``n`` completions per prompt, prompts spread over the engines in contiguous chunks; results come
+        back in prompt order (group i = completions ``i*n .. i*n+n-1``)."""
+        chunks = self._chunks(prompts, len(self.engines))
+        calls = []
+        for i, (engine, chunk) in enumerate(zip(self.engines, chunks)):
+            if not chunk:
+                continue
+            if greedy:
+                calls.append(engine.generate_greedy.remote(chunk))
+            else:
+                calls.append(engine.generate.remote(chunk, n, seed=None if seed is None else seed + 7919 * i))
+        out: list[Completion] = []
+        for part in ray.get(calls):
+            out.extend(part)
+        return out
+
+    def sync(self, refs: list[Any], version: int) -> float:
+        """Load the bucketed weights (object refs) into every engine at once; returns the slowest engine's
+        load time in seconds."""
+        times = ray.get([e.update_weights.remote(refs, version) for e in self.engines])
+        versions = ray.get([e.weight_version.remote() for e in self.engines])
+        if any(v != version for v in versions):
+            raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")
+        self.weight_version = version
+        return max(times) if times else 0.0
+
+
+def export_weights(learners: list[Any], bucket_mb: float) -> list[Any]:
+    """Every rank takes part (ZeRO-3 gathers); rank 0 returns the object refs of the weight buckets."""
+    results = ray.get([l.export_weights.remote(bucket_mb) for l in learners])
+    return results[0]

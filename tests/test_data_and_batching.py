@@ -1,0 +1,133 @@
+"""Data loading (procedural task, GSM8K, bad rows), the resumable prompt stream, padding and the
+minibatch/rank split with its global normalisers, and atomic checkpoints."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster import checkpoint
+from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
+from cluster.contracts import Completion
+from cluster.data import DataError, PromptStream, arithmetic_rows, gsm8k_rows
+
+REPO = Path(__file__).resolve().parent.parent
+GSM8K_TEST = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def tok(text):
+    return [ord(c) for c in text]
+
+
+def test_arithmetic_split_is_disjoint_and_deterministic():
+    tr, ev = arithmetic_rows(tok, max_operand=20, num_train=300, num_eval=50, seed=3)
+    tr2, ev2 = arithmetic_rows(tok, max_operand=20, num_train=300, num_eval=50, seed=3)
+    assert [r.uid for r in tr] == [r.uid for r in tr2] and [r.uid for r in ev] == [r.uid for r in ev2]
+    assert not {r.prompt for r in tr} & {r.prompt for r in ev}
+    r = ev[0]
+    a, b = map(int, r.prompt[:-1].split("+"))
+    assert r.answer == str(a + b) and r.prompt_token_ids == tok(r.prompt)
+    with pytest.raises(DataError, match="data.num_eval=500"):
+        arithmetic_rows(tok, max_operand=20, num_train=1, num_eval=500, seed=0)
+
+
+@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="needs ../shared/data/gsm8k")
+def test_gsm8k_rows_from_shared_data():
+    rows, report = gsm8k_rows(str(GSM8K_TEST), tok, split="eval", max_prompt_tokens=2000, limit=20)
+    assert len(rows) == 20 and report.kept == 20
+    first = json.loads(GSM8K_TEST.read_text().splitlines()[0])
+    assert rows[0].answer == first["answer"].split("####")[1].strip().replace(",", "")
+    assert rows[0].verifier == "math" and "<<" not in rows[0].meta["solution"]
+
+
+def test_gsm8k_bad_rows_are_counted_and_skipped(tmp_path, caplog):
+    f = tmp_path / "bad.jsonl"
+    lines = [
+        {"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
+        {"question": "", "answer": "#### 1"},
+        {"question": "no answer field"},
+        {"question": "Q?", "answer": "no marker"},
+        {"question": "x" * 500, "answer": "#### 3"},
+    ]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows, report = gsm8k_rows(str(f), tok, split="train", max_prompt_tokens=100, limit=None)
+    assert [r.answer for r in rows] == ["4"]
+    assert sum(report.skipped.values()) == 4
+    assert "bad.jsonl row 1" in caplog.text
+    g = tmp_path / "none.jsonl"
+    g.write_text(json.dumps({"question": "", "answer": "#### 1"}) + "\n")
+    with pytest.raises(DataError, match="no usable row"):
+        gsm8k_rows(str(g), tok, split="train", max_prompt_tokens=100, limit=None)
+
+
+def test_prompt_stream_resume_is_exact_across_epochs():
+    rows, _ = arithmetic_rows(tok, max_operand=5, num_train=30, num_eval=6, seed=0)
+    full = PromptStream(rows, seed=7)
+    ref = [[r.uid for r in full.take(8)] for _ in range(10)]  # 80 prompts = several epochs of 30
+    for cut in (3, 4, 7):  # 4*8 = 32 crosses the epoch boundary at 30; 30 itself is tested below
+        s = PromptStream(rows, seed=7)
+        for _ in range(cut):
+            s.take(8)
+        resumed = PromptStream(rows, seed=7, position=s.position)
+        assert [[r.uid for r in resumed.take(8)] for _ in range(10 - cut)] == ref[cut:]
+    s = PromptStream(rows, seed=7)
+    s.take(30)  # exactly one epoch
+    assert [r.uid for r in PromptStream(rows, seed=7, position=30).take(8)] == [r.uid for r in s.take(8)]
+    epoch0 = [r.uid for r in PromptStream(rows, seed=7).take(30)]
+    assert sorted(epoch0) == sorted(r.uid for r in rows)  # each row once per epoch
+
+
+def _comp(p, r, lp, uid="u", i=0):
+    return Completion(uid, i, p, r, lp, "", "stop", 3)
+
+
+def test_train_batch_alignment():
+    comps = [_comp([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3]), _comp([5], [], [], i=1)]
+    b = build_train_batch(comps, torch.tensor([1.0, float("nan")]), torch.tensor([0.5, 0.0]), pad_token_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 0, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    # target t is input_ids[t+1]: response tokens 7, 8, 9 are targets 1, 2, 3
+    assert b.response_mask.tolist() == [[False, True, True, True], [False] * 4]
+    assert torch.allclose(b.old_log_probs[0], torch.tensor([0.0, -0.1, -0.2, -0.3]))
+    assert b.weight_versions.tolist() == [3, 3] and math.isnan(float(b.rewards[1]))
+    with pytest.raises(ValueError, match="2 log-probs for 3 tokens"):
+        build_train_batch([_comp([1], [2, 3, 4], [0.0, 0.0])], torch.zeros(1), torch.zeros(1), 0)
+
+
+def test_sft_batch_masks_only_response():
+    b = build_sft_batch([[1, 2]], [[3, 4]], pad_token_id=0)
+    assert b.loss_mask.tolist() == [[False, True, True]]
+
+
+def test_split_for_ranks_partitions_with_global_normalisers():
+    n = 16
+    comps = [_comp([1], [2] * (i % 4), [0.0] * (i % 4), uid=f"p{i // 4}", i=i % 4) for i in range(n)]
+    b = build_train_batch(comps, torch.zeros(n), torch.arange(n, dtype=torch.float32), 0)
+    plans = split_for_ranks(b, num_minibatches=2, world_size=2, seed=0)
+    seen = sorted(int(a) for p in plans for mb in p.minibatches for a in mb.advantages)
+    assert seen == list(range(n))  # every sequence exactly once
+    for m in range(2):
+        tokens = sum(int(p.minibatches[m].response_mask.sum()) for p in plans)
+        assert all(p.num_tokens[m] == tokens and p.num_sequences[m] == 8 for p in plans)
+    with pytest.raises(ValueError):
+        split_for_ranks(b, num_minibatches=3, world_size=2, seed=0)
+
+
+def test_checkpoint_atomicity(tmp_path):
+    assert checkpoint.latest_checkpoint(tmp_path) is None
+    t = checkpoint.temp_dir_for(tmp_path, 5)
+    (t / "w.bin").write_bytes(b"x")
+    checkpoint.finalize(tmp_path, t, 5, {"step": 5}, keep=2)
+    # a crash while writing step 10: the temp folder exists, no marker -> never the latest
+    t10 = checkpoint.temp_dir_for(tmp_path, 10)
+    (t10 / "w.bin").write_bytes(b"half")
+    assert checkpoint.latest_checkpoint(tmp_path).name == "step_00000005"
+    # a folder with the right name but no marker (e.g. copied by hand, half done) is not picked either
+    (checkpoint.checkpoint_root(tmp_path) / "step_00000020").mkdir()
+    assert checkpoint.latest_checkpoint(tmp_path).name == "step_00000005"
+    for s in (10, 15, 25):
+        checkpoint.finalize(tmp_path, checkpoint.temp_dir_for(tmp_path, s), s, {"step": s}, keep=2)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_00000015", "step_00000025"]
+    assert checkpoint.read_state(checkpoint.latest_checkpoint(tmp_path)) == {"step": 25}
