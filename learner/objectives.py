@@ -1,0 +1,444 @@
+"""Policy objectives of GSPO, GSPO-token and GRPO/DAPO, the KL penalty, and their training metrics.
+
+Pure torch (no Ray, vLLM, DeepSpeed or config imports): tensors and plain arguments in, a loss tensor and a
+dict of Python floats out. The math, the defaults and how the algorithms differ: ``learner/README.md``.
+References: GSPO = Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (equations numbered
+as in the paper); DAPO = Yu et al., arXiv 2503.14476; KL estimators = Schulman, "Approximating KL
+divergence" (2020).
+
+Conventions for every ``[B, T]`` input: position ``t`` of row ``b`` is one target token; ``response_mask``
+(bool or 0/1) is True on the response tokens that count. Values at masked positions (padding, prompt) never
+reach a result or a gradient, even when they are NaN or inf: they are replaced with ``torch.where`` before any
+arithmetic. A row with no response token is an empty response: its log-ratio is 0 and it is not counted in
+any normaliser or metric.
+
+Micro-batching: pass ``num_sequences`` / ``num_tokens`` (the minibatch's totals, summed over micro-batches
+and data-parallel ranks with :func:`loss_normalisers`); then the sum of the micro-batch losses and gradients
+equals the loss and gradient of the whole minibatch computed at once. Combine the micro-batch metrics with
+:func:`combine_policy_metrics`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from learner.logprobs import entropy_from_logits  # noqa: F401  (public here as well, see the issue's contract)
+
+ALGORITHMS = ("gspo", "gspo_token", "grpo")
+LOSS_AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# |log ratio| band applied before exp: to the sequence mean for GSPO / GSPO-token, to each token for GRPO.
+# exp(20) ~ 4.9e8 is finite in float32 and bfloat16; beyond the band the ratio stops growing and gets no
+# gradient. For GSPO the clip range (3e-4) is far inside the band, so the clamp only acts on broken inputs.
+LOG_RATIO_CLAMP = 20.0
+
+# (clip_low, clip_high, loss_agg) per algorithm: GSPO's values are the paper's (section 5.1); GRPO's are PPO's
+# usual symmetric 0.2 with DAPO's token-level loss.
+_DEFAULTS = {
+    "gspo": (3e-4, 4e-4, "seq_mean_token_mean"),
+    "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean"),
+    "grpo": (0.2, 0.2, "token_mean"),
+}
+
+# Metric keys that are sums over units (exact to add across micro-batches and ranks).
+COUNT_METRICS = (
+    "num_sequences",
+    "num_tokens",
+    "num_ratios",
+    "num_clipped",
+    "num_clipped_low",
+    "num_clipped_high",
+    "ratio_sum",
+)
+
+
+def resolve_objective(
+    algorithm: str,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    loss_agg: str | None = None,
+) -> tuple[float, float, str]:
+    """Fill in the per-algorithm defaults and refuse invalid combinations.
+
+    Defaults: ``gspo`` and ``gspo_token``: ``clip_low=3e-4``, ``clip_high=4e-4`` (GSPO paper, section 5.1),
+    ``loss_agg="seq_mean_token_mean"``; ``grpo``: 0.2 / 0.2, ``loss_agg="token_mean"``.
+
+    Returns:
+        ``(clip_low, clip_high, loss_agg)``.
+
+    Raises:
+        ValueError: unknown ``algorithm`` or ``loss_agg``; a negative or non-finite clip value; GSPO or
+            GSPO-token with a ``loss_agg`` other than ``"seq_mean_token_mean"`` (any other aggregation weights
+            a sequence by its length, which is not GSPO's objective, Eq. 5).
+    """
+    if algorithm not in _DEFAULTS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+    d_low, d_high, d_agg = _DEFAULTS[algorithm]
+    clip_low = d_low if clip_low is None else float(clip_low)
+    clip_high = d_high if clip_high is None else float(clip_high)
+    for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    loss_agg = d_agg if loss_agg is None else loss_agg
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg={loss_agg!r} is not one of {LOSS_AGGS}")
+    if algorithm in ("gspo", "gspo_token") and loss_agg != "seq_mean_token_mean":
+        raise ValueError(
+            f"loss_agg={loss_agg!r} is refused with algorithm={algorithm!r}: GSPO's objective (Eq. 5) is a mean "
+            "over sequences of a length-normalised ratio, i.e. loss_agg='seq_mean_token_mean'"
+        )
+    return clip_low, clip_high, loss_agg
+
+
+def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:
+    """This batch's contribution to the global normalisers of :func:`policy_loss` and :func:`kl_penalty`.
+
+    Args:
+        response_mask: bool or 0/1 ``[B, T]``.
+
+    Returns:
+        ``(num_sequences, num_tokens)``: rows with at least one response token, and response tokens. Sum them
+        over the micro-batches and data-parallel ranks of a minibatch and pass the totals to every part.
+    """
+    mask = response_mask != 0
+    return int(mask.any(-1).sum()), int(mask.sum())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _mask_and_dtype(a: Tensor, b: Tensor, response_mask: Tensor, names: tuple[str, str]) -> tuple[Tensor, torch.dtype]:
+    if a.dim() != 2:
+        raise ValueError(f"{names[0]} must be [B, T], got shape {tuple(a.shape)}")
+    if b.shape != a.shape:
+        raise ValueError(f"{names[1]} shape {tuple(b.shape)} does not match {names[0]} shape {tuple(a.shape)}")
+    if response_mask.shape != a.shape:
+        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} does not match {names[0]} {tuple(a.shape)}")
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return response_mask != 0, dtype
+
+
+def _normaliser(value: float | None, local: int, name: str) -> float:
+    """The divisor: ``value`` (a global total) or this call's own count; never below 1."""
+    if value is None:
+        return float(max(local, 1))
+    value = float(value)
+    if not (math.isfinite(value) and value >= local):
+        raise ValueError(
+            f"{name}={value!r} is smaller than this call's own count ({local}); pass the minibatch total "
+            "(see loss_normalisers)"
+        )
+    return max(value, 1.0)
+
+
+def _aggregate(values: Tensor, mask: Tensor, loss_agg: str, seq_den: float, tok_den: float) -> Tensor:
+    """Aggregate ``[B, T]`` per-token values (0 outside ``mask``) into a scalar.
+
+    token_mean: ``sum_{b,t} v / tok_den``; seq_mean_token_mean: ``sum_b (sum_t v / |y_b|) / seq_den``;
+    seq_mean_token_sum: ``sum_b sum_t v / seq_den``.
+    """
+    if loss_agg == "token_mean":
+        return values.sum() / tok_den
+    per_seq = values.sum(-1)
+    if loss_agg == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1).to(values.dtype)
+    return per_seq.sum() / seq_den
+
+
+def _advantages(advantages: Tensor, mask: Tensor, algorithm: str, dtype: torch.dtype) -> Tensor:
+    """``[B]`` for gspo, ``[B, T]`` otherwise; 0 outside the mask."""
+    b, t = mask.shape
+    if advantages.shape == (b,):
+        adv = advantages.to(dtype)
+        return adv if algorithm == "gspo" else torch.where(mask, adv[:, None].expand(b, t), 0.0)
+    if advantages.shape == (b, t):
+        if algorithm == "gspo":
+            raise ValueError(
+                f"algorithm='gspo' needs one advantage per sequence, shape ({b},), got {tuple(advantages.shape)}; "
+                "use algorithm='gspo_token' for token-level advantages"
+            )
+        return torch.where(mask, advantages.to(dtype), 0.0)
+    raise ValueError(f"advantages shape {tuple(advantages.shape)} must be [B]=({b},) or [B, T]=({b}, {t})")
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``min(ratio * A, clip(ratio, low, high) * A)`` (PPO form, GSPO Eq. 5) and where each clip side binds.
+
+    The min selects the clipped term, and that term differs from the unclipped one, exactly when
+    ``A > 0 and ratio > high`` (clipped high) or ``A < 0 and ratio < low`` (clipped low); the term is then a
+    constant, so its gradient is 0. Written with ``torch.where`` so that this holds bit-for-bit.
+    """
+    clipped_high = (adv > 0) & (ratio > high)
+    clipped_low = (adv < 0) & (ratio < low)
+    surrogate = torch.where(clipped_high | clipped_low, ratio.clamp(low, high) * adv, ratio * adv)
+    return surrogate, clipped_low, clipped_high
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public
+
+
+def sequence_log_ratio(log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor) -> Tensor:
+    """GSPO's length-normalised sequence log importance ratio (paper Eq. 7, in log space).
+
+    ``log s_i = (1/|y_i|) * sum_{t in y_i} (log pi_theta(y_i,t | x, y_i,<t) - log pi_old(y_i,t | x, y_i,<t))``.
+
+    Args:
+        log_probs: float ``[B, T]``, current-policy log-probs of the target tokens (differentiable).
+        old_log_probs: float ``[B, T]``, behaviour-policy log-probs.
+        response_mask: bool or 0/1 ``[B, T]``.
+
+    Returns:
+        ``[B]`` float32 (float64 when an input is float64). An empty response gives 0. Not clamped.
+
+    Raises:
+        ValueError: shapes that are not ``[B, T]`` or do not match.
+    """
+    mask, dtype = _mask_and_dtype(log_probs, old_log_probs, response_mask, ("log_probs", "old_log_probs"))
+    diff = torch.where(mask, log_probs.to(dtype) - old_log_probs.to(dtype), 0.0)
+    return diff.sum(-1) / mask.sum(-1).clamp(min=1).to(dtype)
+
+
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    algorithm: str,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    loss_agg: str | None = None,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss (negative surrogate objective, to minimise) and its metrics.
+
+    With ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``A`` the advantage and ``B`` the number of sequences:
+
+    - ``"gspo"`` (GSPO Eq. 5): ``loss = -(1/B) sum_i min(s_i A_i, clip(s_i, lo, hi) A_i)`` with
+      ``s_i = exp(clamp(log s_i, +-LOG_RATIO_CLAMP))``, ``log s_i`` from :func:`sequence_log_ratio` (Eq. 7).
+      Gradient w.r.t. each response token's log-prob: ``-A_i s_i / (|y_i| B)`` unclipped, 0 clipped.
+    - ``"gspo_token"`` (GSPO section 4.3): token ratio ``s_i,t = sg[s_i] * pi_t / sg[pi_t]`` (value
+      ``s_i``), ``loss = -(1/B) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, lo, hi) A_i,t)``; with one
+      advantage per sequence it equals ``"gspo"`` in value and gradient.
+    - ``"grpo"``: token ratio ``r_i,t = pi_t / pi_old,t`` (log-ratio clamped per token), per-token loss
+      ``-min(r A, clip(r, lo, hi) A)``, aggregated by ``loss_agg``; ``clip_high > clip_low`` is DAPO's
+      clip-higher and ``loss_agg="token_mean"`` DAPO's token-level loss.
+
+    Aggregations (``S`` = ``num_sequences``, ``N`` = ``num_tokens``, ``l`` = per-token loss):
+    ``seq_mean_token_mean``: ``sum_i (1/|y_i|) sum_t l_i,t / S``; ``token_mean``: ``sum_i,t l_i,t / N``;
+    ``seq_mean_token_sum``: ``sum_i,t l_i,t / S``. ``S`` counts rows with at least one response token.
+
+    Args:
+        log_probs: float ``[B, T]``, current-policy log-probs (the tensor gradients flow to).
+        old_log_probs: float ``[B, T]``, behaviour-policy log-probs (no gradient used).
+        advantages: float ``[B]`` (one per sequence) or ``[B, T]`` (``gspo_token`` and ``grpo`` only); must
+            be finite on response positions.
+        response_mask: bool or 0/1 ``[B, T]``.
+        algorithm: ``"gspo"``, ``"gspo_token"`` or ``"grpo"``.
+        clip_low, clip_high: the clip range is ``[1 - clip_low, 1 + clip_high]``; None: per-algorithm default
+            (see :func:`resolve_objective`).
+        loss_agg: None (per-algorithm default) or one of ``LOSS_AGGS``.
+        num_sequences, num_tokens: global normalisers (minibatch totals across micro-batches and ranks, see
+            :func:`loss_normalisers`); None: this call's own counts.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, float64 for float64 inputs). ``metrics``
+        (Python floats; a "unit" is a sequence for GSPO / GSPO-token and a token for GRPO; only sequences
+        with response tokens count): ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high`` (share
+        of units clipped; for GSPO-token each sequence counts the share of its tokens clipped), ``ratio_mean``,
+        ``ratio_min``, ``ratio_max`` (of the importance ratios used, after the clamp), ``log_ratio_abs_max``
+        (largest |log-ratio| before the clamp), and the sums in ``COUNT_METRICS``: ``num_sequences``,
+        ``num_tokens``, ``num_ratios`` (units), ``num_clipped``, ``num_clipped_low``, ``num_clipped_high``,
+        ``ratio_sum``. With no unit, fractions are 0, ratio statistics 1 and ``log_ratio_abs_max`` 0.
+
+    Raises:
+        ValueError: unknown algorithm or loss_agg, GSPO with another loss_agg, negative clip values, shapes
+            that do not match, ``[B, T]`` advantages with ``"gspo"``, or a normaliser smaller than this call's
+            own count.
+    """
+    clip_low, clip_high, loss_agg = resolve_objective(algorithm, clip_low, clip_high, loss_agg)
+    mask, dtype = _mask_and_dtype(log_probs, old_log_probs, response_mask, ("log_probs", "old_log_probs"))
+    adv = _advantages(advantages, mask, algorithm, dtype)
+    lengths = mask.sum(-1)
+    has_tokens = lengths > 0
+    n_seq, n_tok = int(has_tokens.sum()), int(lengths.sum())
+    seq_den = _normaliser(num_sequences, n_seq, "num_sequences")
+    tok_den = _normaliser(num_tokens, n_tok, "num_tokens")
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+
+    # Sanitise first: nothing at a masked position (NaN, inf) takes part in any later op or gradient.
+    lp = torch.where(mask, log_probs.to(dtype), 0.0)
+    old = torch.where(mask, old_log_probs.to(dtype), 0.0)
+    token_log_ratio = lp - old
+    c = LOG_RATIO_CLAMP
+
+    if algorithm in ("gspo", "gspo_token"):
+        seq_lr = token_log_ratio.sum(-1) / lengths.clamp(min=1).to(dtype)  # Eq. 7, log space
+        seq_lr_c = seq_lr.clamp(-c, c)
+        if algorithm == "gspo":
+            ratio = torch.exp(seq_lr_c)  # s_i
+            surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
+            loss = -torch.where(has_tokens, surrogate, 0.0).sum() / seq_den
+            unit_clip_lo = (clip_lo & has_tokens).to(dtype)
+            unit_clip_hi = (clip_hi & has_tokens).to(dtype)
+        else:
+            # s_i,t = sg[s_i] * pi_t / sg[pi_t]: value s_i, gradient s_i * d log pi_t. Outside the clamp band
+            # the token gets no gradient, as the clamped s_i of "gspo" has none.
+            inside = (seq_lr.abs() <= c)[:, None]
+            tok_lr = torch.where(inside, lp - lp.detach(), 0.0) + seq_lr_c.detach()[:, None]
+            ratio_t = torch.exp(tok_lr)
+            surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio_t, adv, low, high)
+            loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
+            len_f = lengths.clamp(min=1).to(dtype)
+            unit_clip_lo = (clip_lo & mask).sum(-1) / len_f
+            unit_clip_hi = (clip_hi & mask).sum(-1) / len_f
+            ratio = torch.exp(seq_lr_c)
+        unit_mask, unit_ratio, unit_abs_lr = has_tokens, ratio, seq_lr.abs()
+    else:
+        ratio = torch.exp(token_log_ratio.clamp(-c, c))  # r_i,t
+        surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
+        loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
+        unit_clip_lo, unit_clip_hi = (clip_lo & mask).to(dtype), (clip_hi & mask).to(dtype)
+        unit_mask, unit_ratio, unit_abs_lr = mask, ratio, token_log_ratio.abs()
+
+    metrics = _ratio_metrics(unit_mask, unit_ratio.detach(), unit_abs_lr.detach(), unit_clip_lo, unit_clip_hi)
+    metrics["num_sequences"] = float(n_seq)
+    metrics["num_tokens"] = float(n_tok)
+    return loss, metrics
+
+
+@torch.no_grad()
+def _ratio_metrics(unit_mask: Tensor, ratio: Tensor, abs_lr: Tensor, clip_lo: Tensor, clip_hi: Tensor) -> dict[str, float]:
+    inf = torch.tensor(math.inf, dtype=ratio.dtype, device=ratio.device)
+    n = unit_mask.sum().to(ratio.dtype)
+    stats = torch.stack(
+        [
+            n,
+            torch.where(unit_mask, ratio, 0.0).sum(),
+            torch.where(unit_mask, ratio, inf).min() if ratio.numel() else inf,
+            torch.where(unit_mask, ratio, -inf).max() if ratio.numel() else -inf,
+            torch.where(unit_mask, abs_lr, 0.0).max() if ratio.numel() else torch.zeros_like(n),
+            torch.where(unit_mask, clip_lo, 0.0).sum(),
+            torch.where(unit_mask, clip_hi, 0.0).sum(),
+        ]
+    ).tolist()
+    num, ratio_sum, rmin, rmax, lrmax, n_lo, n_hi = stats
+    out = {
+        "num_ratios": num,
+        "ratio_sum": ratio_sum,
+        "num_clipped_low": n_lo,
+        "num_clipped_high": n_hi,
+        "num_clipped": n_lo + n_hi,
+        "log_ratio_abs_max": lrmax,
+    }
+    return _finish_metrics(out, rmin, rmax)
+
+
+def _finish_metrics(out: dict[str, float], rmin: float, rmax: float) -> dict[str, float]:
+    num = out["num_ratios"]
+    if num > 0:
+        out.update(
+            clip_fraction=out["num_clipped"] / num,
+            clip_fraction_low=out["num_clipped_low"] / num,
+            clip_fraction_high=out["num_clipped_high"] / num,
+            ratio_mean=out["ratio_sum"] / num,
+            ratio_min=rmin,
+            ratio_max=rmax,
+        )
+    else:
+        out.update(clip_fraction=0.0, clip_fraction_low=0.0, clip_fraction_high=0.0, ratio_mean=1.0,
+                   ratio_min=1.0, ratio_max=1.0, log_ratio_abs_max=0.0)
+    return out
+
+
+def combine_policy_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Combine :func:`policy_loss` metrics of several micro-batches (or ranks) exactly.
+
+    Sums the ``COUNT_METRICS``, recomputes the fractions and ``ratio_mean`` from the sums, takes the min /
+    max of ``ratio_min`` / ``ratio_max`` / ``log_ratio_abs_max`` over the parts that have a unit. The result
+    equals the metrics of one :func:`policy_loss` call on all the parts together (up to float rounding of
+    ``ratio_sum``). Across ranks, all-reduce the sums (SUM) and the extremes (MIN / MAX) the same way.
+
+    Args:
+        parts: metrics dicts returned by :func:`policy_loss` (extra keys are ignored).
+
+    Returns:
+        A metrics dict with the same keys as :func:`policy_loss`'s.
+
+    Raises:
+        ValueError: ``parts`` is empty or a part lacks one of the keys.
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("parts is empty: nothing to combine")
+    needed = COUNT_METRICS + ("ratio_min", "ratio_max", "log_ratio_abs_max")
+    for i, p in enumerate(parts):
+        missing = [k for k in needed if k not in p]
+        if missing:
+            raise ValueError(f"parts[{i}] lacks metric keys {missing}")
+    out = {k: float(sum(p[k] for p in parts)) for k in COUNT_METRICS}
+    full = [p for p in parts if p["num_ratios"] > 0]
+    rmin = min((p["ratio_min"] for p in full), default=1.0)
+    rmax = max((p["ratio_max"] for p in full), default=1.0)
+    out["log_ratio_abs_max"] = max((p["log_ratio_abs_max"] for p in full), default=0.0)
+    return _finish_metrics(out, rmin, rmax)
+
+
+def kl_penalty(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    estimator: str,
+    *,
+    loss_agg: str = "seq_mean_token_mean",
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+) -> Tensor:
+    """KL(pi_theta || pi_ref) estimated per token from samples of the policy, aggregated like the loss.
+
+    With ``log r = log pi_ref - log pi_theta`` per response token (Schulman, "Approximating KL divergence",
+    2020): ``k1 = -log r`` (unbiased, high variance, can be negative), ``k2 = (log r)^2 / 2`` (biased, low
+    variance), ``k3 = (r - 1) - log r`` (unbiased, low variance, >= 0; ``log r`` is clamped to
+    ``+-LOG_RATIO_CLAMP`` before ``exp``). The per-token values are aggregated with ``loss_agg`` and the
+    normalisers exactly as in :func:`policy_loss`; the learner adds ``kl_coef * kl_penalty(...)`` to the loss
+    (GSPO uses ``kl_coef = 0``).
+
+    Args:
+        log_probs: float ``[B, T]``, current-policy log-probs (differentiable).
+        ref_log_probs: float ``[B, T]``, reference-policy log-probs.
+        response_mask: bool or 0/1 ``[B, T]``.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        loss_agg: one of ``LOSS_AGGS`` (pass the policy loss's resolved value).
+        num_sequences, num_tokens: global normalisers, as for :func:`policy_loss`.
+
+    Returns:
+        0-dim tensor (float32, float64 for float64 inputs), 0 when there is no response token.
+
+    Raises:
+        ValueError: unknown estimator or loss_agg, mismatched shapes, a normaliser below the local count.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg={loss_agg!r} is not one of {LOSS_AGGS}")
+    mask, dtype = _mask_and_dtype(log_probs, ref_log_probs, response_mask, ("log_probs", "ref_log_probs"))
+    n_seq, n_tok = loss_normalisers(mask)
+    seq_den = _normaliser(num_sequences, n_seq, "num_sequences")
+    tok_den = _normaliser(num_tokens, n_tok, "num_tokens")
+    log_r = torch.where(mask, ref_log_probs.to(dtype) - log_probs.to(dtype), 0.0)
+    if estimator == "k1":
+        kl = -log_r
+    elif estimator == "k2":
+        kl = 0.5 * log_r.square()
+    else:
+        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = torch.exp(log_r) - 1.0 - log_r
+    return _aggregate(torch.where(mask, kl, 0.0), mask, loss_agg, seq_den, tok_den)
