@@ -38,6 +38,12 @@ class LearnerConfig(Section):
     )
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout; a dead peer fails after this")
     routing_replay: bool = Field(False, description="reuse behaviour-policy expert choices (token-level baseline)")
+    zero3_param_persistence_threshold: int | None = Field(
+        None,
+        ge=0,
+        description="ZeRO-3: parameters with fewer elements stay unpartitioned (None: DeepSpeed's default; "
+        "0 partitions everything)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":

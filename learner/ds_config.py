@@ -1,0 +1,50 @@
+"""The DeepSpeed config dict of a learner rank, built from ``LearnerConfig``.
+
+Gradient accumulation is driven by the learner service itself (explicit accumulation boundaries, one
+optimizer step per minibatch, any number of micro-batches), so DeepSpeed's own ``gradient_accumulation_steps``
+is 1: DeepSpeed then never divides a loss or a gradient by it, and the only scaling left is its average of the
+gradients over the data-parallel ranks, which the service compensates exactly (see ``learner/service.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from learner.config import LearnerConfig
+
+
+def build_ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
+    """DeepSpeed config for one rank of a ``world_size``-rank data-parallel learner.
+
+    Args:
+        cfg: the learner section (ZeRO stage, dtype, micro-batch size, gradient clip).
+        world_size: number of data-parallel ranks (>= 1).
+
+    Returns:
+        A dict for ``deepspeed.initialize(config=...)``: ``train_batch_size = micro_batch_size x 1 x world_size``
+        (DeepSpeed refuses any other product), ZeRO stage ``cfg.zero_stage``, bf16 when ``cfg.dtype`` is
+        bfloat16, global-norm gradient clipping ``cfg.grad_clip``, and a client (torch) optimizer allowed.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be >= 1")
+    zero: dict[str, Any] = {"stage": int(cfg.zero_stage)}
+    if cfg.zero_stage >= 1:
+        # Plain reductions: no communication overlap threads on the CPU, contiguous gradient buffers.
+        zero.update({"overlap_comm": False, "contiguous_gradients": True})
+    if cfg.zero_stage == 3 and cfg.zero3_param_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = int(cfg.zero3_param_persistence_threshold)
+    return {
+        "train_micro_batch_size_per_gpu": int(cfg.micro_batch_size),
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": int(cfg.micro_batch_size) * int(world_size),
+        "gradient_clipping": float(cfg.grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,353 @@
+"""The learner service: real DeepSpeed (CPU accelerator, gloo) on the embedded tiny Qwen3-MoE.
+
+Fast tests run one rank in this process (world_size=1). Slow tests start 2 ranks as Ray actors and prove that
+micro-batched, data-parallel training gives exactly the gradient and update of one full-batch step computed
+with plain torch and ``policy_loss`` (GSPO and GRPO, ZeRO stages 1, 2 and 3).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from cluster.contracts import SFTBatch, TrainBatch  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.logprobs import token_log_probs  # noqa: E402
+from learner.objectives import loss_normalisers, policy_loss  # noqa: E402
+
+TEMPERATURE = 0.7
+GRAD_RTOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    from cluster.tiny_model import build_tiny_moe
+
+    return str(build_tiny_moe(tmp_path_factory.mktemp("learner") / "tiny_moe", seed=0))
+
+
+def _ref_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.config.use_cache = False
+    return m.eval()
+
+
+def _ref_log_probs(model, batch: TrainBatch | SFTBatch, temperature: float = TEMPERATURE) -> torch.Tensor:
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    return token_log_probs(logits, batch.input_ids[:, 1:], temperature)
+
+
+def make_batch(model_path: str, n: int, seed: int, noise: float = 1e-3, length: int = 14, empty_row: bool = False) -> TrainBatch:
+    """n right-padded sequences of different lengths; rollout log-probs = the model's own + noise (so some
+    GSPO sequences are clipped and some not); random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 100
+    input_ids = torch.zeros((n, length), dtype=torch.long)
+    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    response_mask = torch.zeros((n, length - 1), dtype=torch.bool)
+    for i in range(n):
+        p = int(torch.randint(2, 5, (1,), generator=g))
+        r = int(torch.randint(1, length - p + 1, (1,), generator=g))
+        if empty_row and i == n - 1:
+            r = 0
+        seq = torch.randint(4, vocab, (p + r,), generator=g)
+        input_ids[i, : p + r] = seq
+        attention_mask[i, : p + r] = 1
+        response_mask[i, p - 1 : p - 1 + r] = True
+    with torch.no_grad():
+        lp = _ref_log_probs(_ref_model(model_path), TrainBatch(input_ids, attention_mask, response_mask, None, None, None, [], None))
+    old = torch.where(response_mask, lp + noise * torch.randn(lp.shape, generator=g), 0.0).float()
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        old_log_probs=old,
+        advantages=torch.randn(n, generator=g),
+        rewards=torch.zeros(n),
+        prompt_uids=[f"p{i}" for i in range(n)],
+        weight_versions=torch.zeros(n, dtype=torch.long),
+    )
+
+
+def reference_step(model_path: str, batches: list[TrainBatch], cfg: LearnerConfig, old_source: str = "rollout"):
+    """Plain torch, no DeepSpeed: one full-minibatch loss per minibatch, AdamW + global-norm clip.
+    Returns (gradients of the first step, parameters after all steps)."""
+    model = _ref_model(model_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    olds = []
+    if old_source == "recompute":
+        with torch.no_grad():
+            olds = [torch.where(b.response_mask, _ref_log_probs(model, b), 0.0) for b in batches]
+    first = None
+    for m, b in enumerate(batches):
+        old = olds[m] if olds else b.old_log_probs
+        lp = _ref_log_probs(model, b)
+        loss, _ = policy_loss(lp, old, b.advantages, b.response_mask, algorithm=cfg.algorithm,
+                              clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg)
+        opt.zero_grad()
+        loss.backward()
+        if first is None:
+            first = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got: dict, want: dict, rtol: float = GRAD_RTOL) -> None:
+    assert set(got) == set(want)
+    # Relative to the size of the whole tensor's gradient (entries that are 0 in both compare exactly).
+    for name, w in want.items():
+        g = got[name]
+        assert g is not None, name
+        err = float((g - w).abs().max())
+        scale = float(w.abs().max())
+        assert err <= rtol * scale + 1e-12, f"{name}: max |diff| {err:.3e} vs max |grad| {scale:.3e}"
+    total_got = torch.sqrt(sum((g.double() ** 2).sum() for g in got.values()))
+    total_want = torch.sqrt(sum((w.double() ** 2).sum() for w in want.values()))
+    assert abs(float(total_got / total_want) - 1.0) < rtol
+
+
+def assert_params_close(got: dict, want: dict, lr: float, ref_grads: dict) -> None:
+    """Parameters after one AdamW step. The first Adam update is ``lr * g / (|g| + eps)``: where ``|g|`` is
+    near ``eps`` (1e-8) it turns float noise in the gradient into parameter differences of order lr, so the
+    tight check (1e-3 lr) covers entries with ``|g| > 1e-6`` and the rest only need to stay within lr."""
+    assert set(got) == set(want)
+    for name, w in want.items():
+        diff = (got[name].float() - w).abs()
+        big = ref_grads[name].abs() > 1e-6
+        worst = float(torch.where(big, diff, 0.0).max())
+        assert worst <= 1e-3 * lr, f"{name}: max |diff| {worst:.3e} where |grad| > 1e-6"
+        assert float(diff.max()) <= 2 * lr, name
+
+
+def rank_shards(batch: TrainBatch, world_size: int) -> list[TrainBatch]:
+    n = len(batch)
+    per = n // world_size
+    return [batch.select(list(range(r * per, (r + 1) * per))) for r in range(world_size)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fast tests: one rank in this process
+
+
+@pytest.fixture(scope="module")
+def port() -> int:
+    return _free_port()
+
+
+def _rank(model_path, cfg, port, seed=0):
+    from learner.service import LearnerRank
+
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                       seed=seed, temperature=TEMPERATURE)
+
+
+def _module_params(rank) -> dict[str, torch.Tensor]:
+    return rank._full_state_dict(on_all_ranks=True)
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
+def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm):
+    """3 micro-batches (2, 2, 1 rows) with gradient accumulation = one full-minibatch step in plain torch."""
+    cfg = LearnerConfig(algorithm=algorithm, zero_stage=1, micro_batch_size=2, lr=1e-3, grad_clip=1.0,
+                        num_minibatches=1)
+    batch = make_batch(model_path, 5, seed=1)
+    learner = _rank(model_path, cfg, port)
+    learner.capture_gradients(True)
+    s, t = loss_normalisers(batch.response_mask)
+    out = learner.train_rollout_batch([batch], [s], [t])
+    grads = learner.captured_gradients()
+    learner.capture_gradients(False)
+    ref_grads, ref_params = reference_step(model_path, [batch], cfg)
+    assert len(grads) == 1 and out["actor/num_optimizer_steps"] == 1.0
+    assert_grads_close(grads[0], ref_grads)
+    assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    assert out["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    for key in ("loss/policy", "actor/clip_fraction", "actor/clip_fraction_low", "actor/clip_fraction_high",
+                "actor/seq_ratio_mean", "actor/seq_ratio_min", "actor/seq_ratio_max", "actor/entropy",
+                "actor/grad_norm", "actor/lr", "actor/train_rollout_logprob_diff"):
+        assert key in out and isinstance(out[key], float), key
+    assert out["actor/lr"] == pytest.approx(1e-3)
+
+
+def test_epochs_and_minibatches_give_one_step_each(model_path, port):
+    cfg = LearnerConfig(algorithm="gspo", zero_stage=2, micro_batch_size=2, lr=1e-4, ppo_epochs=2,
+                        num_minibatches=2)
+    batches = [make_batch(model_path, 3, seed=11), make_batch(model_path, 4, seed=12)]
+    learner = _rank(model_path, cfg, port)
+    learner.capture_gradients(True)
+    norms = [loss_normalisers(b.response_mask) for b in batches]
+    out = learner.train_rollout_batch(batches, [n for n, _ in norms], [t for _, t in norms])
+    steps = learner.captured_gradients()
+    learner.capture_gradients(False)
+    assert out["actor/num_optimizer_steps"] == 4.0 and len(steps) == 4
+    ref_grads, _ = reference_step(model_path, batches[:1], cfg)
+    assert_grads_close(steps[0], ref_grads)
+    # Later steps see updated weights: their gradients differ from the first.
+    assert any(not torch.equal(steps[2][k], steps[0][k]) for k in steps[0])
+    assert out["actor/grad_norm_max"] >= out["actor/grad_norm"] > 0
+
+
+def test_metrics_are_exact(model_path, port):
+    """One minibatch, one epoch: every metric is a function of the initial weights, checked against a direct
+    computation over the whole batch."""
+    cfg = LearnerConfig(algorithm="gspo", zero_stage=0, micro_batch_size=3, lr=1e-4, num_minibatches=1)
+    batch = make_batch(model_path, 7, seed=3, noise=2e-3, empty_row=True)
+    model = _ref_model(model_path)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        lp = token_log_probs(logits, batch.input_ids[:, 1:], TEMPERATURE)
+        loss, pm = policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask, algorithm="gspo")
+    mask = batch.response_mask
+    diff = float(torch.where(mask, (lp - batch.old_log_probs).abs(), 0.0).sum() / mask.sum())
+    p = torch.softmax(logits.double() / TEMPERATURE, -1)
+    ent = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
+    entropy = float(ent[mask].mean())
+    seq = torch.exp(torch.where(mask, lp - batch.old_log_probs, 0.0).double().sum(-1) / mask.sum(-1).clamp(min=1))
+    seq = seq[mask.any(-1)]
+
+    learner = _rank(model_path, cfg, port)
+    s, t = loss_normalisers(mask)
+    out = learner.train_rollout_batch([batch], [s], [t])
+    assert out["loss/policy"] == pytest.approx(float(loss), rel=1e-5, abs=1e-8)
+    assert out["actor/train_rollout_logprob_diff"] == pytest.approx(diff, rel=1e-4)
+    assert out["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert out["actor/clip_fraction"] == pytest.approx(pm["clip_fraction"])
+    assert 0.0 < out["actor/clip_fraction"] < 1.0  # the data exercises both branches
+    assert out["actor/clip_fraction_low"] + out["actor/clip_fraction_high"] == pytest.approx(out["actor/clip_fraction"])
+    assert out["actor/seq_ratio_mean"] == pytest.approx(float(seq.mean()), rel=1e-6)
+    assert out["actor/seq_ratio_min"] == pytest.approx(float(seq.min()), rel=1e-6)
+    assert out["actor/seq_ratio_max"] == pytest.approx(float(seq.max()), rel=1e-6)
+    assert out["actor/num_optimizer_steps"] == 1.0
+    assert out["actor/grad_norm"] > 0 and out["actor/grad_norm"] == out["actor/grad_norm_max"]
+
+
+def test_recompute_old_log_probs_gives_unit_ratio(model_path, port):
+    """With recomputed behaviour log-probs, the first minibatch's ratios are exactly 1 (no clipping), and the
+    update equals the plain-torch reference that recomputes too; the logged difference is still the one to
+    the rollout's log-probs."""
+    cfg = LearnerConfig(algorithm="gspo", zero_stage=2, micro_batch_size=2, lr=1e-3, num_minibatches=1,
+                        old_logprob_source="recompute")
+    batch = make_batch(model_path, 4, seed=4, noise=0.05)
+    learner = _rank(model_path, cfg, port)
+    s, t = loss_normalisers(batch.response_mask)
+    out = learner.train_rollout_batch([batch], [s], [t])
+    assert out["actor/clip_fraction"] == 0.0
+    assert out["actor/seq_ratio_mean"] == 1.0 and out["actor/seq_ratio_max"] == 1.0
+    assert out["actor/train_rollout_logprob_diff"] > 0.02  # noise 0.05 => mean |diff| ~ 0.04
+    ref_grads, ref_params = reference_step(model_path, [batch], cfg, old_source="recompute")
+    assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
+
+
+def test_compute_log_probs_export_and_checksum(model_path, port):
+    cfg = LearnerConfig(zero_stage=1, micro_batch_size=3)
+    batch = make_batch(model_path, 5, seed=5)
+    learner = _rank(model_path, cfg, port)
+    got = learner.compute_log_probs(batch)
+    with torch.no_grad():
+        want = torch.where(batch.response_mask, _ref_log_probs(_ref_model(model_path), batch), 0.0)
+    assert got.dtype == torch.float32 and got.shape == batch.response_mask.shape
+    assert float((got - want).abs().max()) < 1e-5
+    assert bool((got[~batch.response_mask] == 0).all())
+
+    # In-memory names: equal to the module's state dict; checkpoint format: equal to the safetensors file.
+    from safetensors.torch import load_file
+
+    state = _ref_model(model_path).state_dict()
+    buckets = learner.export_weights(0.05, as_refs=False, checkpoint_format=False)
+    assert len(buckets) > 1 and all(isinstance(b, dict) for b in buckets)
+    merged = {k: v for b in buckets for k, v in b.items()}
+    assert sum(len(b) for b in buckets) == len(merged) == len(state)
+    for k, v in state.items():
+        assert torch.equal(merged[k], v), k
+    on_disk = load_file(os.path.join(model_path, "model.safetensors"))
+    merged = {k: v for b in learner.export_weights(0.05, as_refs=False) for k, v in b.items()}
+    assert set(merged) == set(on_disk)
+    for k, v in on_disk.items():
+        assert torch.equal(merged[k], v), k
+    assert learner.state_checksum() == pytest.approx(sum(float(v.double().sum()) for v in state.values()), rel=1e-12)
+    with pytest.raises(ValueError, match="bucket_mb"):
+        learner.export_weights(0, as_refs=False)
+
+
+def test_sft_step_lr_and_reset(model_path, port):
+    cfg = LearnerConfig(zero_stage=2, micro_batch_size=2, lr=1e-4)
+    b = make_batch(model_path, 5, seed=6)
+    sft = SFTBatch(input_ids=b.input_ids, attention_mask=b.attention_mask, loss_mask=b.response_mask)
+    with torch.no_grad():
+        lp = _ref_log_probs(_ref_model(model_path), sft, temperature=1.0)
+    want = float(-lp[sft.loss_mask].sum() / sft.loss_mask.sum())
+    learner = _rank(model_path, cfg, port)
+    learner.set_lr(5e-3)
+    before = learner.state_checksum()
+    out = learner.sft_step(sft, int(sft.loss_mask.sum()))
+    assert out["loss/sft"] == pytest.approx(want, rel=1e-5)
+    assert out["grad_norm"] > 0 and out["lr"] == pytest.approx(5e-3)
+    assert learner.state_checksum() != before
+    assert len(learner._base_optimizer().state) > 0
+    learner.reset_optimizer_state()
+    assert len(learner._base_optimizer().state) == 0
+    learner.set_lr(1e-6)
+    assert learner.get_lr() == pytest.approx(1e-6)
+    out2 = learner.sft_step(sft, int(sft.loss_mask.sum()))
+    assert out2["loss/sft"] < out["loss/sft"]
+    with pytest.raises(ValueError, match="num_tokens"):
+        learner.sft_step(sft, int(sft.loss_mask.sum()) + 1)
+    with pytest.raises(ValueError, match="lr"):
+        learner.set_lr(-1.0)
+
+
+def test_bad_normalisers_are_refused(model_path, port):
+    learner = _rank(model_path, LearnerConfig(zero_stage=0, micro_batch_size=4), port)
+    b = make_batch(model_path, 4, seed=7)
+    s, t = loss_normalisers(b.response_mask)
+    with pytest.raises(ValueError, match=r"num_tokens\[0\]"):
+        learner.train_rollout_batch([b], [s], [t + 1])
+    with pytest.raises(ValueError, match=r"num_sequences\[0\]"):
+        learner.train_rollout_batch([b], [s + 1], [t])
+    with pytest.raises(ValueError, match="one entry per minibatch"):
+        learner.train_rollout_batch([b], [s, s], [t])
+
+
+def test_checkpoint_round_trip_single_rank(model_path, port, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = LearnerConfig(zero_stage=2, micro_batch_size=2, lr=1e-3, num_minibatches=1)
+    b = make_batch(model_path, 4, seed=8)
+    s, t = loss_normalisers(b.response_mask)
+    learner = _rank(model_path, cfg, port)
+    learner.train_rollout_batch([b], [s], [t])
+    weights, opt_state = learner.state_digest(), learner.optimizer_state_digest()
+    torch.manual_seed(123)
+    learner.save_checkpoint(str(tmp_path / "ckpt"))
+    expected_rand = torch.rand(3)
+    learner.train_rollout_batch([b], [s], [t])
+    assert learner.state_digest() != weights
+    torch.rand(5)
+    learner.load_checkpoint(str(tmp_path / "ckpt"))
+    assert learner.state_digest() == weights
+    assert learner.optimizer_state_digest() == opt_state
+    assert torch.equal(torch.rand(3), expected_rand)  # RNG restored
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "hf"), dtype=torch.float32)
+    full = _module_params(learner)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "ckpt" / "hf"))
+    assert tok.decode(tok("1+2=3", add_special_tokens=False)["input_ids"]) == "1+2=3"
+    with pytest.raises(FileNotFoundError):
+        learner.load_checkpoint(str(tmp_path / "nothing"))
