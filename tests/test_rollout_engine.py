@@ -1,0 +1,227 @@
+"""The vLLM rollout engine on the tiny Qwen3-MoE, run for real inside Ray actors and compared with a
+transformers float32 forward of the same tokens.
+
+One in-process engine (a Ray actor, so vLLM's process-wide settings stay out of the pytest process) is shared
+by the module; the tests that update its weights record the reference model it now holds in ``_current``.
+"""
+
+import pytest
+import torch
+
+from cluster.contracts import PromptRow
+from cluster.tiny_model import build_tiny_moe
+from rollout.config import RolloutConfig
+from rollout.engine import RolloutEngine, RolloutWorkerExtension, to_checkpoint_format
+
+TOL = 1e-4
+TEMPERATURE = 0.7
+# CPU KV blocks hold 128 tokens: only a prompt longer than one block leaves a reusable prefix-cache entry.
+LONG_PROMPT = "".join(f"{i} + {i + 3} = {2 * i + 3}\n" for i in range(12))[:150]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("model") / "tiny_moe", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+
+
+_current: dict = {}  # "model": the transformers model whose weights the shared engine holds; "version"
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, tiny, base_model, tmp_path_factory):
+    cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=TEMPERATURE, seed=7)
+    actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
+        str(tiny), cfg, engine_index=0, cache_dir=str(tmp_path_factory.mktemp("vllm_cache"))
+    )
+    _current.update(model=base_model, version=0)
+    yield actor
+    ray_cluster.get(actor.shutdown.remote())
+    ray_cluster.kill(actor)
+
+
+def rows(tokenizer, texts):
+    return [
+        PromptRow(uid=f"p{i}", prompt=t, prompt_token_ids=tokenizer(t)["input_ids"], answer="")
+        for i, t in enumerate(texts)
+    ]
+
+
+def hf_logprobs(model, prompt_ids, response_ids, temperature):
+    """log softmax(logits / temperature) of each response token, from a transformers forward."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(prompt_ids) - 1
+    return torch.stack([logp[start + j, t] for j, t in enumerate(response_ids)])
+
+
+def max_diff(model, completions, temperature):
+    return max(
+        (hf_logprobs(model, c.prompt_token_ids, c.response_token_ids, temperature) - torch.tensor(c.response_logprobs))
+        .abs()
+        .max()
+        .item()
+        for c in completions
+    )
+
+
+def perturbed(model, seed, scale=0.05):
+    """A copy of ``model`` with Gaussian noise added to every parameter (seeded)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return out
+
+
+def split_buckets(state_dict, parts=3):
+    """The state dict in ``parts`` dicts (a layer's tensors may land in two buckets)."""
+    names = list(state_dict)
+    size = -(-len(names) // parts)
+    return [{k: state_dict[k] for k in names[i : i + size]} for i in range(0, len(names), size)]
+
+
+# ---------------------------------------------------------------------------------------------- fast, no vLLM
+
+
+def test_fused_experts_split_into_checkpoint_names(base_model, tiny):
+    from safetensors.torch import load_file
+
+    on_disk = load_file(tiny / "model.safetensors")
+    converted = to_checkpoint_format(base_model.state_dict(), set(on_disk))
+    assert converted.keys() == on_disk.keys()
+    assert all(torch.equal(converted[k], on_disk[k]) for k in on_disk)
+
+
+def test_worker_extension_stages_byte_blobs_and_dicts():
+    from safetensors.torch import save
+
+    ext = RolloutWorkerExtension()
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4)
+    assert ext.rollout_stage_weights(save({"a": a})) == 1
+    assert ext.rollout_stage_weights({"b": b}) == 2
+    staged = dict(ext._rollout_staged)
+    assert torch.equal(staged["a"], a) and torch.equal(staged["b"], b)
+    assert ext.rollout_discard_staged() == 2 and ext.rollout_commit_weights() == 0
+
+
+# ---------------------------------------------------------------------------------------------- real vLLM
+
+
+@pytest.mark.slow
+def test_generate_groups_with_post_temperature_logprobs(ray_cluster, engine, tokenizer):
+    prompts = rows(tokenizer, ["12 + 7 = ", "3 * 4 =", "hello\n"])
+    n = 4
+    out = ray_cluster.get(engine.generate.remote(prompts, n, seed=11))
+    assert len(out) == len(prompts) * n
+    for i, row in enumerate(prompts):
+        group = out[i * n : (i + 1) * n]
+        assert [c.prompt_uid for c in group] == [row.uid] * n
+        assert [c.sample_index for c in group] == list(range(n))
+        assert len({tuple(c.response_token_ids) for c in group}) > 1  # samples of a group differ
+    for c in out:
+        assert c.prompt_token_ids == tokenizer(prompts[int(c.prompt_uid[1:])].prompt)["input_ids"]
+        assert 1 <= len(c.response_token_ids) == len(c.response_logprobs) <= 12
+        assert c.finish_reason in ("stop", "length") and c.weight_version == _current["version"]
+        if c.finish_reason == "length":
+            assert len(c.response_token_ids) == 12
+        else:
+            assert c.response_token_ids[-1] == tokenizer.eos_token_id
+        assert c.response_text == tokenizer.decode(c.response_token_ids, skip_special_tokens=True)
+    model = _current["model"]
+    assert max_diff(model, out, TEMPERATURE) < TOL
+    assert max_diff(model, out, 1.0) > 1e-2  # the log-probs are post-temperature ones, not raw
+    again = ray_cluster.get(engine.generate.remote(prompts, n, seed=11))
+    assert [c.response_token_ids for c in again] == [c.response_token_ids for c in out]
+
+
+@pytest.mark.slow
+def test_greedy_and_sequence_logprobs_match_transformers(ray_cluster, engine, tokenizer):
+    prompts = rows(tokenizer, ["2 + 2 = ", "abc"])
+    greedy = ray_cluster.get(engine.generate_greedy.remote(prompts, max_tokens=8))
+    model = _current["model"]
+    assert [(c.prompt_uid, c.sample_index) for c in greedy] == [("p0", 0), ("p1", 0)]
+    for c in greedy:
+        ids = torch.tensor([c.prompt_token_ids + c.response_token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+        p = len(c.prompt_token_ids)
+        expected = logits[p - 1 : p - 1 + len(c.response_token_ids)].argmax(-1).tolist()
+        assert c.response_token_ids == expected
+    seq = greedy[0].prompt_token_ids + greedy[0].response_token_ids
+    start = len(greedy[0].prompt_token_ids)
+    got = torch.tensor(ray_cluster.get(engine.sequence_logprobs.remote(seq, start)))
+    want = hf_logprobs(model, seq[:start], seq[start:], 1.0)
+    assert got.shape == want.shape and (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.slow
+def test_update_weights_moe_reload_and_prefix_cache_reset(ray_cluster, engine, tokenizer):
+    """Perturbed weights (transformers' fused expert tensors, split over buckets) must give the perturbed
+    model's log-probs: fails without the MoE repack fix (stale expert packing) and without the prefix-cache
+    reset (the long prompt's KV from the old weights would be reused)."""
+    long_rows = rows(tokenizer, [LONG_PROMPT])
+    assert len(long_rows[0].prompt_token_ids) > 128
+    old = _current["model"]
+    before = ray_cluster.get(engine.generate.remote(long_rows, 2, max_tokens=6, seed=3))
+    assert max_diff(old, before, TEMPERATURE) < TOL
+
+    new = perturbed(old, seed=1)
+    seconds = ray_cluster.get(engine.update_weights.remote(split_buckets(new.state_dict()), 1))
+    _current.update(model=new, version=1)
+    assert seconds > 0
+    assert ray_cluster.get(engine.weight_version.remote()) == 1
+
+    after = ray_cluster.get(engine.generate.remote(long_rows, 2, max_tokens=6, seed=3))
+    assert all(c.weight_version == 1 for c in after)
+    assert max_diff(new, after, TEMPERATURE) < TOL
+    assert max_diff(old, after, TEMPERATURE) > 1e-2  # the update changed the model
+    seq = after[0].prompt_token_ids + after[0].response_token_ids
+    got = torch.tensor(ray_cluster.get(engine.sequence_logprobs.remote(seq, 5)))
+    assert (got - hf_logprobs(new, seq[:5], seq[5:], 1.0)).abs().max().item() < TOL
+
+
+@pytest.mark.slow
+def test_update_weights_from_object_refs_and_bad_buckets(ray_cluster, engine, tokenizer):
+    new = perturbed(_current["model"], seed=2)
+    state = new.state_dict()
+    with pytest.raises(ValueError, match="missing"):
+        ray_cluster.get(engine.update_weights.remote([{k: v for k, v in state.items() if "norm" not in k}], 9))
+    with pytest.raises(ValueError, match="unknown"):
+        ray_cluster.get(engine.update_weights.remote([{**state, "model.extra.weight": torch.zeros(1)}], 9))
+    assert ray_cluster.get(engine.weight_version.remote()) == _current["version"]
+
+    refs = [ray_cluster.put(b) for b in split_buckets(state, parts=2)]
+    ray_cluster.get(engine.update_weights.remote(refs, 2))  # refs nested in a list reach the actor unresolved
+    _current.update(model=new, version=2)
+    out = ray_cluster.get(engine.generate.remote(rows(tokenizer, ["7 - 5 = "]), 3, seed=4))
+    assert all(c.weight_version == 2 for c in out)
+    assert max_diff(new, out, TEMPERATURE) < TOL
+    assert ray_cluster.get(engine.pid.remote()) != __import__("os").getpid()
