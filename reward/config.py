@@ -1,13 +1,85 @@
-"""Config section ``reward``: verifier workers."""
+"""Config section ``reward``: verifier workers, the protected runner, the code sandbox and reward shaping."""
 
-from pydantic import Field
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from cluster.schema_base import Section
 
 
+class SandboxConfig(Section):
+    """Limits of one run of model-written code (``code`` verifier). See ``reward/sandbox.py``."""
+
+    backend: Literal["auto", "bwrap", "plain"] = Field(
+        "auto",
+        description="auto = bubblewrap when it works on this machine, else plain (fewer protections, see README)",
+    )
+    require_bwrap: bool = Field(False, description="refuse to run model code when bubblewrap is unavailable")
+    wall_s: float = Field(3.0, gt=0, description="wall-clock limit of one sandbox run, seconds")
+    cpu_s: int = Field(2, ge=1, description="CPU-time limit (RLIMIT_CPU), seconds")
+    memory_mb: int = Field(512, ge=64, description="address-space limit (RLIMIT_AS), MiB")
+    max_procs: int = Field(16, ge=1, description="process/thread limit (RLIMIT_NPROC) of the sandbox user")
+    file_size_mb: float = Field(4.0, gt=0, description="largest file the program may write (RLIMIT_FSIZE), MiB")
+    max_output_kb: int = Field(64, ge=1, description="stdout+stderr kept; more output kills the run, KiB")
+    python: str | None = Field(None, description="interpreter for model code; None = /usr/bin/python3 if present")
+    tmp_root: str | None = Field(None, description="where the per-run temp dirs go; None = the system temp dir")
+
+
+class RewardTerm(Section):
+    """One weighted term of a composite reward."""
+
+    verifier: str = Field(..., description="'exact', 'math', 'code', 'format' or 'module.path:function'")
+    weight: float = Field(1.0, description="weight of this term in the sum")
+
+
 class RewardConfig(Section):
-    """Which verifiers score completions and how the workers run them."""
+    """Which verifiers score completions and how the workers run them.
+
+    The score of a completion is ``primary_weight * primary + sum(w_i * term_i) + overlong_penalty``, where
+    ``primary`` is ``verifier`` (or the row's own verifier when ``verifier`` is None) and decides ``correct``.
+    """
 
     num_workers: int = Field(1, ge=1, description="reward worker actors; free to change on resume")
     num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPUs reserved per reward worker")
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one verifier call, seconds")
+
+    verifier: str | None = Field(None, description="primary verifier for every row; None = each row's own")
+    primary_weight: float = Field(1.0, description="weight of the primary verifier's score")
+    extra_terms: list[RewardTerm] = Field(default_factory=list, description="extra weighted terms (composite)")
+    format_regex: str = Field(r"(?m)^\s*####\s*\S+", description="'format' verifier: pattern searched for")
+    code_all_or_nothing: bool = Field(False, description="'code': 1/0 instead of the share of tests passed")
+
+    timeout_score: float = Field(0.0, description="score of a call that timed out (NaN = invalid sample)")
+    error_score: float = Field(0.0, description="score of a call whose verifier raised (NaN = invalid sample)")
+    parallel_calls: int = Field(1, ge=1, description="verifier child processes alive at once in one worker")
+    verifier_memory_mb: int = Field(2048, ge=0, description="RLIMIT_AS of a verifier child, MiB (0 = none)")
+    preload: list[str] = Field(
+        default_factory=list, description="extra modules imported once into the verifier fork server"
+    )
+
+    overlong_buffer_len: int = Field(0, ge=0, description="DAPO overlong shaping buffer L_cache, tokens (0 = off)")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="scale of the overlong penalty (DAPO: 1)")
+    max_response_tokens: int | None = Field(
+        None, ge=1, description="L_max for overlong shaping; the driver sets it from rollout.max_response_tokens"
+    )
+    mask_truncated: bool = Field(
+        False, description="responses cut at the length limit get score NaN (left out of the loss and group stats)"
+    )
+
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardConfig":
+        if self.overlong_buffer_len and self.max_response_tokens is not None:
+            if self.overlong_buffer_len > self.max_response_tokens:
+                raise ValueError(
+                    f"reward.overlong_buffer_len={self.overlong_buffer_len} must not exceed "
+                    f"reward.max_response_tokens={self.max_response_tokens}"
+                )
+        for name in ("primary_weight",):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"reward.{name}={getattr(self, name)} must be finite")
+        return self

@@ -1,0 +1,12 @@
+"""Imported into the verifier fork server: runs math-verify once so that every forked child inherits warm
+caches (lazy grammar set-up, compiled regexes, sympy caches) instead of paying for them per call."""
+
+import logging
+
+from reward.verifiers import math_verifier
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).setLevel(logging.ERROR)  # the runner, not math-verify, enforces timeouts
+
+for _resp, _ans in (("#### 18", "18"), ("The answer is $\\frac{36}{2}$", "18"), ("\\boxed{18.0}", "#### 18")):
+    math_verifier(_resp, {"answer": _ans, "meta": {}})

@@ -1,0 +1,150 @@
+"""The pool of reward worker actors, used by the driver process.
+
+``RewardPool`` starts ``cfg.num_workers`` Ray actors of ``RewardWorker`` (``cfg.num_cpus_per_worker`` CPUs
+each, ``max_restarts`` so Ray restarts a worker process that dies), splits a step's requests into one
+contiguous share per worker and gathers the results in request order.
+
+Fault tolerance: a share whose call fails with ``ray.exceptions.RayActorError`` (the worker died mid-call)
+is sent again, whole, to the restarted worker (or to a fresh actor in its slot when Ray gave up restarting
+it); its results are taken only from the one call that succeeds, so no request is lost or scored twice. A
+share that fails ``max_share_attempts`` times gets NaN results (status ``error``), never a silent 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+from cluster.contracts import RewardRequest, RewardResult
+from reward.config import RewardConfig
+from reward.worker import RewardWorker
+
+MAX_SHARE_ATTEMPTS = 4
+ACTOR_MAX_RESTARTS = 8
+RESTART_WAIT_S = 120.0
+
+
+class RewardPool:
+    """Ray actors of ``RewardWorker`` behind one ``score`` call.
+
+    Args:
+        cfg: the ``reward`` config section.
+        scheduling_strategy_factory: optional ``f(slot_index) -> scheduling strategy`` (for example a
+            placement-group strategy from the driver); None = Ray's default placement.
+    """
+
+    def __init__(self, cfg: RewardConfig, scheduling_strategy_factory: Callable[[int], Any] | None = None):
+        import ray
+
+        self._ray = ray
+        self.cfg = cfg
+        self._factory = scheduling_strategy_factory
+        self._cls = ray.remote(RewardWorker)
+        self._actors: list[Any] = []
+        self._counters = self._zero()
+        self.resize(cfg.num_workers)
+
+    @staticmethod
+    def _zero() -> dict[str, float]:
+        return {"reward/timeouts": 0.0, "reward/errors": 0.0, "reward/invalid": 0.0, "reward/time_s": 0.0,
+                "fault/reward_restarts": 0.0}
+
+    def _new_actor(self, slot: int):
+        opts: dict[str, Any] = {"num_cpus": self.cfg.num_cpus_per_worker, "max_restarts": ACTOR_MAX_RESTARTS,
+                                "max_task_retries": 0}
+        if self._factory is not None:
+            opts["scheduling_strategy"] = self._factory(slot)
+        return self._cls.options(**opts).remote(self.cfg)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._actors)
+
+    def worker_pids(self) -> list[int]:
+        """OS pids of the workers (for tests and fault injection)."""
+        return self._ray.get([a.pid.remote() for a in self._actors])
+
+    def resize(self, n: int) -> None:
+        """Grow or shrink to ``n`` workers (new ones are ready when this returns).
+
+        Raises:
+            ValueError: ``n < 1``.
+        """
+        if n < 1:
+            raise ValueError(f"reward.num_workers must be >= 1, got {n}")
+        while len(self._actors) > n:
+            self._ray.kill(self._actors.pop(), no_restart=True)
+        new = [self._new_actor(slot) for slot in range(len(self._actors), n)]
+        self._ray.get([a.pid.remote() for a in new])  # surfaces config errors here, not in the first step
+        self._actors.extend(new)
+
+    def _replace(self, slot: int) -> None:
+        try:
+            self._ray.kill(self._actors[slot], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self._actors[slot] = self._new_actor(slot)
+
+    def _ensure_alive(self, slot: int) -> None:
+        """Wait for Ray to restart the worker in ``slot``; start a fresh actor there if it will not come back
+        (restart budget spent) within ``RESTART_WAIT_S``."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            self._ray.get(self._actors[slot].pid.remote(), timeout=RESTART_WAIT_S)
+        except (RayActorError, GetTimeoutError):
+            self._replace(slot)
+
+    def score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+        """Score ``requests`` on all workers; results in request order (one per request)."""
+        from ray.exceptions import RayActorError
+
+        start = time.monotonic()
+        results: list[RewardResult | None] = [None] * len(requests)
+        n = len(self._actors)
+        bounds = [(len(requests) * k // n, len(requests) * (k + 1) // n) for k in range(n)]
+        pending = {}
+        for slot, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                pending[self._actors[slot].score.remote(requests[lo:hi])] = (slot, lo, hi, 1)
+        while pending:
+            ready, _ = self._ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                slot, lo, hi, attempt = pending.pop(ref)
+                try:
+                    share = self._ray.get(ref)
+                except RayActorError as err:
+                    self._counters["fault/reward_restarts"] += 1
+                    if attempt >= MAX_SHARE_ATTEMPTS:
+                        share = [RewardResult(math.nan, False, "error",
+                                              {"error": "WorkerLost", "message": str(err)[:300]})
+                                 for _ in range(lo, hi)]
+                    else:
+                        self._ensure_alive(slot)
+                        pending[self._actors[slot].score.remote(requests[lo:hi])] = (slot, lo, hi, attempt + 1)
+                        continue
+                results[lo:hi] = share
+        for r in results:
+            self._counters["reward/timeouts"] += r.status == "timeout"
+            self._counters["reward/errors"] += r.status == "error"
+            self._counters["reward/invalid"] += not r.valid
+        self._counters["reward/time_s"] += time.monotonic() - start
+        return results  # type: ignore[return-value]
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since the last call (then reset): ``reward/timeouts``, ``reward/errors``,
+        ``reward/invalid`` (NaN scores), ``reward/time_s`` (wall seconds in ``score``),
+        ``fault/reward_restarts`` (worker deaths seen)."""
+        out, self._counters = self._counters, self._zero()
+        return out
+
+    def shutdown(self) -> None:
+        """Kill all workers (their verifier children die with them)."""
+        for a in self._actors:
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self._actors = []
+

@@ -1,0 +1,516 @@
+"""The sandbox for model-written Python code (``code`` verifier).
+
+Every run gets a fresh temporary directory as its working directory and a minimal environment (``PATH``,
+``HOME``/``TMPDIR`` = the temp dir, ``LANG``; nothing from the parent's environment: no API keys or tokens).
+Two backends:
+
+``bwrap`` (bubblewrap, chosen by ``backend="auto"`` when a probe run works): new user, PID, network, IPC,
+UTS and mount namespaces; the file system holds only ``/usr`` (read-only), a private ``/tmp``, ``/proc``,
+``/dev`` and the temp dir (at ``/sandbox``); no network at all (an empty network namespace); every process of
+the run dies with the namespace when the run ends.
+
+``plain`` (fallback when bubblewrap is missing): a new session, and as root a dedicated unprivileged uid;
+a Python audit hook inside the interpreter refuses sockets, subprocess/exec, ctypes, writes outside the temp
+dir and reads outside the temp dir and the interpreter's own library paths. The hook is not a kernel
+boundary: a determined native-code escape can bypass it (see README).
+
+Both backends: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE and RLIMIT_CORE=0 set inside
+the run (the process limit holds because the run never has uid 0 in the init namespace when we are root),
+a wall-clock limit and an output cap enforced here, and at the end every process of the run is killed: the
+session's process group, then (as root) every process of the run's uid, then any process whose initial
+environment carries this run's id (which catches a child that double-forked and left the session).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import psutil
+
+from reward.config import SandboxConfig
+
+UID_BASE = 200_000  # dedicated sandbox uids (root only): UID_BASE + owner_pid % UID_SPAN
+UID_SPAN = 60_000
+ENV_RUN = "GSPO_SANDBOX_RUN"
+ENV_OWNER = "GSPO_SANDBOX_OWNER"
+MOUNT_POINT = "/sandbox"
+
+# Monotonic deadline of the verifier call this process serves (set by reward.runner in its child); a
+# sandbox run never outlives it, so the runner's own kill is only a backstop.
+CALL_DEADLINE: float | None = None
+
+
+class SandboxUnavailable(RuntimeError):
+    """``sandbox.require_bwrap`` is set but bubblewrap does not work on this machine."""
+
+
+@dataclass
+class SandboxResult:
+    """The outcome of one sandbox run.
+
+    Attributes:
+        status: ``"ok"`` (exit 0), ``"exit"`` (non-zero exit), ``"timeout"`` (wall limit), ``"cpu_limit"``
+            (SIGXCPU/SIGKILL from RLIMIT_CPU), ``"output_limit"`` (more output than ``max_output_kb``),
+            ``"killed"`` (another signal), ``"error"`` (could not start).
+        returncode: exit code, negative signal number, or None when it never started.
+        stdout, stderr: decoded output, at most ``max_output_kb`` together.
+        elapsed_s: wall-clock seconds.
+        backend: ``"bwrap"`` or ``"plain"``.
+        leftover_killed: processes of the run still alive after the main process ended (killed).
+    """
+
+    status: str
+    returncode: int | None
+    stdout: str = ""
+    stderr: str = ""
+    elapsed_s: float = 0.0
+    backend: str = ""
+    leftover_killed: int = 0
+    run_id: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+# Runs inside the sandbox as ``python -I -B -c LAUNCHER <json>``: limits, optional guard, then the program.
+LAUNCHER = r'''
+import json, os, resource, sys
+cfg = json.loads(sys.argv[1])
+if cfg["pdeathsig"]:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (set after the uid change, so it holds)
+    if os.getppid() != cfg["parent"]:
+        os._exit(137)
+    del sys.modules["ctypes"]
+for name, soft, hard in cfg["limits"]:
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+payload = json.loads(sys.stdin.readline() or "{}") if cfg["mode"] == "tests" else {}
+if cfg["mode"] == "tests":
+    fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)
+with open("main.py", encoding="utf-8") as f:
+    source = f.read()
+report = os.fdopen(os.dup(1), "w", buffering=1) if cfg["mode"] == "tests" else None
+
+if cfg["guard"]:
+    def _guard_setup():
+        home = os.path.realpath(os.getcwd())
+        reads = {os.path.realpath(p) for p in sys.path if p and os.path.exists(p)}
+        reads |= {os.path.realpath(p) for p in (sys.base_prefix + "/lib", sys.prefix + "/lib")}
+        devs = {"/dev/null", "/dev/urandom", "/dev/random", "/dev/zero"}
+        wbits = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+        real, fsdecode, startswith = os.path.realpath, os.fsdecode, str.startswith
+
+        def under(p, roots):
+            return any(p == r or startswith(p, r + "/") for r in roots)
+
+        def check(path, write):
+            if path is None or isinstance(path, int):
+                return
+            p = real(fsdecode(path))
+            if p in devs or under(p, (home,)):
+                return
+            if not write and under(p, reads):
+                return
+            raise PermissionError(f"sandbox: {'write to' if write else 'read of'} {p} is not allowed")
+
+        deny = {"subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "pty.spawn",
+                "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata", "socket.connect",
+                "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+                "socket.gethostbyname", "socket.gethostbyaddr", "os.kill", "os.killpg", "signal.pthread_kill",
+                "sys.addaudithook", "os.chroot", "os.setuid"}
+        path_events = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.symlink", "os.link", "os.chmod",
+                       "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile",
+                       "shutil.copytree", "shutil.move", "os.chflags", "os.setxattr", "os.removexattr"}
+
+        def hook(event, args):
+            if event == "open":
+                path, mode, flags = args
+                write = bool(flags & wbits) if isinstance(flags, int) else any(c in str(mode) for c in "wax+")
+                check(path, write)
+            elif event in deny:
+                raise PermissionError(f"sandbox: {event} is not allowed")
+            elif event == "socket.__new__" and args[1] not in (1,):  # only AF_UNIX socketpairs/local
+                raise PermissionError("sandbox: network sockets are not allowed")
+            elif event in ("os.listdir", "os.scandir"):
+                check(args[0] if args and args[0] is not None else ".", False)
+            elif event in path_events:
+                for a in args[:2]:
+                    if isinstance(a, (str, bytes, os.PathLike)):
+                        check(a, True)
+        sys.addaudithook(hook)
+    _guard_setup()
+    del _guard_setup
+
+g = {"__name__": "__main__", "__builtins__": __builtins__}
+if cfg["mode"] == "tests":
+    nonce, tests = payload["nonce"], payload["tests"]
+    del payload
+    try:
+        exec(compile(source, "main.py", "exec"), g)
+    except BaseException as e:
+        report.write(nonce + " solution " + type(e).__name__ + "\n")
+        os._exit(1)
+    for i, t in enumerate(tests):
+        try:
+            exec(compile(t, "test_%d" % i, "exec"), g)
+            report.write(nonce + " %d pass\n" % i)
+        except BaseException as e:
+            report.write(nonce + " %d fail %s\n" % (i, type(e).__name__))
+    report.flush()
+    os._exit(0)
+else:
+    exec(compile(source, "main.py", "exec"), g)
+'''
+
+
+def sandbox_python(cfg: SandboxConfig) -> str:
+    """The interpreter that runs model code: ``cfg.python``, else ``/usr/bin/python3``, else ours (resolved)."""
+    if cfg.python:
+        return cfg.python
+    if os.path.exists("/usr/bin/python3"):
+        return "/usr/bin/python3"
+    return os.path.realpath(shutil.which("python3") or os.sys.executable)
+
+
+def sandbox_uid(owner_pid: int | None = None) -> int | None:
+    """The dedicated uid of sandbox runs started by process ``owner_pid`` (default: this one), or None when
+    this process is not root (then runs keep our uid)."""
+    if os.geteuid() != 0:
+        return None
+    return UID_BASE + (owner_pid if owner_pid is not None else os.getpid()) % UID_SPAN
+
+
+def _bwrap_argv(python: str, workdir: str) -> list[str]:
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    if prefix not in ("/usr", "/") and not prefix.startswith("/usr/"):
+        argv += ["--ro-bind", prefix, prefix]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, MOUNT_POINT,
+             "--chdir", MOUNT_POINT, "--clearenv"]
+    return argv
+
+
+@lru_cache(maxsize=8)
+def bwrap_available(python: str = "/usr/bin/python3") -> bool:
+    """Whether bubblewrap is installed and a probe run (namespaces, as the sandbox uid) succeeds here."""
+    if shutil.which("bwrap") is None:
+        return False
+    work = tempfile.mkdtemp(prefix="bwrap-probe-")
+    try:
+        uid = sandbox_uid()
+        if uid is not None:
+            os.chown(work, uid, uid)
+        argv = _bwrap_argv(python, work) + [python, "-I", "-c", "import os; print(os.getcwd())"]
+        out = subprocess.run(argv, capture_output=True, timeout=20, user=uid, group=uid,
+                             extra_groups=[] if uid is not None else None, env={"PATH": "/usr/bin:/bin"})
+        return out.returncode == 0 and out.stdout.strip() == MOUNT_POINT.encode()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def choose_backend(cfg: SandboxConfig) -> str:
+    """``"bwrap"`` or ``"plain"`` for ``cfg.backend``.
+
+    Raises:
+        SandboxUnavailable: ``backend="bwrap"`` or ``require_bwrap`` while bubblewrap does not work here.
+    """
+    if cfg.backend == "plain" and not cfg.require_bwrap:
+        return "plain"
+    if bwrap_available(sandbox_python(cfg)):
+        return "bwrap"
+    if cfg.backend == "bwrap" or cfg.require_bwrap:
+        raise SandboxUnavailable(
+            f"sandbox.backend={cfg.backend!r} / require_bwrap={cfg.require_bwrap}: bubblewrap (bwrap) is "
+            "missing or cannot create namespaces here; install it (Debian: apt-get install -y bubblewrap)"
+        )
+    return "plain"
+
+
+def find_run_processes(key: str, value: str) -> list[psutil.Process]:
+    """Live processes whose initial environment holds ``key=value`` (readable ones only)."""
+    want = f"{key}={value}".encode()
+    found = []
+    for pid in psutil.pids():
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(psutil.Process(pid))
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (via ``kill(-1)`` in a helper that runs as that uid; root only)."""
+    try:
+        subprocess.run(["/usr/bin/python3" if os.path.exists("/usr/bin/python3") else os.sys.executable,
+                        "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
+                       user=uid, group=uid, extra_groups=[], env={}, timeout=10,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def _uid_processes(uid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] and p.info["uids"].real == uid and _is_live(p):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def kill_run(run_id: str | None = None, uid: int | None = None, pgid: int | None = None) -> int:
+    """Kill everything of one run: its process group, then every live process of its uid (root only) or
+    tagged with its run id. Returns how many processes were still alive after the group kill."""
+    if pgid is not None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    victims: dict[int, psutil.Process] = {}
+    if uid is not None:
+        victims.update({p.pid: p for p in _uid_processes(uid)})
+    if run_id is not None:
+        victims.update({p.pid: p for p in find_run_processes(ENV_RUN, run_id)})
+    victims.pop(pgid, None)
+    _, alive = psutil.wait_procs(list(victims.values()), timeout=0.2)  # bwrap's init may still be exiting
+    alive = [p for p in alive if _is_live(p)]
+    if uid is not None and alive:
+        _kill_uid(uid)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+    return len(alive)
+
+
+def _is_live(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def reap_owner(owner_pid: int) -> int:
+    """Kill every sandbox process started on behalf of process ``owner_pid`` (the runner calls this after it
+    killed a verifier child that may have had a sandbox run in flight). Returns the number found."""
+    victims = find_run_processes(ENV_OWNER, str(owner_pid))
+    uid = sandbox_uid(owner_pid)
+    if uid is not None:
+        victims += [p for p in _uid_processes(uid) if p.pid not in {v.pid for v in victims}]
+        if victims:
+            _kill_uid(uid)
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(victims, timeout=2)
+    return len(victims)
+
+
+def _limits(cfg: SandboxConfig) -> list[tuple[str, int, int]]:
+    mem = cfg.memory_mb * 2**20
+    fsize = int(cfg.file_size_mb * 2**20)
+    return [("RLIMIT_CPU", cfg.cpu_s, cfg.cpu_s + 1), ("RLIMIT_AS", mem, mem), ("RLIMIT_FSIZE", fsize, fsize),
+            ("RLIMIT_NPROC", cfg.max_procs, cfg.max_procs), ("RLIMIT_NOFILE", 64, 64), ("RLIMIT_CORE", 0, 0)]
+
+
+def run_python(code: str, cfg: SandboxConfig, *, stdin: str = "", wall_s: float | None = None,
+               _tests_payload: dict | None = None) -> SandboxResult:
+    """Run ``code`` (Python source) once in the sandbox, feeding ``stdin``.
+
+    Args:
+        code: the program, written to ``main.py`` in the run's temp dir.
+        cfg: limits and backend.
+        stdin: text given on standard input.
+        wall_s: wall-clock limit, seconds (default ``cfg.wall_s``; never past ``CALL_DEADLINE``).
+
+    Raises:
+        SandboxUnavailable: bubblewrap required but missing (see ``choose_backend``).
+    """
+    backend = choose_backend(cfg)
+    python = sandbox_python(cfg)
+    limit = cfg.wall_s if wall_s is None else wall_s
+    if CALL_DEADLINE is not None:
+        limit = min(limit, CALL_DEADLINE - time.monotonic() - 0.25)
+    if limit <= 0:
+        return SandboxResult("timeout", None, backend=backend, detail={"reason": "no time left in the call"})
+    uid = sandbox_uid()
+    run_id = secrets.token_hex(8)
+    work = tempfile.mkdtemp(prefix="sbx-", dir=cfg.tmp_root)
+    try:
+        with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        if uid is not None:
+            os.chown(work, uid, uid)
+            os.chown(os.path.join(work, "main.py"), uid, uid)
+        os.chmod(work, 0o700)
+        home = MOUNT_POINT if backend == "bwrap" else work
+        env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
+               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", ENV_RUN: run_id, ENV_OWNER: str(os.getpid())}
+        mode = "tests" if _tests_payload is not None else "program"
+        launcher_cfg = {"mode": mode, "limits": _limits(cfg), "guard": backend == "plain",
+                        "pdeathsig": backend == "plain", "parent": os.getpid()}
+        cmd = [python, "-I", "-B", "-c", LAUNCHER, json.dumps(launcher_cfg)]
+        if backend == "bwrap":
+            argv = _bwrap_argv(python, work)
+            for k, v in env.items():
+                argv += ["--setenv", k, v]
+            argv += ["--"] + cmd
+        else:
+            argv = cmd
+        feed = (json.dumps(_tests_payload) + "\n") if _tests_payload is not None else stdin
+        return _execute(argv, env, work, uid, feed, limit, cfg, backend, run_id)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _execute(argv, env, cwd, uid, feed, limit, cfg, backend, run_id) -> SandboxResult:
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=cwd, env=env, user=uid, group=uid,
+                                extra_groups=[] if uid is not None else None, start_new_session=True,
+                                close_fds=True)
+    except OSError as err:
+        return SandboxResult("error", None, backend=backend, run_id=run_id, detail={"reason": repr(err)})
+
+    def _feed():
+        try:
+            proc.stdin.write(feed.encode("utf-8", "replace"))
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    feeder = threading.Thread(target=_feed, daemon=True)
+    feeder.start()
+    cap = cfg.max_output_kb * 1024
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    sel = selectors.DefaultSelector()
+    for stream in (proc.stdout, proc.stderr):
+        os.set_blocking(stream.fileno(), False)
+        sel.register(stream, selectors.EVENT_READ)
+    status = None
+    deadline = start + limit
+    exited_at = None
+    while sel.get_map():
+        now = time.monotonic()
+        if now >= deadline:
+            status = "timeout"
+            break
+        if proc.poll() is not None:
+            exited_at = exited_at or now
+            if now - exited_at > 0.2:  # a leftover child holds the pipes open: stop reading
+                break
+        for key, _ in sel.select(timeout=min(0.05, deadline - now)):
+            try:
+                chunk = os.read(key.fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                sel.unregister(key.fileobj)
+                continue
+            bufs[key.fd] += chunk
+            if sum(len(b) for b in bufs.values()) > cap:
+                status = "output_limit"
+                break
+        if status:
+            break
+    sel.close()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    leftovers = kill_run(run_id=run_id, uid=uid, pgid=proc.pid)
+    for stream in (proc.stdout, proc.stderr):
+        stream.close()
+    feeder.join(timeout=1)
+    rc = proc.returncode
+    if backend == "bwrap" and rc is not None and rc > 128:
+        rc = -(rc - 128)  # bwrap reports a child killed by signal s as 128 + s
+    if status is None:
+        if rc == 0:
+            status = "ok"
+        elif rc in (-signal.SIGXCPU, -signal.SIGKILL):
+            status = "cpu_limit"
+        elif rc is not None and rc < 0:
+            status = "killed"
+        else:
+            status = "exit"
+    out, err = (bytes(b[:cap]) for b in bufs.values())  # stdout first, stderr second
+    return SandboxResult(status, rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
+                         time.monotonic() - start, backend, max(0, leftovers), run_id)
+
+
+def run_python_tests(code: str, tests: list, cfg: SandboxConfig) -> tuple[int, int, dict]:
+    """Run ``code`` against ``tests`` in the sandbox; returns ``(passed, total, info)``.
+
+    Args:
+        tests: Python snippets (run after the solution in the same sandboxed interpreter; a snippet passes
+            when it raises nothing), or ``{"input": str, "output": str}`` pairs (one run each; passes when the
+            stripped stdout equals the stripped expected output and the run exited 0).
+
+    ``info`` holds ``backend``, ``sandbox`` (status of the first failing run, else ``"ok"``) and ``stderr``
+    (a short tail of it) for diagnosis. Snippet results are read from lines tagged with a per-run random
+    nonce, so plain printing cannot fake a pass.
+
+    Raises:
+        ValueError: a test that is neither a string nor an input/output dict.
+    """
+    total = len(tests)
+    if all(isinstance(t, str) for t in tests):
+        nonce = secrets.token_hex(16)
+        res = run_python(code, cfg, _tests_payload={"nonce": nonce, "tests": tests})
+        ok = set()
+        for line in res.stdout.splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == nonce and parts[2] == "pass" and parts[1].isdigit():
+                ok.add(int(parts[1]))
+        passed = len(ok & set(range(total)))
+        return passed, total, {"backend": res.backend, "sandbox": res.status, "stderr": res.stderr[-300:]}
+    passed, first_bad, backend, stderr = 0, "ok", "", ""
+    for t in tests:
+        if not (isinstance(t, dict) and "input" in t and "output" in t):
+            raise ValueError(f"code test must be a string or an {{'input', 'output'}} dict, got {t!r}")
+        res = run_python(code, cfg, stdin=str(t["input"]))
+        backend = res.backend
+        good = res.status == "ok" and res.stdout.strip() == str(t["output"]).strip()
+        passed += good
+        if not good and first_bad == "ok":
+            first_bad, stderr = res.status, res.stderr[-300:]
+    return passed, total, {"backend": backend, "sandbox": first_bad, "stderr": stderr}

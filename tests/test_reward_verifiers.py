@@ -1,0 +1,144 @@
+"""Verifiers as plain functions: exact, math (on real GSM8K rows), format, user verifiers, code extraction,
+and the DAPO overlong penalty against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from cluster.contracts import PromptRow
+from reward.verifiers import (
+    exact_verifier,
+    extract_code,
+    extract_final_answer,
+    format_verifier,
+    get_verifier,
+    math_verifier,
+)
+from reward.worker import overlong_penalty
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("GSPO_SHARED_DIR", REPO.parent / "shared"))
+GSM8K_TEST = SHARED / "data" / "gsm8k" / "test.jsonl"
+needs_gsm8k = pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"needs GSM8K at {GSM8K_TEST} (GSPO_SHARED_DIR)")
+
+
+def gsm8k_rows(n: int) -> list[dict]:
+    """The first ``n`` GSM8K test rows as PromptRow dicts (reference = text after ####)."""
+    rows = []
+    with open(GSM8K_TEST, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i >= n:
+                break
+            raw = json.loads(line)
+            ref = raw["answer"].rsplit("####", 1)[1].strip()
+            rows.append({"uid": f"gsm8k-test-{i}", "prompt": raw["question"], "prompt_token_ids": [],
+                         "answer": ref, "verifier": "math", "meta": {"solution": raw["answer"]}})
+    return rows
+
+
+def right_and_wrong_forms(ref: str) -> tuple[list[str], list[str]]:
+    """Responses that state ``ref`` in several right forms, and several wrong ones."""
+    v = int(ref.replace(",", ""))
+    right = [f"#### {v}", f"Adding up, we get {v}.\n#### {v}", f"So the total is \\boxed{{{v}}}.",
+             f"The answer is {v}.", f"The answer is ${v}", f"#### {v}.0", f"#### \\frac{{{2 * v}}}{{2}}"]
+    wrong = [f"#### {v + 1}", f"The answer is {v - 3}.", "I don't know.", f"\\boxed{{{v * 10 + 7}}}", ""]
+    return right, wrong
+
+
+def test_exact_normalises_and_reads_after_hashes():
+    row = {"answer": "68", "meta": {}}
+    assert exact_verifier("68", row) == 1.0
+    assert exact_verifier("  68 \n", row) == 1.0
+    assert exact_verifier("40 + 28 = 68\n#### 68", row) == 1.0
+    assert exact_verifier("#### 6 8", row) == 0.0
+    assert exact_verifier("#### 67", row) == 0.0
+    assert exact_verifier("68.0", row) == 0.0  # exact means exact
+    assert exact_verifier("the sum\n####   a   b ", {"answer": "a b"}) == 1.0
+    assert exact_verifier("", {"answer": ""}) == 0.0  # an empty reference matches nothing
+    assert exact_verifier("#### 5", PromptRow("u", "p", [], "5")) == 1.0  # a PromptRow works too
+
+
+def test_math_forms_of_eighteen():
+    row = {"answer": "18", "meta": {}}
+    for resp in ("18", "18.0", "$18", "\\frac{36}{2}", "#### 18", "The answer is 18 dollars.", "\\boxed{18}"):
+        assert math_verifier(resp, row) == 1.0, resp
+    for resp in ("17", "#### 81", "The answer is 19.", "no idea"):
+        assert math_verifier(resp, row) == 0.0, resp
+    # a raw GSM8K answer as the reference: the text after #### is used
+    assert math_verifier("#### 18", {"answer": "9 * 2 = <<9*2=18>>18\n#### 18"}) == 1.0
+
+
+def test_extract_final_answer_order():
+    assert extract_final_answer("a\n#### 5\nignored") == "5"
+    assert extract_final_answer("The answer is 3. Then \\boxed{4}") == "The answer is 3. Then \\boxed{4}"
+    assert extract_final_answer("so the answer is: 12 apples") == "12 apples"
+    assert extract_final_answer("x\n\n  7 \n\n").strip() == "7"
+    assert extract_final_answer("   ") is None
+
+
+@needs_gsm8k
+def test_math_on_real_gsm8k_rows():
+    rows = gsm8k_rows(25)
+    assert len(rows) == 25
+    for row in rows:
+        right, wrong = right_and_wrong_forms(row["answer"])
+        for resp in right:
+            assert math_verifier(resp, row) == 1.0, (row["uid"], resp, row["answer"])
+        for resp in wrong:
+            assert math_verifier(resp, row) == 0.0, (row["uid"], resp, row["answer"])
+        # the dataset's own worked solution is right for its row
+        assert math_verifier(row["meta"]["solution"], row) == 1.0
+
+
+def test_format_verifier_pattern_from_option_and_row():
+    assert format_verifier("work\n#### 12", {"meta": {}}) == 1.0
+    assert format_verifier("12", {"meta": {}}) == 0.0
+    assert format_verifier("<answer>3</answer>", {"meta": {}}, pattern=r"<answer>.+</answer>") == 1.0
+    assert format_verifier("<answer>3</answer>", {"meta": {"format_regex": r"^\d+$"}}) == 0.0
+
+
+def _user_verifier(response: str, row: dict) -> dict:
+    return {"score": 0.5, "note": "user"}
+
+
+def test_registry_builtins_users_and_errors():
+    assert get_verifier("exact") is exact_verifier
+    assert get_verifier("math") is math_verifier
+    assert get_verifier("tests.test_reward_verifiers:_user_verifier")("x", {})["score"] == 0.5
+    from reward.config import RewardConfig
+
+    fmt = get_verifier("format", RewardConfig(format_regex=r"^ok$"))
+    assert fmt("ok", {"meta": {}}) == 1.0 and fmt("#### 1", {"meta": {}}) == 0.0
+    with pytest.raises(ValueError, match="unknown verifier 'nope'"):
+        get_verifier("nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        get_verifier("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no callable 'missing'"):
+        get_verifier("reward.verifiers:missing")
+
+
+def test_extract_code():
+    assert extract_code("def f(): pass") == "def f(): pass"
+    text = "Here:\n```\nx = 1\n```\nand\n```python\ny = 2\n```\nthen\n```\nz = 3\n```"
+    assert extract_code(text) == "y = 2\n"
+    assert extract_code("```\nz = 3\n```") == "z = 3\n"
+
+
+def test_overlong_penalty_hand_values():
+    # L_max = 20, L_cache = 4: free up to 16 tokens, then -1/4 per token, -1 beyond 20
+    assert overlong_penalty(0, 20, 4) == 0.0
+    assert overlong_penalty(16, 20, 4) == 0.0
+    assert overlong_penalty(17, 20, 4) == -0.25
+    assert overlong_penalty(18, 20, 4) == -0.5
+    assert overlong_penalty(20, 20, 4) == -1.0
+    assert overlong_penalty(21, 20, 4) == -1.0
+    assert overlong_penalty(20, 20, 20) == -1.0 and overlong_penalty(10, 20, 20) == -0.5
+    for bad in ((5, 20, 0), (5, 20, 21), (-1, 20, 4)):
+        with pytest.raises(ValueError):
+            overlong_penalty(*bad)
+    assert math.isfinite(overlong_penalty(10**9, 20, 4))
