@@ -10,3 +10,9 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 for _resp, _ans in (("#### 18", "18"), ("The answer is $\\frac{36}{2}$", "18"), ("\\boxed{18.0}", "#### 18")):
     math_verifier(_resp, {"answer": _ans, "meta": {}})
+
+# probe bubblewrap once here, so that code-verifier calls inherit the cached answer
+from reward.config import SandboxConfig  # noqa: E402
+from reward.sandbox import bwrap_available, sandbox_python  # noqa: E402
+
+bwrap_available(sandbox_python(SandboxConfig()))

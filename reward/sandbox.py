@@ -30,6 +30,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -179,7 +180,7 @@ def sandbox_python(cfg: SandboxConfig) -> str:
         return cfg.python
     if os.path.exists("/usr/bin/python3"):
         return "/usr/bin/python3"
-    return os.path.realpath(shutil.which("python3") or os.sys.executable)
+    return os.path.realpath(shutil.which("python3") or sys.executable)
 
 
 def sandbox_uid(owner_pid: int | None = None) -> int | None:
@@ -263,7 +264,7 @@ def find_run_processes(key: str, value: str) -> list[psutil.Process]:
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` (via ``kill(-1)`` in a helper that runs as that uid; root only)."""
     try:
-        subprocess.run(["/usr/bin/python3" if os.path.exists("/usr/bin/python3") else os.sys.executable,
+        subprocess.run(["/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
                         "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
                        user=uid, group=uid, extra_groups=[], env={}, timeout=10,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
