@@ -231,6 +231,8 @@ class RolloutEngine:
         return inputs
 
     def _sample(self, prompts: list[PromptRow], params: list[Any], n: int) -> list[Completion]:
+        if not prompts:
+            return []
         outputs = self._llm.generate(self._prompt_inputs(prompts), params, use_tqdm=False)
         completions: list[Completion] = []
         for row, out in zip(prompts, outputs, strict=True):
@@ -421,7 +423,8 @@ class RolloutEngine:
         from safetensors.torch import save as save_safetensors
 
         # clone: split expert views share storage, which safetensors refuses
-        return save_safetensors({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in bucket.items()})
+        blob = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in bucket.items()}
+        return save_safetensors(blob)
 
     # ------------------------------------------------------------------ bookkeeping
 

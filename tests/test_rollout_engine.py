@@ -51,7 +51,19 @@ _current: dict = {}  # "model": the transformers model whose weights the shared 
 
 
 @pytest.fixture(scope="module")
-def engine(ray_cluster, tiny, base_model, tmp_path_factory):
+def mp_engine(ray_cluster, tiny, tmp_path_factory):
+    """An engine in vLLM's multi-process mode; created before ``engine`` so the two start in parallel."""
+    cfg = RolloutConfig(in_process=False, max_model_len=64, max_response_tokens=6, seed=5)
+    actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
+        str(tiny), cfg, cache_dir=str(tmp_path_factory.mktemp("vllm_cache_mp"))
+    )
+    yield actor
+    ray_cluster.get(actor.shutdown.remote())
+    ray_cluster.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, tiny, base_model, tmp_path_factory, mp_engine):
     cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=TEMPERATURE, seed=7)
     actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
         str(tiny), cfg, engine_index=0, cache_dir=str(tmp_path_factory.mktemp("vllm_cache"))
@@ -225,3 +237,14 @@ def test_update_weights_from_object_refs_and_bad_buckets(ray_cluster, engine, to
     assert all(c.weight_version == 2 for c in out)
     assert max_diff(new, out, TEMPERATURE) < TOL
     assert ray_cluster.get(engine.pid.remote()) != __import__("os").getpid()
+
+
+@pytest.mark.slow
+def test_multiprocess_mode_update_through_byte_blobs(ray_cluster, mp_engine, base_model, tokenizer):
+    """vLLM's default mode (EngineCore and Worker subprocesses): tensors cannot cross collective_rpc, so the
+    buckets travel as safetensors blobs; the reloaded engine must match the perturbed model."""
+    new = perturbed(base_model, seed=3)
+    ray_cluster.get(mp_engine.update_weights.remote(split_buckets(new.state_dict()), 1))
+    out = ray_cluster.get(mp_engine.generate.remote(rows(tokenizer, ["1 + 1 = "]), 2, temperature=1.0, seed=1))
+    assert [c.weight_version for c in out] == [1, 1]
+    assert max_diff(new, out, 1.0) < TOL

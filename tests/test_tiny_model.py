@@ -94,7 +94,8 @@ def test_tokenizer_specials_and_unknown(tiny):
     tok = AutoTokenizer.from_pretrained(tiny)
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
     assert len(tok) == VOCAB_SIZE == 100
-    assert tok("a\tb")["input_ids"] == [tok.convert_tokens_to_ids("a"), tok.unk_token_id, tok.convert_tokens_to_ids("b")]
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    assert tok("a\tb")["input_ids"] == [a, tok.unk_token_id, b]
     assert len(set(tok.convert_tokens_to_ids(list("az09 \n")))) == 6
 
 
