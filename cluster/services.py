@@ -97,7 +97,8 @@ def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
     """Start ``learner.world_size`` DeepSpeed ranks in one placement group (STRICT_PACK on GPUs, PACK on CPU).
 
     Returns:
-        (actors in rank order, placement group).
+        (actors in rank order, placement group). The constructors are still running: call
+        ``wait_learners`` before using them.
     """
     from learner.service import LearnerRank
 
@@ -132,9 +133,14 @@ def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
                 warm_start=cfg.warm_start,
             )
         )
-    # Constructors rendezvous with each other; wait for all so a failure surfaces here.
-    ray.get([a.pid.remote() for a in actors])
+    # The constructors rendezvous with each other and run while the caller starts the other services;
+    # ``wait_learners`` surfaces a failure.
     return actors, pg
+
+
+def wait_learners(actors: list[Any]) -> None:
+    """Block until every learner rank finished its constructor (raises the rank's error if one failed)."""
+    ray.get([a.pid.remote() for a in actors])
 
 
 class EngineFleet:

@@ -121,6 +121,7 @@ class Trainer:
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
         self.fleet.start(cfg.rollout.num_engines)
         self.rewards = RewardPool(cfg.reward)
+        services.wait_learners(self.learners)
         log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
                  time.perf_counter() - t0, cfg.learner.world_size, len(self.fleet), cfg.reward.num_workers)
         if resume_from:
