@@ -652,6 +652,15 @@ class LearnerRank:
             total += float(t.double().sum())
         return total
 
+    def local_param_fraction(self) -> float:
+        """Elements of the parameters held locally (outside any gather) / elements of the full model: 1.0
+        without ZeRO-3, about 1 / world_size with it. Local."""
+        local = full = 0
+        for p in self.engine.module.parameters():
+            full += int(getattr(p, "ds_numel", p.numel()))
+            local += int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel()
+        return local / max(full, 1)
+
     def state_digest(self) -> str:
         """SHA-256 of every full parameter's bytes, in order: equal digests mean bit-identical weights.
         Collective."""
@@ -668,13 +677,15 @@ class LearnerRank:
         opt = self._base_optimizer()
         for gi, group in enumerate(opt.param_groups):
             h.update(f"{gi}:{group['lr']!r}".encode())
-            for p in group["params"]:
-                for key, value in sorted(opt.state.get(p, {}).items()):
-                    h.update(key.encode())
-                    if torch.is_tensor(value):
-                        h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-                    else:
-                        h.update(repr(value).encode())
+        # ZeRO-3 swaps its flat partitions into param_groups only during step(): walk the state itself.
+        for key, state in opt.state.items():
+            h.update(repr(tuple(key.shape)).encode() if torch.is_tensor(key) else repr(key).encode())
+            for name, value in sorted(state.items()):
+                h.update(name.encode())
+                if torch.is_tensor(value):
+                    h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                else:
+                    h.update(repr(value).encode())
         return h.hexdigest()
 
     # ---------------------------------------------------------------------------------------------------
