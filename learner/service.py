@@ -78,6 +78,29 @@ _EMPTY_POLICY_METRICS = {
 }
 
 
+def _batch_problem(batch: TrainBatch, name: str) -> str | None:
+    """Why ``batch`` cannot be trained on (shapes, dtypes, a response mask on padding), or None."""
+    n, length = tuple(batch.input_ids.shape) if batch.input_ids.dim() == 2 else (-1, -1)
+    if n < 0:
+        return f"{name}.input_ids must be [N, L], got shape {tuple(batch.input_ids.shape)}"
+    checks = [
+        ("attention_mask", batch.attention_mask, (n, length)),
+        ("response_mask", batch.response_mask, (n, length - 1)),
+        ("old_log_probs", batch.old_log_probs, (n, length - 1)),
+        ("advantages", batch.advantages, (n,)),
+    ]
+    for field, tensor, shape in checks:
+        if tuple(tensor.shape) != shape:
+            return f"{name}.{field} has shape {tuple(tensor.shape)}, expected {shape}"
+    if n and length < 2:
+        return f"{name} has sequence length {length}; at least 2 tokens are needed (prompt + response)"
+    if bool((batch.response_mask.bool() & (batch.attention_mask[:, 1:] == 0)).any()):
+        return f"{name}.response_mask marks target tokens where attention_mask is 0 (padding)"
+    if not bool(torch.isfinite(batch.advantages).all()):
+        return f"{name}.advantages holds NaN or inf"
+    return None
+
+
 class _Micro:
     """One micro-batch on this rank, trimmed to its longest real sequence (right padding)."""
 
@@ -304,11 +327,15 @@ class LearnerRank:
                 f"minibatches ({len(minibatches)}), num_sequences ({len(num_sequences)}) and num_tokens "
                 f"({len(num_tokens)}) must have one entry per minibatch"
             )
-        local = []
-        for mb in minibatches:
+        local, problem = [], None
+        for m, mb in enumerate(minibatches):
+            problem = problem or _batch_problem(mb, f"minibatches[{m}]")
             s, t = loss_normalisers(mb.response_mask)
             local += [float(s), float(t), float(len(mb))]
-        tot = self._all_reduce(local)
+        # One flag per rank in the same all-reduce: a bad shard stops every rank, none waits for a peer.
+        tot = self._all_reduce(local + [1.0 if problem else 0.0])
+        if tot[-1]:
+            raise ValueError(problem or f"another learner rank refused its input ({int(tot[-1])} rank(s))")
         for m in range(len(minibatches)):
             nonempty, tokens, rows = tot[3 * m : 3 * m + 3]
             if int(num_tokens[m]) != int(tokens):
@@ -430,7 +457,6 @@ class LearnerRank:
                             seq_min = min(seq_min, float(s.min()))
                             seq_max = max(seq_max, float(s.max()))
                 grad_norms.append(self._optimizer_step())
-        self.engine.set_gradient_accumulation_boundary(None)  # back to DeepSpeed's own counter
 
         steps = cfg.ppo_epochs * n_mb
         sums = self._all_reduce([loss_sum, kl_sum, diff_sum, diff_count, ent_sum, seq_sum, seq_count])
@@ -531,7 +557,6 @@ class LearnerRank:
             loss_sum += float(loss.detach())
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
         norm = self._optimizer_step()
-        self.engine.set_gradient_accumulation_boundary(None)
         (loss_total,) = self._all_reduce([loss_sum])
         return {"loss/sft": loss_total, "grad_norm": norm, "lr": self.get_lr()}
 
@@ -777,7 +802,4 @@ class LearnerRank:
         """Leave the process group (the process itself is ended by its owner)."""
         dist = self._dist()
         if dist.is_initialized():
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+            dist.destroy_process_group()

@@ -324,6 +324,54 @@ def test_bad_normalisers_are_refused(model_path, port):
         learner.train_rollout_batch([b], [s, s], [t])
 
 
+def test_bad_shard_is_refused(model_path, port):
+    learner = _rank(model_path, LearnerConfig(zero_stage=0, micro_batch_size=4), port)
+    b = make_batch(model_path, 4, seed=9)
+    s, t = loss_normalisers(b.response_mask)
+    b.response_mask[0, -1] = True  # a target on padding (row 0 is shorter than the batch)
+    b.attention_mask[0, -1] = 0
+    with pytest.raises(ValueError, match="padding"):
+        learner.train_rollout_batch([b], [s], [t + 1])
+    b2 = make_batch(model_path, 4, seed=9)
+    b2.advantages[1] = float("nan")
+    with pytest.raises(ValueError, match="advantages"):
+        learner.train_rollout_batch([b2], [s], [t])
+
+
+def test_kl_penalty_against_frozen_reference(model_path, port):
+    """kl_coef > 0 loads a frozen reference: at the initial weights the policy is the reference (KL 0, and
+    the loss equals the plain policy loss); after an update the KL of the next minibatch is positive."""
+    cfg = LearnerConfig(algorithm="grpo", zero_stage=1, micro_batch_size=2, lr=1e-2, num_minibatches=2,
+                        kl_coef=0.5, kl_estimator="k3")
+    batches = [make_batch(model_path, 4, seed=13), make_batch(model_path, 4, seed=14)]
+    learner = _rank(model_path, cfg, port)
+    assert learner.ref_model is not None
+    learner.capture_gradients(True)
+    norms = [loss_normalisers(b.response_mask) for b in batches]
+    out = learner.train_rollout_batch(batches[:1], [norms[0][0]], [norms[0][1]])
+    assert out["loss/kl"] == 0.0
+    ref_grads, _ = reference_step(model_path, batches[:1], cfg)  # KL gradient is 0 at the reference
+    assert_grads_close(learner.captured_gradients()[0], ref_grads)
+    out = learner.train_rollout_batch(batches[1:], [norms[1][0]], [norms[1][1]])
+    assert out["loss/kl"] > 0.0
+
+
+def test_bf16_training_runs(model_path, port):
+    cfg = LearnerConfig(algorithm="gspo", zero_stage=2, dtype="bfloat16", micro_batch_size=2, lr=1e-3,
+                        num_minibatches=1)
+    b = make_batch(model_path, 4, seed=15)
+    s, t = loss_normalisers(b.response_mask)
+    learner = _rank(model_path, cfg, port)
+    before = learner.state_checksum()
+    out = learner.train_rollout_batch([b], [s], [t])
+    assert all(torch.isfinite(torch.tensor(v)) for v in out.values())
+    assert out["actor/grad_norm"] > 0
+    assert learner.state_checksum() != before
+    buckets = learner.export_weights(64, as_refs=False)
+    assert all(v.dtype == torch.bfloat16 for bucket in buckets for v in bucket.values())
+    assert learner.compute_log_probs(b).dtype == torch.float32
+
+
 def test_checkpoint_round_trip_single_rank(model_path, port, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
