@@ -193,6 +193,8 @@ class LearnerRank:
         self.clip_low, self.clip_high, self.loss_agg = resolve_objective(
             cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg
         )
+        if use_gpu:
+            get_accelerator().set_device(local_rank)
         deepspeed.init_distributed(
             dist_backend="nccl" if use_gpu else "gloo",
             auto_mpi_discovery=False,
