@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.contracts import Completion, SFTBatch, TrainBatch
+from learner.objectives import loss_normalisers
 
 
 def build_train_batch(
@@ -91,8 +92,9 @@ class RankPlan:
 
 def split_for_ranks(batch: TrainBatch, num_minibatches: int, world_size: int, seed: int) -> list[RankPlan]:
     """Shuffle the sequences (seeded), cut them into ``num_minibatches`` minibatches and each minibatch into
-    ``world_size`` equal shards. Each rank gets its shard of every minibatch plus the minibatch's totals
-    (sequence count and response-token count over all ranks): the global normalisers of the loss.
+    ``world_size`` equal shards. Each rank gets its shard of every minibatch plus the minibatch's totals over
+    all ranks (sequences with at least one response token, and response tokens): the global normalisers of
+    the loss (``learner.objectives.loss_normalisers``).
 
     Raises:
         ValueError: N is not divisible by ``num_minibatches * world_size``.
@@ -106,9 +108,10 @@ def split_for_ranks(batch: TrainBatch, num_minibatches: int, world_size: int, se
     plans = [RankPlan([], [], []) for _ in range(world_size)]
     for m in range(num_minibatches):
         idx = perm[m * mb : (m + 1) * mb]
-        tokens = int(batch.response_mask[idx].sum())
+        # sequences with at least one response token, and response tokens, over the whole minibatch
+        sequences, tokens = loss_normalisers(batch.response_mask[idx])
         for r in range(world_size):
             plans[r].minibatches.append(batch.select(idx[r * shard : (r + 1) * shard]))
-            plans[r].num_sequences.append(mb)
+            plans[r].num_sequences.append(sequences)
             plans[r].num_tokens.append(tokens)
     return plans

@@ -49,7 +49,8 @@ def arithmetic_solution(a: int, b: int) -> str:
 def arithmetic_rows(
     tokenize: Callable[[str], list[int]], *, max_operand: int, num_train: int, num_eval: int, seed: int
 ) -> tuple[list[PromptRow], list[PromptRow]]:
-    """All ``a+b`` problems with ``0 <= a, b <= max_operand``, shuffled with ``seed``; the first ``num_eval``
+    """All ``a+b`` problems with ``0 <= a, b <= max_operand`` (operands zero-padded to the width of
+    ``max_operand``, answer unpadded: ``"07+48="`` -> ``"55"``), shuffled with ``seed``; the first ``num_eval``
     are the held-out split and the next ``num_train`` the training split (disjoint by construction).
 
     Raises:
@@ -63,8 +64,10 @@ def arithmetic_rows(
             f"data.max_operand={max_operand}"
         )
 
+    width = len(str(max_operand))
+
     def row(a: int, b: int, split: str) -> PromptRow:
-        prompt = f"{a}+{b}="
+        prompt = f"{a:0{width}d}+{b:0{width}d}="  # fixed width ("07+48="): every prompt has the same layout
         return PromptRow(
             uid=f"{split}/{a}+{b}",
             prompt=prompt,

@@ -36,6 +36,9 @@ class LearnerConfig(Section):
     old_logprob_source: Literal["rollout", "recompute"] = Field(
         "rollout", description="behaviour log-probs from the engine or a learner forward before updating"
     )
+    cpu_shm_allreduce: bool = Field(
+        False, description="CPU only: DeepSpeed's JIT-built shared-memory all-reduce instead of plain gloo"
+    )
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout; a dead peer fails after this")
     routing_replay: bool = Field(False, description="reuse behaviour-policy expert choices (token-level baseline)")
     zero3_param_persistence_threshold: int | None = Field(

@@ -195,6 +195,13 @@ class LearnerRank:
         )
         if use_gpu:
             get_accelerator().set_device(local_rank)
+        elif not cfg.cpu_shm_allreduce:
+            # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op at every init_distributed
+            # that finds no valid build cache (30 s idle, minutes on a busy machine); plain gloo is as fast
+            # for the tensors of a tiny model. Opt back in with learner.cpu_shm_allreduce=true.
+            import deepspeed.comm.torch as ds_torch_comm
+
+            ds_torch_comm.build_shm_op = lambda: None
         deepspeed.init_distributed(
             dist_backend="nccl" if use_gpu else "gloo",
             auto_mpi_discovery=False,
