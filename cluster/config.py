@@ -67,6 +67,10 @@ class TrainerConfig(Section):
     total_steps: int = Field(10, ge=0, description="RL steps (one rollout batch each)")
     prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch")
     group_size: int = Field(8, ge=2, description="completions per prompt (G)")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal and sample more prompts to refill"
+    )
+    max_sampling_rounds: int = Field(3, ge=0, description="dynamic sampling: extra rollout rounds per step, at most")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(2, ge=1)

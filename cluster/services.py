@@ -155,7 +155,9 @@ class EngineFleet:
         self.groups: list[Any] = []
         self._next_index = 0
         self.weight_version = 0
-        self.restarts = 0
+        self.max_retries = 3
+        self.restarts = 0  # engines replaced after dying (for fault/rollout_restarts)
+        self.last_refs: list[Any] | None = None  # the current weights' buckets (None: the model folder's)
 
     def _start_one(self) -> tuple[Any, Any]:
         from rollout.engine import RolloutEngine
@@ -181,12 +183,42 @@ class EngineFleet:
         return actor, pg
 
     def start(self, count: int) -> None:
-        """Start ``count`` more engines (from the model folder; call ``sync`` to give them current weights)."""
+        """Start ``count`` more engines; once weights were synced, new engines load the current ones."""
         new = [self._start_one() for _ in range(count)]
         ray.get([a.pid.remote() for a, _ in new])
+        if self.last_refs is not None:
+            ray.get([a.update_weights.remote(self.last_refs, self.weight_version) for a, _ in new])
         for a, pg in new:
             self.engines.append(a)
             self.groups.append(pg)
+
+    def resize(self, count: int) -> None:
+        """Grow or shrink to ``count`` engines (between steps)."""
+        if count < 1:
+            raise ValueError(f"rollout.num_engines={count} must be >= 1")
+        if count > len(self.engines):
+            self.start(count - len(self.engines))
+        elif count < len(self.engines):
+            self.stop(len(self.engines) - count)
+
+    def replace(self, slot: int) -> None:
+        """Replace the engine in ``slot`` (dead or hung) with a new one holding the current weights."""
+        old, pg = self.engines[slot], self.groups[slot]
+        try:
+            ray.kill(old)
+        except Exception:
+            pass
+        remove_placement_group(pg)
+        actor, new_pg = self._start_one()
+        ray.get(actor.pid.remote())
+        if self.last_refs is not None:
+            ray.get(actor.update_weights.remote(self.last_refs, self.weight_version))
+        self.engines[slot], self.groups[slot] = actor, new_pg
+        self.restarts += 1
+        log.warning("rollout engine %d died and was replaced (weight version %d)", slot, self.weight_version)
+
+    def pids(self) -> list[int]:
+        return ray.get([e.pid.remote() for e in self.engines])
 
     def stop(self, count: int) -> None:
         """Stop the last ``count`` engines (between steps, so no prompt is in flight)."""
@@ -219,27 +251,51 @@ class EngineFleet:
         """``n`` completions per prompt, prompts spread over the engines in contiguous chunks; results come
         back in prompt order (group i = completions ``i*n .. i*n+n-1``)."""
         chunks = self._chunks(prompts, len(self.engines))
-        calls = []
-        for i, (engine, chunk) in enumerate(zip(self.engines, chunks)):
-            if not chunk:
-                continue
+
+        def call(slot: int):
+            engine, chunk = self.engines[slot], chunks[slot]
             if greedy:
-                calls.append(engine.generate_greedy.remote(chunk))
-            else:
-                calls.append(engine.generate.remote(chunk, n, seed=None if seed is None else seed + 7919 * i))
+                return engine.generate_greedy.remote(chunk)
+            return engine.generate.remote(chunk, n, seed=None if seed is None else seed + 7919 * slot)
+
+        pending = {slot: call(slot) for slot in range(len(chunks)) if chunks[slot]}
+        results: dict[int, list[Completion]] = {}
+        attempts = {slot: 0 for slot in pending}
+        while pending:
+            for slot, ref in list(pending.items()):
+                try:
+                    results[slot] = ray.get(ref)
+                    del pending[slot]
+                except ray.exceptions.RayActorError as err:
+                    # The engine process died: its prompts are generated again on a new engine.
+                    attempts[slot] += 1
+                    if attempts[slot] > self.max_retries:
+                        raise RuntimeError(f"rollout engine {slot} died {attempts[slot]} times in one step") from err
+                    self.replace(slot)
+                    pending[slot] = call(slot)
         out: list[Completion] = []
-        for part in ray.get(calls):
-            out.extend(part)
+        for slot in sorted(results):
+            out.extend(results[slot])
         return out
 
     def sync(self, refs: list[Any], version: int) -> float:
-        """Load the bucketed weights (object refs) into every engine at once; returns the slowest engine's
-        load time in seconds."""
-        times = ray.get([e.update_weights.remote(refs, version) for e in self.engines])
+        """Load the bucketed weights (object refs) into every engine at once; an engine that died is replaced
+        by one that loads the same refs. Returns the slowest engine's load time in seconds.
+
+        Raises:
+            RuntimeError: an engine reports another version afterwards.
+        """
+        self.last_refs, self.weight_version = refs, version
+        calls = {slot: e.update_weights.remote(refs, version) for slot, e in enumerate(self.engines)}
+        times = []
+        for slot, ref in calls.items():
+            try:
+                times.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                self.replace(slot)  # loads self.last_refs
         versions = ray.get([e.weight_version.remote() for e in self.engines])
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")
-        self.weight_version = version
         return max(times) if times else 0.0
 
 

@@ -144,8 +144,7 @@ class Trainer:
 
         t = time.perf_counter()
         refs = services.export_weights(self.learners, self.cfg.sync.bucket_mb)
-        self.fleet.sync(refs, version)
-        del refs
+        self.fleet.sync(refs, version)  # the fleet keeps the refs: replacement engines load them
         self.weight_version = version
         return time.perf_counter() - t
 
@@ -219,49 +218,82 @@ class Trainer:
         from cluster.batching import build_train_batch, split_for_ranks
         from learner.advantages import group_advantages
 
-        cfg = self.cfg
-        G = cfg.trainer.group_size
+        cfg, tc = self.cfg, self.cfg.trainer
+        G, P = tc.group_size, tc.prompts_per_step
         t_step = time.perf_counter()
-        prompts = self.stream.take(cfg.trainer.prompts_per_step)
-        rows_by_uid = {r.uid: r for r in prompts}
+        self._apply_control()
+        restarts = self.fleet.restarts
 
-        t = time.perf_counter()
-        comps = self.fleet.generate(prompts, G, seed=cfg.rollout.seed + 1_000_003 * self.step)
-        rollout_s = time.perf_counter() - t
-        if len(comps) != len(prompts) * G:
-            raise RuntimeError(f"rollout returned {len(comps)} completions for {len(prompts)} prompts x G={G}")
-
-        t = time.perf_counter()
-        results = self._score(rows_by_uid, comps)
-        reward_s = time.perf_counter() - t
-        reward_metrics = self.rewards.metrics()
+        # Rollout and reward. With dynamic sampling (DAPO), groups whose valid rewards are all equal carry no
+        # signal: they are dropped and more prompts are sampled, at most trainer.max_sampling_rounds extra rounds.
+        prompts, comps, results = [], [], []
+        rollout_s = reward_s = 0.0
+        dropped, rounds, want, generated_tokens = 0, 0, P, 0
+        reward_metrics: dict[str, float] = {}
+        while want > 0:
+            batch_prompts = self.stream.take(want)
+            t = time.perf_counter()
+            new = self.fleet.generate(batch_prompts, G, seed=cfg.rollout.seed + 1_000_003 * self.step + 7_919 * rounds)
+            rollout_s += time.perf_counter() - t
+            generated_tokens += sum(len(c.response_token_ids) for c in new)
+            if len(new) != len(batch_prompts) * G:
+                raise RuntimeError(f"rollout returned {len(new)} completions for {len(batch_prompts)} prompts x G={G}")
+            t = time.perf_counter()
+            scored = self._score({r.uid: r for r in batch_prompts}, new)
+            reward_s += time.perf_counter() - t
+            for k, v in self.rewards.metrics().items():
+                reward_metrics[k] = reward_metrics.get(k, 0.0) + v
+            for i, row in enumerate(batch_prompts):
+                group = scored[i * G : (i + 1) * G]
+                if tc.dynamic_sampling and _all_equal([r.score for r in group]):
+                    dropped += 1
+                    continue
+                if len(prompts) < P:
+                    prompts.append(row)
+                    comps.extend(new[i * G : (i + 1) * G])
+                    results.extend(group)
+            rounds += 1
+            want = P - len(prompts) if tc.dynamic_sampling and rounds <= tc.max_sampling_rounds else 0
+        unit = cfg.learner.num_minibatches * cfg.learner.world_size
+        usable = len(prompts) - len(prompts) % unit
+        if usable < len(prompts):
+            log.warning("dynamic sampling: %d informative groups after %d rounds (bound reached); training on %d",
+                        len(prompts), rounds, usable)
+            prompts, comps, results = prompts[:usable], comps[: usable * G], results[: usable * G]
 
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
-        advantages = group_advantages(rewards, G, normalize_std=cfg.learner.normalize_adv_std)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batch = build_train_batch(comps, rewards, advantages, pad)
-        plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=cfg.trainer.seed + self.step)
-
-        t = time.perf_counter()
-        outs = ray.get([
-            l.train_rollout_batch.remote(p.minibatches, p.num_sequences, p.num_tokens)
-            for l, p in zip(self.learners, plans)
-        ])
-        learner_s = time.perf_counter() - t
-        sync_s = self._sync_weights(self.weight_version + 1)
+        m: dict[str, Any] = {"step": self.step + 1}
+        if prompts:
+            advantages = group_advantages(rewards, G, normalize_std=cfg.learner.normalize_adv_std)
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            batch = build_train_batch(comps, rewards, advantages, pad)
+            plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
+            t = time.perf_counter()
+            outs = ray.get([
+                l.train_rollout_batch.remote(p.minibatches, p.num_sequences, p.num_tokens)
+                for l, p in zip(self.learners, plans)
+            ])
+            learner_s = time.perf_counter() - t
+            m.update(outs[0])
+            sync_s = self._sync_weights(self.weight_version + 1)
+        else:
+            log.warning("step %d: no informative group; no update", self.step + 1)
+            learner_s = sync_s = 0.0
         self.step += 1
         self.trained_uids.append([r.uid for r in prompts])
+        if tc.dynamic_sampling:
+            m.update({"sampling/rounds": float(rounds), "sampling/dropped_groups": float(dropped),
+                      "sampling/groups_trained": float(len(prompts))})
 
         valid = rewards[~torch.isnan(rewards)]
         lengths = [len(c.response_token_ids) for c in comps]
         groups = rewards.view(-1, G)
-        m: dict[str, Any] = {
-            "step": self.step,
+        m.update({
             "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
             "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
             "reward/accuracy": _mean([1.0 if r.correct else 0.0 for r in results]),
             "reward/invalid": float(torch.isnan(rewards).sum()),
-            "reward/groups_all_equal": float(((groups.max(1).values - groups.min(1).values) == 0).float().mean()),
+            "reward/groups_all_equal": _mean([1.0 if _all_equal(g) else 0.0 for g in groups.tolist()]),
             "response/length_mean": _mean([float(x) for x in lengths]),
             "response/length_max": float(max(lengths) if lengths else 0),
             "response/clip_ratio": _mean([1.0 if c.truncated else 0.0 for c in comps]),
@@ -269,16 +301,41 @@ class Trainer:
             "timing/reward_s": reward_s,
             "timing/learner_s": learner_s,
             "timing/weight_sync_s": sync_s,
-            "throughput/rollout_tokens_per_s": sum(lengths) / rollout_s if rollout_s > 0 else 0.0,
+            "throughput/rollout_tokens_per_s": generated_tokens / rollout_s if rollout_s > 0 else 0.0,
             "weight_version": self.weight_version,
             "data/epoch": float(self.stream.epoch),
-        }
-        m.update(outs[0])
+            "fault/rollout_restarts": float(self.fleet.restarts - restarts),
+            "rollout/num_engines": float(len(self.fleet)),
+            "reward/num_workers": float(self.rewards.num_workers),
+        })
         m.update(reward_metrics)
-        if "loss/policy" not in m:
-            raise RuntimeError("learner returned no loss/policy metric")
         m["timing/step_s"] = time.perf_counter() - t_step
         return m
+
+    def _apply_control(self) -> None:
+        """Scale between steps: ``<run_dir>/control.yaml`` may set ``rollout.num_engines`` and
+        ``reward.num_workers`` (for example ``rollout.num_engines: 4`` when the cluster gained nodes). The
+        file is read before every step; new engines start with the current weights, surplus ones are
+        stopped after finishing their work (nothing is in flight between steps)."""
+        path = self.run_dir / "control.yaml"
+        if not path.is_file():
+            return
+        try:
+            wanted = yaml.safe_load(path.read_text()) or {}
+            engines = int(wanted.get("rollout.num_engines", len(self.fleet)))
+            workers = int(wanted.get("reward.num_workers", self.rewards.num_workers))
+        except (yaml.YAMLError, TypeError, ValueError, AttributeError) as e:
+            log.warning("ignoring %s: %s", path, e)
+            return
+        if engines != len(self.fleet):
+            if engines < 1:
+                log.warning("ignoring %s: rollout.num_engines=%d must be >= 1", path, engines)
+            else:
+                log.info("scaling rollout engines %d -> %d", len(self.fleet), engines)
+                self.fleet.resize(engines)
+        if workers != self.rewards.num_workers and workers >= 1:
+            log.info("scaling reward workers %d -> %d", self.rewards.num_workers, workers)
+            self.rewards.resize(workers)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -369,6 +426,16 @@ class Trainer:
                 pass
 
 
+def _is_learner_error(err: Exception) -> bool:
+    return "LearnerRank" in str(err)
+
+
+def _all_equal(scores: list[float]) -> bool:
+    """True when the group's valid (non-NaN) rewards are all equal (or fewer than two are valid)."""
+    valid = [x for x in scores if not math.isnan(x)]
+    return len(valid) < 2 or max(valid) == min(valid)
+
+
 def _select_sft(batch, lo: int, hi: int):
     from cluster.contracts import SFTBatch
 
@@ -406,6 +473,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.start()
         summary = trainer.run()
+    except Exception as e:
+        import ray
+
+        if isinstance(e, ray.exceptions.RayActorError) and _is_learner_error(e):
+            from cluster.checkpoint import latest_checkpoint
+
+            ck = latest_checkpoint(trainer.run_dir)
+            where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"
+            print(f"error: a learner rank died at step {trainer.step + 1} ({type(e).__name__}); the run stops. "
+                  f"Resume with trainer.resume=true: {where}.", file=sys.stderr)
+            return 3
+        raise
     finally:
         trainer.shutdown()
     print(json.dumps(summary, indent=2))

@@ -1,0 +1,609 @@
+"""Submit training as a Ray job: ``python -m cluster.submit CONFIG [dotted.key=value ...]``.
+
+The job's entry point is ``python -m cluster.train CONFIG overrides`` run by the cluster's job server (the Ray
+Jobs API, ``ray job submit`` semantics): the repository is shipped as the job's ``working_dir`` (without
+``.venv``, ``outputs``, ``.git`` and caches), the driver connects to the cluster through the ``RAY_ADDRESS``
+that the job server sets, this command follows the job's logs and exits with its status.
+
+Where the job goes:
+
+- ``--address`` or ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS``: the dashboard of a running cluster
+  (``http://127.0.0.1:8265`` style; the job server lives in the dashboard).
+- Neither: a local head is started for this job, bound to 127.0.0.1 (GCS, dashboard and job server
+  included, every port chosen free, a private temp dir), and stopped when the job ends unless
+  ``--keep-cluster`` (or ``--no-wait``) is given. Its workers use this interpreter's environment (no
+  package installs in the runtime env); a real cluster runs an image with the project installed.
+
+Other verbs, against ``--address`` / ``RAY_ADDRESS``: ``--status ID``, ``--logs ID``, ``--stop ID``; and
+``--stop-head DIR`` stops a local head that ``--keep-cluster``/``--no-wait`` left running.
+
+Exit status: 0 when the job SUCCEEDED, 1 FAILED, 3 STOPPED, 2 bad arguments or config, 4 no cluster (the
+local head did not start, or nothing answers at the address), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import shutil
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ConfigError, load_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: gitignore-style patterns left out of the shipped working_dir (Ray also honours .gitignore).
+WORKING_DIR_EXCLUDES = [
+    ".venv/",
+    ".git/",
+    "outputs/",
+    "wandb/",
+    "__pycache__/",
+    "*.pyc",
+    ".pytest_cache/",
+    ".mypy_cache/",
+    ".ruff_cache/",
+    ".cache/",
+    "*.egg-info/",
+    "build/",
+]
+
+#: Variables copied from the submitting shell into the job's environment when they are set there. Secrets
+#: (WANDB_API_KEY, HF_TOKEN) are NOT in this list: a runtime env is visible to anyone who can read the
+#: dashboard. Set them on the cluster's nodes, or pass them on purpose with ``--env NAME``.
+FORWARDED_ENV = (
+    "DS_ACCELERATOR",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "OMP_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "RAY_DEDUP_LOGS",
+    "WANDB_MODE",
+    "WANDB_SILENT",
+    "WANDB_DIR",
+)
+
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+HEAD_STATE_FILE = "gspo-head.json"
+
+
+class SubmitError(RuntimeError):
+    """The job could not be submitted or followed (no cluster, bad address, head failed to start)."""
+
+
+# ---------------------------------------------------------------------------------------- the local head
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` at the time of the call."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalHead:
+    """A single-node Ray cluster started by this process with ``ray start --head``.
+
+    Everything binds to ``host`` (127.0.0.1 by default); every port is chosen free, so it never collides with
+    another Ray instance on the machine, and all of its files live in a private temp dir. ``stop()`` ends only
+    the processes of this head: the process group it was started in, plus any process whose command line
+    names its temp dir. It never runs ``ray stop`` (which would end every Ray instance of the machine).
+
+    Args:
+        num_cpus: logical CPUs of the node (the actors' reservations, not cores).
+        num_gpus: GPUs of the node; None lets Ray detect them.
+        temp_dir: the head's ``--temp-dir`` (created; keep the path short: Ray's socket paths live under it).
+            None: a new ``/tmp/gspo-ray-*`` folder.
+        host: address every server binds to.
+        object_store_memory: bytes of the object store; None = Ray's default (30% of RAM).
+    """
+
+    def __init__(
+        self,
+        num_cpus: int,
+        num_gpus: int | None = None,
+        temp_dir: str | Path | None = None,
+        host: str = "127.0.0.1",
+        object_store_memory: int | None = None,
+    ):
+        if num_cpus < 1:
+            raise ValueError(f"num_cpus={num_cpus!r} must be >= 1")
+        self.num_cpus = int(num_cpus)
+        self.num_gpus = num_gpus
+        self.host = host
+        self.object_store_memory = object_store_memory
+        self.temp_dir = Path(temp_dir) if temp_dir else Path(tempfile.mkdtemp(prefix="gspo-ray-", dir="/tmp"))
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self.temp_dir = self.temp_dir.resolve()
+        self.pgid: int | None = None
+        self.token: str | None = None
+        self.gcs_port: int | None = None
+        self.dashboard_port: int | None = None
+
+    @property
+    def dashboard_url(self) -> str:
+        """The job server's address (``http://host:port``), for ``JobSubmissionClient`` and the browser."""
+        return f"http://{self.host}:{self.dashboard_port}"
+
+    @property
+    def token_path(self) -> Path:
+        """The head's private authentication token (mode 0600), for ``RAY_AUTH_TOKEN_PATH``."""
+        return self.temp_dir / "auth_token"
+
+    def auth_env(self) -> dict[str, str]:
+        """Environment that lets Ray's own clients (``ray.init``, the ``ray`` CLI) talk to this head."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
+
+    def client(self):
+        """A ``JobSubmissionClient`` of this head (sends its token)."""
+        return make_client(self.dashboard_url, token=self.token)
+
+    @property
+    def gcs_address(self) -> str:
+        """``host:port`` of the GCS, for ``ray.init(address=...)``."""
+        return f"{self.host}:{self.gcs_port}"
+
+    def command(self) -> list[str]:
+        """The ``ray start`` command line (ports filled in)."""
+        ports = {name: free_port(self.host) for name in (
+            "port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port",
+            "object-manager-port")}
+        self.gcs_port, self.dashboard_port = ports["port"], ports["dashboard-port"]
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head",
+               "--node-ip-address", self.host, "--dashboard-host", self.host, "--include-dashboard", "true",
+               "--num-cpus", str(self.num_cpus), "--temp-dir", str(self.temp_dir), "--disable-usage-stats"]
+        if self.num_gpus is not None:
+            cmd += ["--num-gpus", str(int(self.num_gpus))]
+        if self.object_store_memory:
+            cmd += ["--object-store-memory", str(int(self.object_store_memory))]
+        for name, port in ports.items():
+            cmd += [f"--{name}", str(port)]
+        return cmd
+
+    def start(self, timeout_s: float = 180.0) -> "LocalHead":
+        """Start the head and wait until its job server answers.
+
+        Raises:
+            SubmitError: ``ray start`` failed or the job server did not answer within ``timeout_s``.
+        """
+        # Token authentication with a token of this head's own (never ~/.ray/auth_token, which other Ray
+        # instances of this user share): the GCS, the dashboard and the job server refuse requests without it.
+        self.token = secrets.token_hex(32)
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+        env = dict(os.environ)
+        env.pop("RAY_AUTH_TOKEN", None)
+        env.update(self.auth_env())
+        # The job's entry point and the workers find this interpreter first.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+            env.pop(var, None)
+        cmd = self.command()
+        # A new session: every daemon `ray start` spawns stays in this process group, so stop() finds them.
+        proc = subprocess.Popen(cmd, env=env, cwd=str(self.temp_dir), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.pgid = proc.pid
+        self._write_state()
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise SubmitError(f"`ray start` did not return within {timeout_s:.0f}s") from None
+        if proc.returncode != 0:
+            self.stop()
+            raise SubmitError(f"`ray start` failed (exit {proc.returncode}):\n{out[-4000:]}")
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self.client().list_jobs()
+                return self
+            except Exception as e:  # the dashboard comes up a little after `ray start` returns
+                last = e
+                time.sleep(1.0)
+        self.stop()
+        raise SubmitError(f"the job server at {self.dashboard_url} did not answer within {timeout_s:.0f}s: {last}")
+
+    def _write_state(self) -> None:
+        state = {"pgid": self.pgid, "temp_dir": str(self.temp_dir), "gcs_port": self.gcs_port,
+                 "dashboard_port": self.dashboard_port, "host": self.host}
+        (self.temp_dir / HEAD_STATE_FILE).write_text(json.dumps(state))
+
+    def stop(self, grace_s: float = 15.0, remove_temp_dir: bool = False) -> int:
+        """End this head's processes (SIGTERM, then SIGKILL after ``grace_s``); returns how many were found."""
+        n = stop_head_processes(self.temp_dir, self.pgid, grace_s=grace_s)
+        if remove_temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return n
+
+    def __enter__(self) -> "LocalHead":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def head_processes(temp_dir: str | Path, pgid: int | None = None) -> list[Any]:
+    """Processes of the head whose temp dir is ``temp_dir``: members of process group ``pgid`` and any process
+    whose command line names ``temp_dir`` (Ray passes its session dir to every daemon and worker)."""
+    import psutil
+
+    marker = str(Path(temp_dir).resolve())
+    me = os.getpid()
+    named, grouped, group_is_ours = [], [], False
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["pid"] == me:
+            continue
+        try:
+            in_group = pgid is not None and os.getpgid(p.info["pid"]) == pgid
+            names_dir = any(marker in arg for arg in (p.info["cmdline"] or []))
+        except (ProcessLookupError, psutil.Error):
+            continue
+        if names_dir:
+            named.append(p)
+            group_is_ours |= in_group
+        elif in_group:
+            grouped.append(p)
+    # A group id is trusted only while a process of that group names our temp dir (ids can be reused).
+    return named + (grouped if group_is_ours else [])
+
+
+def stop_head_processes(temp_dir: str | Path, pgid: int | None = None, grace_s: float = 15.0) -> int:
+    """SIGTERM the processes of one local head (see ``head_processes``), SIGKILL what is left after ``grace_s``.
+
+    Returns:
+        The number of processes found.
+    """
+    import psutil
+
+    procs = head_processes(temp_dir, pgid)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    # Workers started late (after the first scan) still name the temp dir.
+    late = head_processes(temp_dir, pgid)
+    for p in late:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return len(procs) + len(late)
+
+
+def stop_head_from_dir(temp_dir: str | Path) -> int:
+    """Stop a local head that ``--keep-cluster``/``--no-wait`` left running, given its temp dir."""
+    state_file = Path(temp_dir) / HEAD_STATE_FILE
+    if not state_file.is_file():
+        raise SubmitError(f"{str(temp_dir)!r} is not the temp dir of a head started by cluster.submit "
+                          f"(no {HEAD_STATE_FILE})")
+    state = json.loads(state_file.read_text())
+    return stop_head_processes(state["temp_dir"], state.get("pgid"))
+
+
+# ------------------------------------------------------------------------------------------- the job
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The cluster to submit to: ``address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``, else None."""
+    return address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
+
+
+def make_client(address: str, token: str | None = None):
+    """A ``JobSubmissionClient`` for ``address`` (Ray lets the environment override its argument; here the
+    argument wins). ``token``: the cluster's authentication token, sent as a bearer header; None leaves it
+    to Ray (``RAY_AUTH_MODE=token`` with ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``).
+
+    Raises:
+        SubmitError: nothing answers at ``address``.
+    """
+    from ray.job_submission import JobSubmissionClient
+
+    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") if k in os.environ}
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        return JobSubmissionClient(address, headers=headers)
+    except Exception as e:
+        raise SubmitError(f"no Ray job server answers at {address!r}: {e}") from None
+    finally:
+        os.environ.update(saved)
+
+
+def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job's runtime env: the repository as ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the
+    ``FORWARDED_ENV`` variables set in this shell, ``extra_env``, and ``extra`` merged on top (for example
+    ``{"pip": [...]}`` or ``{"image_uri": ...}``; ``env_vars`` and ``excludes`` are merged, not replaced)."""
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env.setdefault("GSPO_PROGRESS", "0")  # no live progress bar in job logs: one log line per step
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra_env or {})
+    rt: dict[str, Any] = {"working_dir": str(REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES), "env_vars": env}
+    for key, value in (extra or {}).items():
+        if key == "env_vars":
+            rt["env_vars"].update(value)
+        elif key == "excludes":
+            rt["excludes"] += list(value)
+        else:
+            rt[key] = value
+    return rt
+
+
+def _config_in_repo(config: str) -> str:
+    """The config's path relative to the repository root (the job sees only the shipped copy)."""
+    p = Path(config).resolve()
+    try:
+        rel = p.relative_to(REPO_ROOT)
+    except ValueError:
+        raise ConfigError(f"config {config!r} is outside the repository {str(REPO_ROOT)!r}; only the repository "
+                          "is shipped to the cluster: copy it into configs/") from None
+    top = rel.parts[0] + "/"
+    if top in WORKING_DIR_EXCLUDES:
+        raise ConfigError(f"config {config!r} is in {top}, which is not shipped to the cluster")
+    return rel.as_posix()
+
+
+def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -> list[str]:
+    """Overrides that make the run's relative paths absolute, so that the job (which runs in a copy of the
+    repository in Ray's temp dir) reads and writes the caller's files: ``trainer.output_dir`` (relative to
+    ``cwd``), ``data.train_path``/``data.test_path`` (as ``cluster.data`` resolves them: from ``cwd`` when the
+    file exists there, else from the repository root) and ``model.path`` when it is a relative folder.
+
+    On a multi-node cluster these paths must exist on the head node (shared filesystem, same mount point).
+
+    Raises:
+        ConfigError: the config does not load or validate.
+    """
+    from cluster.data import resolve_data_path
+
+    cwd = (cwd or Path.cwd()).resolve()
+    cfg = load_config(config, overrides)
+    out = []
+    if not Path(cfg.trainer.output_dir).is_absolute():
+        out.append(f"trainer.output_dir={cwd / cfg.trainer.output_dir}")
+    for key in ("train_path", "test_path"):
+        value = getattr(cfg.data, key)
+        if value and not Path(value).is_absolute():
+            p = cwd / value
+            out.append(f"data.{key}={p.resolve() if p.exists() else resolve_data_path(value).resolve()}")
+    mp = cfg.model.path
+    if not mp.startswith("builtin:") and not Path(mp).is_absolute():
+        out.append(f"model.path={(cwd / mp).resolve()}")
+    return out
+
+
+def train_entrypoint(config: str, overrides: list[str], python: str = "python") -> str:
+    """The job's shell command: ``python -m cluster.train CONFIG overrides`` (quoted)."""
+    return shlex.join([python, "-m", "cluster.train", _config_in_repo(config), *overrides])
+
+
+def submit_job(client, entrypoint: str, runtime_env: dict[str, Any], submission_id: str | None = None) -> str:
+    """Submit ``entrypoint`` with ``runtime_env`` through the Jobs API; returns the submission id."""
+    return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id)
+
+
+def follow(client, job_id: str, out=None, poll_s: float = 2.0) -> str:
+    """Print the job's logs as they come (``tail_job_logs``) until it ends; returns its final status name.
+
+    If the log stream breaks (a restarted dashboard, a proxy), falls back to polling the status.
+    """
+    out = out or sys.stdout
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+    try:
+        asyncio.run(tail())
+    except RuntimeError as e:
+        print(f"[cluster.submit] log stream of {job_id} ended: {e}; polling its status", file=sys.stderr)
+    while True:
+        status = client.get_job_status(job_id)
+        if status.is_terminal():
+            return status.value
+        time.sleep(poll_s)
+
+
+def wait_terminal(client, job_id: str, timeout_s: float = 60.0, poll_s: float = 0.5) -> str:
+    """Poll until the job is in a terminal state or ``timeout_s`` passes; returns the last status name."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.get_job_status(job_id)
+        if status.is_terminal() or time.monotonic() > deadline:
+            return status.value
+        time.sleep(poll_s)
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        if "=" in item:
+            k, v = item.split("=", 1)
+        elif item in os.environ:
+            k, v = item, os.environ[item]
+        else:
+            raise ConfigError(f"--env {item}: not of the form NAME=VALUE and NAME is not set in this shell")
+        env[k] = v
+    return env
+
+
+def _local_cpus(config: str, overrides: list[str]) -> int:
+    from cluster.plan import plan
+
+    cfg = load_config(config, overrides)
+    return max(os.cpu_count() or 1, math.ceil(plan(cfg)["logical_cpus"] - 1e-9))
+
+
+def _uses_gpus(config: str, overrides: list[str]) -> bool:
+    cfg = load_config(config, overrides)
+    return bool(cfg.learner.num_gpus_per_rank or cfg.rollout.num_gpus_per_engine)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cluster.submit", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("config", nargs="?", help="YAML config inside the repository (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides passed to cluster.train")
+    p.add_argument("--address", help="job server of a running cluster (http://HOST:8265); default RAY_ADDRESS")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return (keeps a local head)")
+    p.add_argument("--keep-cluster", action="store_true", help="leave the local head running after the job")
+    p.add_argument("--status", metavar="ID", help="print a job's status")
+    p.add_argument("--logs", metavar="ID", help="print a job's logs so far")
+    p.add_argument("--stop", metavar="ID", help="stop a job and wait until it has ended")
+    p.add_argument("--stop-head", metavar="DIR", help="stop the local head whose temp dir is DIR")
+    p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="extra job environment variable (NAME alone copies it from this shell); repeatable")
+    p.add_argument("--runtime-env-json", help="JSON merged into the runtime env (pip, image_uri, env_vars, ...)")
+    p.add_argument("--entrypoint", metavar="CMD",
+                   help="run CMD instead of cluster.train (smoke-test a cluster); CONFIG is then not needed")
+    p.add_argument("--submission-id", help="job id to use (default: Ray picks one)")
+    p.add_argument("--python", default=None,
+                   help="interpreter of the entry point (default: this one on a local head, `python` on a cluster)")
+    p.add_argument("--temp-dir", help="local head: its --temp-dir (default /tmp/gspo-ray-*)")
+    p.add_argument("--num-cpus", type=int, help="local head: logical CPUs (default: what the config reserves, "
+                                                  "at least the machine's cores)")
+    return p
+
+
+def _verb(args, address: str | None) -> int:
+    if not address:
+        print("error: --status/--logs/--stop need --address or RAY_ADDRESS (the dashboard, http://HOST:8265)",
+              file=sys.stderr)
+        return 2
+    try:
+        client = make_client(address)
+    except SubmitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    job_id = args.status or args.logs or args.stop
+    try:
+        if args.status:
+            info = client.get_job_info(job_id)
+            print(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+        elif args.logs:
+            sys.stdout.write(client.get_job_logs(job_id))
+        else:
+            stopped = client.stop_job(job_id)
+            final = wait_terminal(client, job_id)
+            print(f"{job_id}: {'stop requested' if stopped else 'was not running'}; status {final}")
+    except Exception as e:  # unknown job id, refused request: Ray raises RuntimeError and its own errors
+        print(f"error: job {job_id!r} at {address}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    address = resolve_address(args.address)
+    try:
+        if args.stop_head:
+            n = stop_head_from_dir(args.stop_head)
+            print(f"stopped {n} processes of the head in {args.stop_head}")
+            return 0
+        if args.status or args.logs or args.stop:
+            return _verb(args, address)
+        if not args.config and not args.entrypoint:
+            print("error: a CONFIG is needed (or --entrypoint, --status, --logs, --stop, --stop-head)", file=sys.stderr)
+            return 2
+        if args.entrypoint and (args.config or args.overrides):
+            print("error: --entrypoint replaces CONFIG and overrides; give one or the other", file=sys.stderr)
+            return 2
+        overrides = list(args.overrides)
+        if args.config:
+            overrides += path_overrides(args.config, overrides)
+            load_config(args.config, overrides)  # refuse a bad config here, before anything starts
+            _config_in_repo(args.config)
+        extra = json.loads(args.runtime_env_json) if args.runtime_env_json else None
+        runtime_env = job_runtime_env(_parse_env(args.env), extra)
+    except (ConfigError, SubmitError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    head = None
+    if not address:
+        if args.config:
+            num_cpus = args.num_cpus or _local_cpus(args.config, overrides)
+            num_gpus = None if _uses_gpus(args.config, overrides) else 0
+        else:
+            num_cpus, num_gpus = args.num_cpus or (os.cpu_count() or 1), None
+        head = LocalHead(num_cpus=num_cpus, num_gpus=num_gpus, temp_dir=args.temp_dir)
+        print(f"[cluster.submit] starting a local Ray head on 127.0.0.1 (temp dir {head.temp_dir})", file=sys.stderr)
+        try:
+            head.start()
+        except SubmitError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 4
+        address = head.dashboard_url
+        print(f"[cluster.submit] Ray dashboard: {address}", file=sys.stderr)
+    keep = head is not None and (args.keep_cluster or args.no_wait)
+    python = args.python or (sys.executable if head is not None else "python")
+    job_id = None
+    try:
+        client = head.client() if head is not None else make_client(address)
+        entrypoint = args.entrypoint or train_entrypoint(args.config, overrides, python)
+        job_id = submit_job(client, entrypoint, runtime_env, args.submission_id)
+        print(f"[cluster.submit] submitted {job_id}: {entrypoint}", file=sys.stderr)
+        if args.no_wait:
+            print(job_id)
+            return 0
+        status = follow(client, job_id)
+        print(f"[cluster.submit] job {job_id} {status}", file=sys.stderr)
+        return EXIT_CODES.get(status, 1)
+    except SubmitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    except KeyboardInterrupt:
+        if head is not None and not keep and job_id:
+            print(f"[cluster.submit] interrupted: stopping {job_id} and the local head", file=sys.stderr)
+            try:
+                client.stop_job(job_id)
+                wait_terminal(client, job_id, timeout_s=30)
+            except Exception:
+                pass
+        elif job_id:
+            print(f"[cluster.submit] interrupted: job {job_id} keeps running; stop it with "
+                  f"`python -m cluster.submit --address {address} --stop {job_id}`", file=sys.stderr)
+        return 130
+    finally:
+        if head is not None:
+            if keep:
+                auth = " ".join(f"{k}={v}" for k, v in head.auth_env().items())
+                print(f"[cluster.submit] local head kept. Use it with: {auth} RAY_ADDRESS={head.dashboard_url} "
+                      f"python -m cluster.submit ...; stop it with "
+                      f"`python -m cluster.submit --stop-head {head.temp_dir}`", file=sys.stderr)
+            else:
+                head.stop(remove_temp_dir=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
