@@ -1,19 +1,35 @@
 """The verifier fork server: ``python -m reward._forkserver``, started and spoken to by ``reward.runner``.
 
 A clean single-threaded process (no Ray, no gRPC threads) that imports the verifiers once, warms
-math-verify, then for each batch of calls forks one child per call (at most ``parallel`` alive), enforces
-each call's wall-clock limit by killing the child's whole process group, and answers with the outcomes.
+math-verify, freezes its heap for the garbage collector (so forked children do not copy it page by page),
+then for each batch of calls forks child processes that run the calls (at most ``parallel`` children alive),
+enforces each call's wall-clock limit by killing the child's whole process group, and answers with the
+outcomes.
+
+Batching: a child runs a *chunk* of up to ``chunk_size`` calls one after the other and streams one result
+frame per call as soon as that call is done, stamped with the (system-wide) monotonic time it ended; the
+next call's time limit starts at that stamp. The server tracks the limit of the call each child is on. When
+it expires, the child's process group is killed, that call is recorded as ``timeout``, and the chunk's
+remaining calls go to a new child; a child that dies mid-call (a crash, ``os._exit``, the memory limit) costs
+that call an ``error`` (``VerifierDied``) and its remaining calls likewise go to a new child. Every call gets
+exactly one outcome: a result is taken only from the child running it, in chunk order, and each new child
+starts with the first call that has none. ``chunk_size=1`` is a fresh process per call. Calls flagged
+``alone`` always run in a child of their own.
 
 Protocol on stdin/stdout: frames of an 8-byte big-endian length and a pickle.
     in:  {"sys_path": [...], "preload": [...], "memory_mb": int}     out: "ready"
     in:  {"import": [module, ...]}                                    out: {module: error} (failed ones)
-    in:  {"calls": [pickled (fn, response, row), ...], "timeout_s": float, "parallel": int}
+    in:  {"calls": [pickled (fn, response, row), ...], "timeout_s": float, "parallel": int,
+          "chunk_size": int, "alone": [bool, ...] (optional)}
     out: [(status, value, detail, elapsed_s), ...]  in call order
+Child to server (one pipe per child): frames ``(call index, end time, status, payload)``.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
+import math
 import os
 import pickle
 import selectors
@@ -21,9 +37,10 @@ import signal
 import struct
 import sys
 import time
+from collections import deque
 
 _MAX_TEXT = 500
-_MAX_RESULT = 1 << 20  # bytes a child may send back
+_MAX_RESULT = 1 << 20  # bytes of one call's result frame
 
 
 def read_frame(fd: int) -> bytes | None:
@@ -47,11 +64,15 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def write_frame(fd: int, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(struct.pack(">Q", len(data)) + data)
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def write_frame(fd: int, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _write_all(fd, struct.pack(">Q", len(data)) + data)
 
 
 def plain(value, depth: int = 0):
@@ -79,8 +100,26 @@ def _prctl_pdeathsig() -> None:
         pass
 
 
-def _child(blob: bytes, wfd: int, deadline: float, memory_mb: int) -> None:
-    """Body of one forked call; never returns."""
+def _error(err: BaseException, message: str | None = None) -> dict:
+    return {"error": type(err).__name__, "message": (message or str(err))[:_MAX_TEXT]}
+
+
+def _result_frame(i: int, t_end: float, msg: tuple) -> bytes:
+    try:
+        data = pickle.dumps((i, t_end) + msg, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as err:  # noqa: BLE001
+        data = pickle.dumps((i, t_end, "error", _error(err, "result not picklable")))
+    if len(data) > _MAX_RESULT:
+        data = pickle.dumps((i, t_end, "error", {"error": "ResultTooLarge",
+                                                 "message": f"result of {len(data)} bytes"}))
+    return struct.pack(">Q", len(data)) + data
+
+
+def _child(blobs: list[bytes], chunk: list[int], wfd: int, start: float, timeout_s: float,
+           memory_mb: int) -> None:
+    """Body of one forked child: runs the calls ``chunk`` (indices into ``blobs``) in order, one result frame
+    each, the first call's limit counted from ``start`` and every later one's from the previous end stamp.
+    Never returns."""
     code = 0
     try:
         os.setsid()
@@ -92,19 +131,19 @@ def _child(blob: bytes, wfd: int, deadline: float, memory_mb: int) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
         from reward import sandbox
 
-        sandbox.CALL_DEADLINE = deadline
-        try:
-            fn, response, row = pickle.loads(blob)
-            msg = ("ok", plain(fn(response, row)))
-        except BaseException as err:  # noqa: BLE001 - every failure is an outcome
-            msg = ("error", {"error": type(err).__name__, "message": str(err)[:_MAX_TEXT]})
-        try:
-            data = pickle.dumps(msg)
-        except Exception as err:  # noqa: BLE001
-            data = pickle.dumps(("error", {"error": type(err).__name__, "message": "result not picklable"}))
-        view = memoryview(data[:_MAX_RESULT])
-        while view:
-            view = view[os.write(wfd, view):]
+        me = os.getpid()
+        t_prev = start
+        for i in chunk:
+            sandbox.CALL_DEADLINE = t_prev + timeout_s
+            try:
+                fn, response, row = pickle.loads(blobs[i])
+                msg = ("ok", plain(fn(response, row)))
+            except BaseException as err:  # noqa: BLE001 - every failure is an outcome
+                msg = ("error", _error(err))
+            if os.getpid() != me:  # a verifier forked and its child came back here: never answer twice
+                os._exit(0)
+            t_prev = time.monotonic()
+            _write_all(wfd, _result_frame(i, t_prev, msg))
     except BaseException:  # noqa: BLE001
         code = 1
     finally:
@@ -118,85 +157,147 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def run_batch(blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: int) -> list[tuple]:
+def make_chunks(n: int, chunk_size: int, parallel: int, alone: list[bool] | None = None) -> list[list[int]]:
+    """Calls ``0..n-1`` grouped into chunks in index order: each ``alone`` call by itself, the others in
+    chunks of at most ``chunk_size`` and small enough that ``parallel`` children all get work."""
+    alone = alone or [False] * n
+    batchable = n - sum(bool(a) for a in alone)
+    size = max(1, min(chunk_size, math.ceil(batchable / parallel))) if batchable else 1
+    chunks, cur = [], []
+    for i in range(n):
+        if alone[i]:
+            chunks.append([i])
+            continue
+        cur.append(i)
+        if len(cur) == size:
+            chunks.append(cur)
+            cur = []
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def run_batch(blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: int, chunk_size: int = 1,
+              alone: list[bool] | None = None) -> list[tuple]:
     """Outcomes ``(status, value, detail, elapsed_s)`` of ``blobs`` (pickled calls), in order.
 
-    A call ends when its child process exits (seen through a pidfd, so a grandchild that inherited the result
-    pipe cannot hold it open) or when its time is up; either way its whole process group is killed.
+    A child ends when it exits (seen through a pidfd, so a grandchild that inherited the result pipe cannot
+    hold it open) or when the call it is on runs out of time; either way its whole process group is killed,
+    and sandbox runs started on its behalf are reaped when it did not end cleanly.
     """
     from reward.sandbox import reap_owner
 
     outcomes: list[tuple | None] = [None] * len(blobs)
-    todo = list(range(len(blobs)))[::-1]
-    active: dict[int, dict] = {}  # index -> {pid, pidfd, r, start, buf}
+    todo = deque(make_chunks(len(blobs), chunk_size, parallel, alone))
+    active: dict[int, dict] = {}  # pid -> {pid, pidfd, r, r_open, buf, pending, t_prev, bad}
     sel = selectors.DefaultSelector()
 
-    def finish(i: int, outcome_if_silent: tuple | None) -> None:
-        a = active.pop(i)
-        sel.unregister(a["pidfd"])
-        if a["r_open"]:
-            sel.unregister(a["r"])
+    def launch(chunk: list[int]) -> None:
+        r, w = os.pipe()
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            for fd in [r] + [x for a in active.values() for x in (a["r"], a["pidfd"])]:
+                os.close(fd)
+            _child(blobs, chunk, w, start, timeout_s, memory_mb)
+        os.close(w)
+        os.set_blocking(r, False)
+        pidfd = os.pidfd_open(pid)
+        active[pid] = {"pid": pid, "pidfd": pidfd, "r": r, "r_open": True, "buf": bytearray(),
+                       "pending": deque(chunk), "t_prev": start, "bad": None}
+        sel.register(r, selectors.EVENT_READ, (pid, "r"))
+        sel.register(pidfd, selectors.EVENT_READ, (pid, "p"))
+
+    def take_frames(a: dict) -> None:
+        buf = a["buf"]
+        while a["bad"] is None and len(buf) >= 8:
+            size = struct.unpack(">Q", buf[:8])[0]
+            if size > _MAX_RESULT + 4096:
+                a["bad"] = f"result frame of {size} bytes"
+                return
+            if len(buf) < 8 + size:
+                return
+            body = bytes(buf[8:8 + size])
+            del buf[:8 + size]
+            try:
+                i, t_end, kind, payload = pickle.loads(body)
+            except Exception as err:  # noqa: BLE001
+                a["bad"] = f"unreadable result frame ({type(err).__name__})"
+                return
+            if not a["pending"] or i != a["pending"][0]:
+                a["bad"] = f"result for call {i} out of order"
+                return
+            a["pending"].popleft()
+            outcomes[i] = (kind, payload if kind == "ok" else None, {} if kind == "ok" else payload,
+                           t_end - a["t_prev"])
+            a["t_prev"] = t_end
+
+    def drain(a: dict) -> None:
+        if not a["r_open"]:
+            return
+        try:
+            while chunk := os.read(a["r"], 1 << 16):
+                a["buf"] += chunk
+            sel.unregister(a["r"])  # end of file
+            a["r_open"] = False
+        except BlockingIOError:
+            pass
+        take_frames(a)
+
+    def finish(a: dict, timed_out: bool) -> None:
+        """End child ``a``: kill its group, keep the results it sent, settle the call it was on, requeue
+        the rest of its chunk."""
+        active.pop(a["pid"])
+        drain(a)  # what it sent before the end
+        on = a["pending"][0] if a["pending"] else None
         _kill_group(a["pid"])
         try:
             os.kill(a["pid"], signal.SIGKILL)
         except ProcessLookupError:
             pass
         _, status = os.waitpid(a["pid"], 0)
-        os.set_blocking(a["r"], False)
-        try:
-            while chunk := os.read(a["r"], 1 << 16):
-                a["buf"] += chunk
-        except BlockingIOError:
-            pass
+        drain(a)  # a result written just before the kill still counts
+        if a["r_open"]:
+            sel.unregister(a["r"])
+        sel.unregister(a["pidfd"])
         os.close(a["r"])
         os.close(a["pidfd"])
-        elapsed = time.monotonic() - a["start"]
-        if outcome_if_silent is not None:  # timed out
+        now = time.monotonic()
+        cut_short = on is not None and outcomes[on] is None
+        if cut_short:
+            a["pending"].popleft()
+            if timed_out:
+                outcomes[on] = ("timeout", None, {"timeout_s": timeout_s}, now - a["t_prev"])
+            else:
+                detail = {"error": "VerifierDied", "wait_status": status}
+                if os.WIFSIGNALED(status):
+                    detail["signal"] = os.WTERMSIG(status)
+                if a["bad"] is not None:
+                    detail["message"] = a["bad"]
+                outcomes[on] = ("error", None, detail, now - a["t_prev"])
+        if a["pending"]:
+            todo.appendleft(list(a["pending"]))
+        if cut_short or a["bad"] is not None or status != 0:
             reap_owner(a["pid"])
-            outcomes[i] = outcome_if_silent[:3] + (elapsed,)
-            return
-        try:
-            kind, payload = pickle.loads(bytes(a["buf"]))
-            outcomes[i] = (kind, payload if kind == "ok" else None, {} if kind == "ok" else payload, elapsed)
-        except Exception:  # noqa: BLE001 - died before answering
-            reap_owner(a["pid"])
-            detail = {"error": "VerifierDied", "wait_status": status}
-            if os.WIFSIGNALED(status):
-                detail["signal"] = os.WTERMSIG(status)
-            outcomes[i] = ("error", None, detail, elapsed)
 
     while todo or active:
         while todo and len(active) < parallel:
-            i = todo.pop()
-            r, w = os.pipe()
-            start = time.monotonic()
-            pid = os.fork()
-            if pid == 0:
-                os.close(r)
-                _child(blobs[i], w, start + timeout_s, memory_mb)
-            os.close(w)
-            pidfd = os.pidfd_open(pid)
-            active[i] = {"pid": pid, "pidfd": pidfd, "r": r, "start": start, "buf": bytearray(),
-                         "r_open": True}
-            sel.register(r, selectors.EVENT_READ, ("r", i))
-            sel.register(pidfd, selectors.EVENT_READ, ("p", i))
-        nearest = min(a["start"] + timeout_s for a in active.values())
+            launch(todo.popleft())
+        nearest = min(a["t_prev"] + timeout_s for a in active.values())
         for key, _ in sel.select(timeout=max(0.0, nearest - time.monotonic())):
-            kind, i = key.data
-            if i not in active:
+            pid, kind = key.data
+            a = active.get(pid)
+            if a is None:
                 continue
-            if kind == "p":
-                finish(i, None)
-                continue
-            chunk = os.read(key.fd, 1 << 16)
-            if chunk:
-                active[i]["buf"] += chunk
-            else:  # end of file: wait for the pidfd
-                sel.unregister(key.fd)
-                active[i]["r_open"] = False
+            if kind == "r":
+                drain(a)
+                if a["bad"] is not None:
+                    finish(a, timed_out=False)
+            else:
+                finish(a, timed_out=False)
         now = time.monotonic()
-        for i in [i for i, a in active.items() if now >= a["start"] + timeout_s]:
-            finish(i, ("timeout", None, {"timeout_s": timeout_s}))
+        for a in [a for a in active.values() if now >= a["t_prev"] + timeout_s]:
+            finish(a, timed_out=True)
     sel.close()
     return outcomes  # type: ignore[return-value]
 
@@ -217,6 +318,8 @@ def serve() -> None:
     sys.path[:] = setup["sys_path"]
     for mod in setup["preload"]:
         importlib.import_module(mod)
+    gc.collect()
+    gc.freeze()  # children's collections leave the preloaded heap alone (no copy-on-write of it)
     write_frame(wfd, "ready")
     while True:
         frame = read_frame(rfd)
@@ -230,9 +333,11 @@ def serve() -> None:
                     importlib.import_module(mod)
                 except BaseException as err:  # noqa: BLE001 - reported, the server keeps serving
                     failed[mod] = f"{type(err).__name__}: {err}"[:_MAX_TEXT]
+            gc.freeze()
             write_frame(wfd, failed)
             continue
-        write_frame(wfd, run_batch(req["calls"], req["timeout_s"], req["parallel"], setup["memory_mb"]))
+        write_frame(wfd, run_batch(req["calls"], req["timeout_s"], req["parallel"], setup["memory_mb"],
+                                   req.get("chunk_size", 1), req.get("alone")))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,15 @@ class RewardConfig(Section):
     timeout_score: float = Field(0.0, description="score of a call that timed out (NaN = invalid sample)")
     error_score: float = Field(0.0, description="score of a call whose verifier raised (NaN = invalid sample)")
     parallel_calls: int = Field(1, ge=1, description="verifier child processes alive at once in one worker")
+    calls_per_child: int = Field(
+        64, ge=1,
+        description="verifier calls one child process runs in sequence, each with its own timeout "
+        "(1 = a fresh process per call, the slow pre-batching mode)",
+    )
+    isolated_verifiers: list[str] = Field(
+        default_factory=lambda: ["code"],
+        description="verifiers whose every call gets a child process of its own (never shares one)",
+    )
     verifier_memory_mb: int = Field(2048, ge=0, description="RLIMIT_AS of a verifier child, MiB (0 = none)")
     preload: list[str] = Field(
         default_factory=list, description="extra modules imported once into the verifier fork server"

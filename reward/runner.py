@@ -1,11 +1,14 @@
-"""The protected runner: every verifier call runs in its own child process with a wall-clock limit.
+"""The protected runner: every verifier call runs in a child process with its own wall-clock limit.
 
 Calls go to a private fork server (``reward._forkserver``: a clean, single-threaded Python process started
-with ``subprocess``, which imported the verifiers and warmed math-verify once), so a call costs a fork, not
-an interpreter start, and never forks the multi-threaded Ray worker itself. Each child leads its own
-session (its own process group), dies with the fork server (PR_SET_PDEATHSIG), optionally caps its address
-space, and is killed with its whole process group when its time is up; sandbox processes started on its
-behalf are reaped too (``reward.sandbox.reap_owner``). The fork server dies with this process.
+with ``subprocess``, which imported the verifiers and warmed math-verify once), so that calls cost a fork,
+not an interpreter start, and never fork the multi-threaded Ray worker itself. A child runs a chunk of up to
+``calls_per_child`` calls in sequence (``1``: a fresh process per call) and reports each call as soon as it
+is done. Each child leads its own session (its own process group), dies with the fork server
+(PR_SET_PDEATHSIG) and optionally caps its address space. When the call a child is on runs out of time,
+the child is killed with its whole process group and sandbox processes started on its behalf are reaped
+(``reward.sandbox.reap_owner``); that call alone is ``timeout``, and the rest of the chunk continues in a new
+child. A child that dies mid-call costs that call alone. The fork server dies with this process.
 
 Outcomes are never exceptions: ``ok`` (with the verifier's return value), ``timeout``, or ``error`` (the
 verifier raised; or its process, or the fork server, died without answering: ``detail["error"]`` is then
@@ -59,22 +62,27 @@ class ProtectedRunner:
         timeout_s: wall-clock limit of one call, seconds.
         memory_mb: RLIMIT_AS of a call's process, MiB (0 = no limit).
         preload: extra modules imported once into the fork server (user verifiers).
-        parallel: calls running at once.
+        parallel: child processes running calls at once.
+        calls_per_child: calls one child runs in sequence (1 = a fresh process per call). Calls marked
+            ``alone`` in ``run`` always get a child of their own.
 
     Raises:
-        ValueError: a non-positive ``timeout_s`` or ``parallel``.
+        ValueError: a non-positive ``timeout_s``, ``parallel`` or ``calls_per_child``.
         RuntimeError: the fork server did not start (for example a preload module failed to import).
     """
 
     def __init__(self, timeout_s: float, memory_mb: int = 0, preload: tuple[str, ...] | list[str] = (),
-                 parallel: int = 1):
+                 parallel: int = 1, calls_per_child: int = 32):
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel!r}")
+        if calls_per_child < 1:
+            raise ValueError(f"calls_per_child must be >= 1, got {calls_per_child!r}")
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
         self.parallel = int(parallel)
+        self.calls_per_child = int(calls_per_child)
         self.preload = list(DEFAULT_PRELOAD) + [m for m in preload if m not in DEFAULT_PRELOAD]
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
@@ -106,11 +114,17 @@ class ProtectedRunner:
             raise RunnerLost(f"fork server exited (code {self._proc.poll()})")
         return frame
 
-    def run(self, calls: list[tuple[Callable, str, dict]]) -> list[CallOutcome]:
+    def run(self, calls: list[tuple[Callable, str, dict]], alone: list[bool] | None = None) -> list[CallOutcome]:
         """Run ``fn(response, row)`` for each ``(fn, response, row)``; outcomes in the same order.
 
         ``fn`` must be picklable by reference (a module-level function or a ``functools.partial`` of one).
+        ``alone[i]`` true: call ``i`` runs in a child process of its own (no chunk shares its process).
+
+        Raises:
+            ValueError: ``alone`` is given with a length other than ``len(calls)``.
         """
+        if alone is not None and len(alone) != len(calls):
+            raise ValueError(f"alone has {len(alone)} flags for {len(calls)} calls")
         if not calls:
             return []
         outcomes: list[CallOutcome | None] = [None] * len(calls)
@@ -128,8 +142,10 @@ class ProtectedRunner:
                 self._start_server()
             backstop = self.timeout_s * math.ceil(len(blobs) / self.parallel) + 60.0
             try:
-                write_frame(self._proc.stdin.fileno(), {"calls": blobs, "timeout_s": self.timeout_s,
-                                                        "parallel": self.parallel})
+                write_frame(self._proc.stdin.fileno(), {
+                    "calls": blobs, "timeout_s": self.timeout_s, "parallel": self.parallel,
+                    "chunk_size": self.calls_per_child,
+                    "alone": [bool(alone[i]) for i in where] if alone is not None else None})
                 got = pickle.loads(self._read(backstop))
             except (RunnerLost, OSError, pickle.UnpicklingError) as err:
                 self.close()  # the next run starts a fresh server

@@ -84,7 +84,8 @@ class RewardWorker:
             )
         user_modules = [n.partition(":")[0] for n in self._verifiers if ":" in n]
         self.runner = ProtectedRunner(cfg.timeout_s, cfg.verifier_memory_mb, list(cfg.preload) + user_modules,
-                                      cfg.parallel_calls)
+                                      cfg.parallel_calls, cfg.calls_per_child)
+        self._isolated = set(cfg.isolated_verifiers)
 
     def _verifier(self, name: str):
         if name not in self._verifiers:
@@ -105,7 +106,7 @@ class RewardWorker:
         """One ``RewardResult`` per request, in order. Never raises for bad responses or verifier failures;
         an unknown verifier name on a row gives that row an ``error`` result with score NaN."""
         cfg = self.cfg
-        calls, plan = [], []  # plan[i] = (primary call index or error, [(term call index, weight)])
+        calls, alone, plan = [], [], []  # plan[i] = (primary call index or error, [(term call index, term)])
         for req in requests:
             row = dataclasses.asdict(req.row) if dataclasses.is_dataclass(req.row) else dict(req.row)
             name = cfg.verifier or req.row.verifier
@@ -115,13 +116,15 @@ class RewardWorker:
                 plan.append((str(err), []))
                 continue
             calls.append((fn, req.response, row))
+            alone.append(name in self._isolated)
             primary = len(calls) - 1
             terms = []
             for term in cfg.extra_terms:
                 calls.append((self._verifier(term.verifier), req.response, row))
+                alone.append(term.verifier in self._isolated)
                 terms.append((len(calls) - 1, term))
             plan.append((primary, terms))
-        outcomes = self.runner.run(calls)
+        outcomes = self.runner.run(calls, alone)
         return [self._combine(req, p, outcomes) for req, p in zip(requests, plan)]
 
     def _combine(self, req: RewardRequest, plan, outcomes: list[CallOutcome]) -> RewardResult:
