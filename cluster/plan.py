@@ -32,7 +32,6 @@ Over budget raises ``PlanError`` naming the numbers.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from cluster.config import Config, ConfigError
