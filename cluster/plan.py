@@ -36,8 +36,9 @@ from typing import Any
 
 from cluster.config import Config, ConfigError
 
-#: GPU memory choices (GiB as reported by the driver, rounded down): pass one as ``gpu_memory_gib``.
-GPU_MEMORY_GIB = {"A100-40GB": 40.0, "A100-80GB": 80.0, "H100-80GB": 80.0, "H200": 141.0}
+#: GPU memory choices, GiB (2**30 bytes) of total device memory: pass one as ``gpu_memory_gib``. Marketing "GB"
+#: are not GiB: an H100 80GB has about 79.6 GiB, an H200 "141 GB" about 140 GiB. The default, 80, is the H100.
+GPU_MEMORY_GIB = {"A100-40GB": 40.0, "A100-80GB": 80.0, "H100-80GB": 80.0, "H200": 140.0}
 DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_GPUS_PER_NODE = 8
 LEARNER_OVERHEAD_GIB = 4.0
