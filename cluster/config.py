@@ -54,6 +54,13 @@ class SyncConfig(Section):
     bucket_mb: float = Field(64.0, gt=0, description="size of one object-store bucket of weights, MiB")
 
 
+class ClusterConfig(Section):
+    """What the cluster looks like, for the placement plan and the --dry-run memory check."""
+
+    gpu_memory_gib: float = Field(80.0, gt=0, description="memory of one GPU, GiB (80 for H100, 141 for H200)")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per node; learner ranks are packed per node")
+
+
 class WandbConfig(Section):
     project: str = Field("gspo-rl")
     mode: Literal["offline", "online", "disabled", "auto"] = Field(
@@ -94,6 +101,7 @@ class Config(Section):
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     @model_validator(mode="after")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +61,10 @@ def resource_demand(cfg: Config) -> float:
 
 def init_ray(cfg: Config, run_dir: Path) -> None:
     """Connect to a cluster (``trainer.ray_address``, or ``RAY_ADDRESS`` inside a job) or start a local one
-    bound to ``trainer.bind_host`` with no dashboard. A local cluster gets as many logical CPUs as the actors
-    reserve (at least the machine's cores): phases run one after another, so they share the cores."""
+    with no dashboard, its node address set to ``trainer.bind_host``. Ray 2.60 still opens its GCS and raylet
+    ports on all interfaces (it protects them with token authentication, on by default): see docs/cluster.md
+    before running on a machine reachable from a network. A local cluster gets as many logical CPUs as the
+    actors reserve (at least the machine's cores): phases run one after another, so they share the cores."""
     if ray.is_initialized():
         return
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
@@ -94,10 +95,11 @@ def _wait_ready(pg, what: str, bundles: list[dict[str, float]], timeout_s: float
 
 
 def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
-    """Start ``learner.world_size`` DeepSpeed ranks in one placement group (STRICT_PACK on GPUs, PACK on CPU).
+    """Start ``learner.world_size`` DeepSpeed ranks: on GPUs one STRICT_PACK placement group per node
+    (``cluster.gpus_per_node`` GPUs each), on the CPU one PACK group.
 
     Returns:
-        (actors in rank order, placement group). The constructors are still running: call
+        (actors in rank order, placement groups). The constructors are still running: call
         ``wait_learners`` before using them.
     """
     from learner.service import LearnerRank
@@ -106,11 +108,27 @@ def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
     bundle = {"CPU": lc.num_cpus_per_rank}
     if lc.num_gpus_per_rank:
         bundle["GPU"] = lc.num_gpus_per_rank
-    bundles = [dict(bundle) for _ in range(lc.world_size)]
-    pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
-    _wait_ready(pg, "learner", bundles)
-    master_addr = cfg.trainer.bind_host
-    port = free_port(master_addr)
+    # On GPUs: one STRICT_PACK group per node (gpus_per_node ranks each), so ranks of a node share NVLink and
+    # the learner can span nodes; on the CPU one PACK group.
+    per_group = lc.world_size
+    if lc.num_gpus_per_rank:
+        per_group = max(1, min(lc.world_size, int(cfg.cluster.gpus_per_node / lc.num_gpus_per_rank)))
+    groups = []
+    for start in range(0, lc.world_size, per_group):
+        bundles = [dict(bundle) for _ in range(min(per_group, lc.world_size - start))]
+        pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
+        _wait_ready(pg, "learner", bundles)
+        groups.append(pg)
+    # The rendezvous address: rank 0's node (a probe task in rank 0's bundle), or the bind host locally.
+    if len(groups) > 1 or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
+        master_addr, port = ray.get(
+            ray.remote(_node_address)
+            .options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0))
+            .remote()
+        )
+    else:
+        master_addr = cfg.trainer.bind_host
+        port = free_port(master_addr)
     cls = ray.remote(LearnerRank)
     actors = []
     for rank in range(lc.world_size):
@@ -118,7 +136,9 @@ def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
             cls.options(
                 num_cpus=lc.num_cpus_per_rank,
                 num_gpus=lc.num_gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    groups[rank // per_group], placement_group_bundle_index=rank % per_group
+                ),
                 runtime_env={"env_vars": actor_env(lc.threads_per_rank)},
                 name=None,
             ).remote(
@@ -135,7 +155,13 @@ def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
         )
     # The constructors rendezvous with each other and run while the caller starts the other services;
     # ``wait_learners`` surfaces a failure.
-    return actors, pg
+    return actors, groups
+
+
+def _node_address() -> tuple[str, int]:
+    """This node's IP address (as Ray knows it) and a free port on it."""
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port(ip)
 
 
 def wait_learners(actors: list[Any]) -> None:
@@ -299,7 +325,17 @@ class EngineFleet:
         return max(times) if times else 0.0
 
 
+def get_fail_fast(refs: list[Any]) -> list[Any]:
+    """``ray.get`` of several refs that raises as soon as ANY of them fails (a dead learner rank), instead of
+    waiting in order behind a peer that blocks in a collective until its timeout."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)  # raises the actor's error
+    return ray.get(refs)
+
+
 def export_weights(learners: list[Any], bucket_mb: float) -> list[Any]:
     """Every rank takes part (ZeRO-3 gathers); rank 0 returns the object refs of the weight buckets."""
-    results = ray.get([l.export_weights.remote(bucket_mb) for l in learners])
+    results = get_fail_fast([l.export_weights.remote(bucket_mb) for l in learners])
     return results[0]

@@ -117,7 +117,7 @@ class Trainer:
 
         services.init_ray(cfg, self.run_dir)
         t0 = time.perf_counter()
-        self.learners, self.learner_pg = services.start_learners(cfg, self.model_path)
+        self.learners, self.learner_groups = services.start_learners(cfg, self.model_path)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
         self.fleet.start(cfg.rollout.num_engines)
         self.rewards = RewardPool(cfg.reward)
@@ -181,6 +181,7 @@ class Trainer:
         optimizer is reset and the RL learning rate set, and the engines receive the new weights."""
         import ray
 
+        from cluster import services
         from cluster.batching import build_sft_batch
 
         ws, lc = self.cfg.warm_start, self.cfg.learner
@@ -197,7 +198,7 @@ class Trainer:
             per = ws.batch_size // lc.world_size
             lr = ws.lr * min(1.0, (s + 1) / ws.warmup_steps) if ws.warmup_steps else ws.lr
             ray.get([l.set_lr.remote(lr) for l in self.learners])
-            outs = ray.get([
+            outs = services.get_fail_fast([
                 l.sft_step.remote(_select_sft(batch, r * per, (r + 1) * per), num_tokens)
                 for r, l in enumerate(self.learners)
             ])
@@ -212,9 +213,9 @@ class Trainer:
                 "warm_start/steps": float(ws.steps), "timing/warm_start_s": time.perf_counter() - t}
 
     def rl_step(self) -> dict[str, Any]:
-        import ray
         import torch
 
+        from cluster import services
         from cluster.batching import build_train_batch, split_for_ranks
         from learner.advantages import group_advantages
 
@@ -269,7 +270,7 @@ class Trainer:
             batch = build_train_batch(comps, rewards, advantages, pad)
             plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
             t = time.perf_counter()
-            outs = ray.get([
+            outs = services.get_fail_fast([
                 l.train_rollout_batch.remote(p.minibatches, p.num_sequences, p.num_tokens)
                 for l, p in zip(self.learners, plans)
             ])
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="YAML config (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, start nothing")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may stand between the overrides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(args.config, args.overrides)
@@ -467,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from cluster.plan import plan
 
-        print(yaml.safe_dump({"config": cfg.model_dump(mode="json"), "plan": plan(cfg)}, sort_keys=False))
+        try:
+            resources = plan(cfg, gpu_memory_gib=cfg.cluster.gpu_memory_gib, gpus_per_node=cfg.cluster.gpus_per_node)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(yaml.safe_dump({"config": cfg.model_dump(mode="json"), "plan": resources}, sort_keys=False))
         return 0
     trainer = Trainer(cfg)
     try:

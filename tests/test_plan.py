@@ -166,3 +166,16 @@ def test_cpu_config_plan_has_no_gpu_check():
 def test_missing_param_count_is_reported_not_guessed():
     p = plan(load_config(REPO / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["model.num_params_b=null"]))
     assert p["memory"] == {"checked": False, "why": "model.num_params_b is not set"}
+
+
+def test_dry_run_reads_the_cluster_section():
+    """cluster.gpu_memory_gib from the config (or an override) drives the --dry-run memory check."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cluster.train", "configs/qwen3_30b_a3b_gsm8k.yaml", "--dry-run"]
+    ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    small = subprocess.run([*cmd, "cluster.gpu_memory_gib=40"], cwd=REPO, capture_output=True, text=True)
+    assert small.returncode == 2
+    assert "over budget" in small.stderr and "40 GiB per GPU" in small.stderr and "Traceback" not in small.stderr
