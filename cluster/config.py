@@ -46,6 +46,10 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(64, ge=1, description="longer prompts are counted and skipped")
     seed: int = Field(1234)
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
+    demo_slip_rate: float = Field(
+        0.0, ge=0, le=1,
+        description="arithmetic: share of warm-start demonstrations that drop the units carry (imperfect cold-start data)",
+    )
 
 
 class SyncConfig(Section):

@@ -41,17 +41,33 @@ class LoadReport:
 # --------------------------------------------------------------------------------------------- arithmetic
 
 
-def arithmetic_solution(a: int, b: int) -> str:
-    """The response the warm start imitates for ``a+b``: the sum in decimal, e.g. ``"85"`` for 37+48."""
+def arithmetic_solution(a: int, b: int, slip: bool = False) -> str:
+    """The response the warm start imitates for ``a+b``: the sum in decimal, e.g. ``"85"`` for 37+48.
+
+    With ``slip``, a demonstration with a systematic human-like error: when the units digits carry, the carry
+    is dropped (``"75"`` for 37+48). Problems without a units carry are unaffected.
+    """
+    if slip and (a % 10) + (b % 10) >= 10:
+        return str(a + b - 10)
     return str(a + b)
 
 
 def arithmetic_rows(
-    tokenize: Callable[[str], list[int]], *, max_operand: int, num_train: int, num_eval: int, seed: int
+    tokenize: Callable[[str], list[int]],
+    *,
+    max_operand: int,
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    demo_slip_rate: float = 0.0,
 ) -> tuple[list[PromptRow], list[PromptRow]]:
     """All ``a+b`` problems with ``0 <= a, b <= max_operand`` (operands zero-padded to the width of
     ``max_operand``, answer unpadded: ``"07+48="`` -> ``"55"``), shuffled with ``seed``; the first ``num_eval``
     are the held-out split and the next ``num_train`` the training split (disjoint by construction).
+
+    Each training row's ``meta["solution"]`` is the warm start's demonstration; a share ``demo_slip_rate`` of
+    the rows (chosen with ``seed``) get the dropped-carry slip of ``arithmetic_solution``: imperfect cold-start
+    data that imitation learns and a verifier reward can correct. Rewards always use the true answer.
 
     Raises:
         DataError: when ``num_eval`` leaves no training problem.
@@ -66,6 +82,8 @@ def arithmetic_rows(
 
     width = len(str(max_operand))
 
+    slip_rng = random.Random(seed + 1)
+
     def row(a: int, b: int, split: str) -> PromptRow:
         prompt = f"{a:0{width}d}+{b:0{width}d}="  # fixed width ("07+48="): every prompt has the same layout
         return PromptRow(
@@ -74,7 +92,7 @@ def arithmetic_rows(
             prompt_token_ids=tokenize(prompt),
             answer=str(a + b),
             verifier="exact",
-            meta={"solution": arithmetic_solution(a, b)},
+            meta={"solution": arithmetic_solution(a, b, slip=split == "train" and slip_rng.random() < demo_slip_rate)},
         )
 
     eval_rows = [row(a, b, "eval") for a, b in pairs[:num_eval]]

@@ -60,7 +60,8 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list, list]:
     d = cfg.data
     if d.task == "arithmetic":
         return data.arithmetic_rows(
-            tokenize, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed
+            tokenize, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
+            demo_slip_rate=d.demo_slip_rate,
         )
     train, _ = data.gsm8k_rows(d.train_path, tokenize, split="train", max_prompt_tokens=d.max_prompt_tokens, limit=d.num_train)
     test, _ = data.gsm8k_rows(d.test_path, tokenize, split="eval", max_prompt_tokens=d.max_prompt_tokens, limit=d.num_eval)

@@ -34,6 +34,20 @@ def test_arithmetic_split_is_disjoint_and_deterministic():
         arithmetic_rows(tok, max_operand=20, num_train=1, num_eval=500, seed=0)
 
 
+def test_demonstration_slips_only_touch_carries_and_training_rows():
+    from cluster.data import arithmetic_solution
+
+    assert arithmetic_solution(37, 48) == "85" and arithmetic_solution(37, 48, slip=True) == "75"
+    assert arithmetic_solution(31, 48, slip=True) == "79"  # no units carry: nothing to drop
+    assert arithmetic_solution(95, 5, slip=True) == "90"
+    tr, ev = arithmetic_rows(tok, max_operand=99, num_train=2000, num_eval=100, seed=0, demo_slip_rate=0.6)
+    carry = [r for r in tr if int(r.prompt[1]) + int(r.prompt[4]) >= 10]
+    slipped = [r for r in carry if r.meta["solution"] != r.answer]
+    assert 0.5 < len(slipped) / len(carry) < 0.7
+    assert all(r.meta["solution"] == r.answer for r in tr if r not in carry)
+    assert all(r.meta["solution"] == r.answer for r in ev)  # held-out rows and all rewards use the truth
+
+
 @pytest.mark.skipif(not GSM8K_TEST.exists(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_rows_from_shared_data():
     rows, report = gsm8k_rows(str(GSM8K_TEST), tok, split="eval", max_prompt_tokens=2000, limit=20)

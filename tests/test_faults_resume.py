@@ -1,0 +1,136 @@
+"""Faults injected for real (processes killed by PID, a half-written checkpoint) and exact resume.
+
+Starts the real services (Ray, vLLM, DeepSpeed, reward workers) with a tiny per-step batch.
+"""
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BASE = [
+    "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0", "learner.micro_batch_size=4",
+    "warm_start.steps=2", "warm_start.batch_size=8", "data.num_eval=8", "wandb.mode=disabled",
+    "trainer.plots=false", "data.num_train=16",  # 2 steps per epoch: the step-2 checkpoint is an epoch boundary
+]
+
+
+def _trainer(out, name, extra):
+    from cluster.config import load_config
+    from cluster.train import Trainer
+
+    return Trainer(load_config("configs/tiny_moe.yaml", [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]))
+
+
+def _kill(pid):
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pid {pid} did not die")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def test_engine_and_reward_worker_death_and_scaling(tmp_path, ray_session):
+    import ray
+
+    t = _trainer(tmp_path, "faults", ["trainer.total_steps=5", "rollout.num_engines=2", "reward.num_workers=2",
+                                      "data.num_train=40"])
+    t.start()
+    try:
+        t.warm_start()
+        m1 = t.rl_step()
+        assert m1["fault/rollout_restarts"] == 0 and m1["rollout/num_engines"] == 2
+        # an engine dies between steps: its share of the next step is generated again on a new engine
+        _kill(t.fleet.pids()[1])
+        m2 = t.rl_step()
+        assert m2["fault/rollout_restarts"] == 1
+        assert ray.get([e.weight_version.remote() for e in t.fleet.engines]) == [t.weight_version] * 2
+        # scale down to 1 engine and back up to 2 through the run's control file, between steps
+        (t.run_dir / "control.yaml").write_text("rollout.num_engines: 1\n")
+        m3 = t.rl_step()
+        assert m3["rollout/num_engines"] == 1
+        (t.run_dir / "control.yaml").write_text("rollout.num_engines: 2\n")
+        m4 = t.rl_step()
+        assert m4["rollout/num_engines"] == 2
+        # the new engine got the current weights (its version), not the model folder's
+        assert ray.get([e.weight_version.remote() for e in t.fleet.engines]) == [t.weight_version] * 2
+        # a reward worker dies: replaced, its share rescored, nothing lost
+        _kill(t.rewards.worker_pids()[0])
+        m5 = t.rl_step()
+        assert m5["fault/reward_restarts"] >= 1
+        assert m5["reward/invalid"] == 0
+        steps = t.trained_uids
+        assert [len(s) for s in steps] == [8] * 5
+        uids = [u for s in steps for u in s]
+        assert len(set(uids)) == 40  # 40 training prompts, 5 steps of 8: each trained exactly once
+    finally:
+        t.shutdown()
+
+
+def test_learner_death_stops_the_step_fast(tmp_path, ray_session):
+    import ray
+
+    from cluster.train import _is_learner_error
+
+    t = _trainer(tmp_path, "learner_dies", ["trainer.total_steps=2", "learner.dist_timeout_s=600"])
+    t.start()
+    try:
+        pid = ray.get(t.learners[1].pid.remote())
+        _kill(pid)
+        start = time.time()
+        with pytest.raises(ray.exceptions.RayActorError) as err:
+            t.rl_step()
+        # fails as soon as the rank is gone, not after the 600 s collective timeout
+        assert time.time() - start < 300
+        assert _is_learner_error(err.value)
+    finally:
+        t.shutdown()
+
+
+def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_session):
+    import ray
+
+    full = _trainer(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_every=2"])
+    full.start()
+    try:
+        full.run()
+        ref_uids = list(full.trained_uids)
+        ref_digest = ray.get([l.state_digest.remote() for l in full.learners])
+    finally:
+        full.shutdown()
+    run = tmp_path / "full"
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_00000002", "step_00000004"]
+    # Simulate a crash while step 4's checkpoint was being written: only a temp folder of it remains.
+    os.rename(run / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004.tmp")
+    (run / "checkpoints" / "step_00000004.tmp" / "COMPLETE").unlink()
+    resumed = _trainer(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=true"])
+    resumed.start()
+    try:
+        assert resumed.step == 2 and resumed.stream.position == 16  # exactly one epoch
+        resumed.run()
+        assert resumed.trained_uids == ref_uids[2:]  # the same prompts as the uninterrupted run
+        digest = ray.get([l.state_digest.remote() for l in resumed.learners])
+        assert digest == ref_digest, "resumed run diverged from the uninterrupted one"
+    finally:
+        resumed.shutdown()
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [0, 1, 2, 3, 4]  # one line per step, no duplicates after resume
+    shutil.rmtree(run / "checkpoints" / "step_00000004.tmp", ignore_errors=True)
