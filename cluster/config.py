@@ -85,6 +85,9 @@ class TrainerConfig(Section):
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(2, ge=1)
+    audit_steps: list[int] = Field(
+        default_factory=list, description="RL steps whose rollouts and behaviour weights are saved for learner.audit"
+    )
     output_dir: str = Field("outputs")
     run_name: str = Field("default")
     seed: int = Field(0)

@@ -270,6 +270,11 @@ class Trainer:
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
             batch = build_train_batch(comps, rewards, advantages, pad)
             plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
+            audit_dir = None
+            if self.step + 1 in tc.audit_steps:
+                from cluster import audit_dump
+
+                audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans)
             t = time.perf_counter()
             outs = services.get_fail_fast([
                 l.train_rollout_batch.remote(p.minibatches, p.num_sequences, p.num_tokens)
@@ -277,6 +282,8 @@ class Trainer:
             ])
             learner_s = time.perf_counter() - t
             m.update(outs[0])
+            if audit_dir is not None:
+                audit_dump.save_outputs(self, audit_dir, outs[0])
             sync_s = self._sync_weights(self.weight_version + 1)
         else:
             log.warning("step %d: no informative group; no update", self.step + 1)
