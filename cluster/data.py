@@ -1,4 +1,4 @@
-"""Prompts for training and evaluation: the procedural arithmetic task, GSM8K, and the prompt stream.
+"""Prompts for training and evaluation: the procedural arithmetic task, GSM8K (JSONL), and the prompt stream.
 
 Rows become ``PromptRow`` (cluster/contracts.py). Bad rows (missing fields, empty or over-long prompts,
 undecodable bytes) are counted and skipped with a warning that names the row; a split with no usable row
@@ -112,24 +112,47 @@ def resolve_data_path(path: str) -> Path:
     return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 
+def read_jsonl(file: Path, report: LoadReport) -> list[tuple[int, dict[str, Any]]]:
+    """``(line index, record)`` for every line of a JSONL file that decodes as UTF-8 JSON holding an object;
+    other lines (bad bytes, broken JSON, blank lines, non-objects) are counted in ``report`` and skipped.
+    Read line by line so that one bad row costs only itself (a whole-file loader stops at the first)."""
+    out = []
+    with open(file, "rb") as f:
+        for i, raw in enumerate(f):
+            where = f"{file.name} row {i}"
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                report.skip("not valid UTF-8", where)
+                continue
+            except json.JSONDecodeError as e:
+                report.skip(f"not valid JSON ({e.msg})", where)
+                continue
+            if not isinstance(rec, dict):
+                report.skip(f"a JSON {type(rec).__name__}, not an object", where)
+                continue
+            out.append((i, rec))
+    return out
+
+
 def gsm8k_rows(
     path: str, tokenize: Callable[[str], list[int]], *, split: str, max_prompt_tokens: int, limit: int | None
 ) -> tuple[list[PromptRow], LoadReport]:
     """GSM8K rows from a JSONL file with ``question`` and ``answer`` fields, the reference being the text
-    after ``####`` (commas removed). Loaded with the ``datasets`` library.
+    after ``####`` (commas removed). Rows with bad bytes, broken JSON, missing or empty fields, no ``####``
+    line or a prompt over ``max_prompt_tokens`` are counted and skipped with a warning naming the row.
 
     Raises:
         DataError: the file is missing or has no usable row.
     """
-    import datasets
-
     file = resolve_data_path(path)
     if not file.is_file():
         raise DataError(f"data file {str(file)!r} (from {path!r}) does not exist")
     report = LoadReport()
     rows: list[PromptRow] = []
-    ds = datasets.load_dataset("json", data_files=str(file), split="train")
-    for i, rec in enumerate(ds):
+    for i, rec in read_jsonl(file, report):
         where = f"{file.name} row {i}"
         q, a = rec.get("question"), rec.get("answer")
         if not isinstance(q, str) or not isinstance(a, str):

@@ -66,10 +66,15 @@ def test_gsm8k_bad_rows_are_counted_and_skipped(tmp_path, caplog):
         {"question": "Q?", "answer": "no marker"},
         {"question": "x" * 500, "answer": "#### 3"},
     ]
-    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    data += b'{"question": "bad \xff\xfe bytes", "answer": "#### 5"}\n'  # not UTF-8
+    data += b'{"question": "broken json", \n'
+    data += b'["a", "list"]\n'
+    f.write_bytes(data)
     rows, report = gsm8k_rows(str(f), tok, split="train", max_prompt_tokens=100, limit=None)
     assert [r.answer for r in rows] == ["4"]
-    assert sum(report.skipped.values()) == 4
+    assert sum(report.skipped.values()) == 7
+    assert report.skipped["not valid UTF-8"] == 1
     assert "bad.jsonl row 1" in caplog.text
     g = tmp_path / "none.jsonl"
     g.write_text(json.dumps({"question": "", "answer": "#### 1"}) + "\n")
