@@ -202,11 +202,19 @@ class EngineFleet:
                 num_cpus=rc.num_cpus_per_engine,
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-                runtime_env={"env_vars": actor_env(rc.threads_per_engine)},
+                runtime_env={"env_vars": self._engine_env()},
             )
             .remote(self.model_path, rc, engine_index=index, cache_dir=str(self.cache_dir / f"engine{index}"))
         )
         return actor, pg
+
+    def _engine_env(self) -> dict[str, str]:
+        env = actor_env(self.cfg.rollout.threads_per_engine)
+        if self.cfg.rollout.enforce_eager:
+            # vLLM's sampler still torch.compiles a small log-prob rank kernel; on the CPU that is a g++ build
+            # at every engine start (tens of seconds, again for every replacement engine). Eager mode needs none.
+            env["TORCH_COMPILE_DISABLE"] = "1"
+        return env
 
     def start(self, count: int) -> None:
         """Start ``count`` more engines; once weights were synced, new engines load the current ones."""
