@@ -72,7 +72,7 @@ class ProtectedRunner:
     """
 
     def __init__(self, timeout_s: float, memory_mb: int = 0, preload: tuple[str, ...] | list[str] = (),
-                 parallel: int = 1, calls_per_child: int = 32):
+                 parallel: int = 1, calls_per_child: int = 64):
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if parallel < 1:

@@ -9,6 +9,10 @@ that times out scores ``cfg.timeout_score``, one that raises ``cfg.error_score``
 verifier that returns something that is not a finite number (or a dict with one under ``score``), or whose
 process dies without answering, makes the score NaN: an invalid sample, which the advantage computation
 gives advantage 0 and leaves out of its group's statistics.
+
+Calls run in chunks of up to ``cfg.calls_per_child`` per verifier process, each with its own timeout (see
+``reward.runner``); calls of the verifiers in ``cfg.isolated_verifiers`` (default ``code``: a sandbox run
+costs far more than a fork, and a process of its own keeps sandbox bookkeeping per call) get a process each.
 """
 
 from __future__ import annotations
