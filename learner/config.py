@@ -40,7 +40,14 @@ class LearnerConfig(Section):
         False, description="CPU only: DeepSpeed's JIT-built shared-memory all-reduce instead of plain gloo"
     )
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout; a dead peer fails after this")
-    routing_replay: bool = Field(False, description="reuse behaviour-policy expert choices (token-level baseline)")
+    routing_replay: bool = Field(
+        False,
+        description="MoE only: reuse the experts chosen in the pre-update (behaviour-policy) forward in the "
+        "training forwards of the rollout batch (GSPO paper section 5.3; the token-level baseline)",
+    )
+    moe_diagnostics: bool = Field(
+        True, description="MoE only: log expert load (moe/load_*) and routing volatility (moe/routing_volatility*)"
+    )
     zero3_param_persistence_threshold: int | None = Field(
         None,
         ge=0,

@@ -25,7 +25,9 @@ a rank with fewer micro-batches in a minibatch runs zero-weighted passes on a du
 
 from __future__ import annotations
 
+import copy
 import datetime
+import importlib
 import hashlib
 import json
 import logging
@@ -40,7 +42,9 @@ import torch
 
 from cluster.contracts import SFTBatch, TrainBatch
 from learner.config import LearnerConfig, WarmStartConfig
+from learner.health import failed_checks, validate_guard
 from learner.logprobs import entropy_from_logits, token_log_probs
+from learner.moe import RouterTap, expert_counts, find_routers, load_statistics, response_positions, topk_set_changes
 from learner.objectives import (
     LOG_RATIO_CLAMP,
     combine_policy_metrics,
@@ -199,8 +203,8 @@ class LearnerRank:
             # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op at every init_distributed
             # that finds no valid build cache (30 s idle, minutes on a busy machine); plain gloo is as fast
             # for the tensors of a tiny model. Opt back in with learner.cpu_shm_allreduce=true.
-            import deepspeed.comm.torch as ds_torch_comm
-
+            # (importlib: `import deepspeed.comm.torch as m` binds the real torch, an attribute of deepspeed.comm)
+            ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
             ds_torch_comm.build_shm_op = lambda: None
         deepspeed.init_distributed(
             dist_backend="nccl" if use_gpu else "gloo",
@@ -215,6 +219,10 @@ class LearnerRank:
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         model.config.use_cache = False
+        if cfg.routing_replay and not find_routers(model):
+            raise ValueError(
+                f"learner.routing_replay=true needs an MoE model; {self.model_path!r} has no expert router"
+            )
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -232,6 +240,16 @@ class LearnerRank:
             self.ref_model.eval().requires_grad_(False)
         self._dummy = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         self.optimizer_steps = 0
+        # MoE: forward hooks on the routers (expert load, routing volatility, Routing Replay); None if dense.
+        self._tap: RouterTap | None = None
+        if cfg.routing_replay or cfg.moe_diagnostics:
+            tap = RouterTap(self.engine.module)
+            if tap.is_moe:
+                self._tap = tap
+            else:
+                tap.remove()
+        if cfg.routing_replay and (self._tap is None or not self._tap.can_replay):
+            raise ValueError(f"learner.routing_replay=true: the routers of {self.model_path!r} do not support replay")
 
     # ---------------------------------------------------------------------------------------------------
     # small helpers
@@ -305,12 +323,19 @@ class LearnerRank:
                 self._logits(self.engine, self._dummy, torch.ones_like(self._dummy))
 
     @torch.no_grad()
-    def _inference_pass(self, batch: TrainBatch, collective: bool, entropy_den: float | None = None):
+    def _inference_pass(
+        self,
+        batch: TrainBatch,
+        collective: bool,
+        entropy_den: float | None = None,
+        routes: list[torch.Tensor] | None = None,
+    ):
         """Log-probs at the current weights of every micro-batch of ``batch`` (no gradient).
 
         Returns ``(micros, log_probs, entropy_sum)``: the micro-batches, their ``[b, w-1]`` float32 log-probs
         (0 outside the response mask) and, when ``entropy_den`` is given, sum over micro-batches of
-        ``entropy_from_logits(..., num_tokens=entropy_den)``.
+        ``entropy_from_logits(..., num_tokens=entropy_den)``. With ``routes`` (a list) and an MoE model, the
+        experts each micro-batch's tokens were routed to are appended to it (``[layers, b*w, k]`` on the CPU).
         """
         mbs = self.cfg.micro_batch_size
         slices = self._micro_slices(len(batch), mbs)
@@ -321,7 +346,12 @@ class LearnerRank:
                 self._dummy_pass(with_grad=False)
                 continue
             mb = _Micro(batch, *slices[k], self.device, "response_mask")
-            logits = self._logits(self.engine, mb.input_ids, mb.attention_mask)
+            if routes is not None and self._tap is not None:
+                with self._tap.capture() as record:
+                    logits = self._logits(self.engine, mb.input_ids, mb.attention_mask)
+                routes.append(record.used_tensor().cpu())
+            else:
+                logits = self._logits(self.engine, mb.input_ids, mb.attention_mask)
             lp = token_log_probs(logits, mb.targets, self.temperature)
             if entropy_den is not None:
                 ent += float(entropy_from_logits(logits, mb.mask, temperature=self.temperature, num_tokens=entropy_den))
@@ -362,17 +392,32 @@ class LearnerRank:
     # training
 
     def train_rollout_batch(
-        self, minibatches: list[TrainBatch], num_sequences: list[int], num_tokens: list[int]
-    ) -> dict[str, float]:
+        self,
+        minibatches: list[TrainBatch],
+        num_sequences: list[int],
+        num_tokens: list[int],
+        *,
+        guard: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
         """Train on one rollout batch: ``cfg.ppo_epochs`` passes over the minibatches, one optimizer step each.
 
-        Collective: every rank calls it with its own shard of the same minibatches.
+        Collective: every rank calls it with its own shard of the same minibatches (and the same ``guard``).
 
         Args:
             minibatches: ``minibatches[m]`` is this rank's part of minibatch ``m`` (``TrainBatch``, right padded).
             num_sequences: ``num_sequences[m]``: sequences of minibatch ``m`` over all ranks (the GSPO
                 normaliser; ``learner.objectives.loss_normalisers`` counts those with response tokens).
             num_tokens: ``num_tokens[m]``: response tokens of minibatch ``m`` over all ranks.
+            guard: health guard (``learner.health``): None = off; a dict of optional thresholds
+                ``max_grad_norm``, ``max_clip_fraction``, ``max_logprob_diff``, ``min_entropy``,
+                ``max_load_imbalance`` (an empty dict checks only for non-finite values). When a check fails
+                the whole step's update is skipped: weights, optimizer state (moments, step counts, DeepSpeed's
+                fp32 partitions) and step counters end bit-identical to before the call, on every rank.
+                Checks on the pre-update pass (log-prob difference, entropy, load imbalance, non-finite
+                log-probs) refuse before any optimizer step; the others are decided after the optimizer steps
+                (training stops at the first step whose loss or grad norm fails) and the state is restored
+                from an in-memory copy taken at the start (CPU memory: one copy of this rank's parameters,
+                fp32 master partition and optimizer state).
 
         Returns:
             The same dict on every rank, aggregated exactly over micro-batches, minibatches, epochs and ranks:
@@ -383,36 +428,89 @@ class LearnerRank:
             ``actor/entropy``: mean token entropy (nats) of the pre-update policy over the response tokens;
             ``actor/train_rollout_logprob_diff``: mean |learner log-prob at the pre-update weights - rollout
             log-prob| over response tokens; ``actor/grad_norm`` (mean over steps, pre-clip) and
-            ``actor/grad_norm_max``; ``actor/lr``; ``actor/num_optimizer_steps``.
+            ``actor/grad_norm_max``; ``actor/lr``; ``actor/num_optimizer_steps`` (steps applied: 0 when the
+            guard skipped the update). Values are those of the steps that ran (0 steps: loss 0, ratios 1).
+
+            MoE models (``cfg.moe_diagnostics``), see ``_moe_metrics``: ``moe/load_imbalance``,
+            ``moe/load_imbalance_max``, ``moe/load_cv``, ``moe/layer{L}/load_imbalance``, ``moe/expert_load``
+            (list of lists, layers x experts, shares), ``moe/routing_volatility``,
+            ``moe/routing_volatility_per_update``, ``moe/routing_volatility_unreplayed``,
+            ``moe/routing_volatility_passes``.
+
+            With a guard: ``health/skipped`` (0.0 or 1.0), ``health/failed_checks`` (comma-joined check names,
+            ``""`` when none), ``health/reasons`` (``"; "``-joined ``name: metric=value > limit``),
+            ``health/nonfinite_log_probs`` (count of non-finite learner or rollout log-probs on response
+            tokens).
 
         Raises:
-            ValueError: inconsistent list lengths, normalisers that do not match the data, or a response mask
-                on padding.
+            ValueError: inconsistent list lengths, normalisers that do not match the data, a response mask
+                on padding, or an invalid guard.
         """
         cfg = self.cfg
+        guard = validate_guard(guard)
         self._check_normalisers(minibatches, num_sequences, num_tokens)
         n_mb = len(minibatches)
         total_tokens = float(sum(int(t) for t in num_tokens))
+        tap = self._tap
+        n_layers = len(tap.layers) if tap is not None else 0
+        moe_diag = tap is not None and cfg.moe_diagnostics
 
         # Pre-update pass: learner log-probs at the current weights (behaviour policy for "recompute"), the
-        # train-vs-rollout log-prob difference, and the entropy of the current policy.
-        diff_sum, diff_count, ent_sum = 0.0, 0.0, 0.0
+        # train-vs-rollout log-prob difference, the entropy of the current policy and (MoE) the experts every
+        # token is routed to (expert load, the reference of the routing volatility, Routing Replay).
+        diff_sum, diff_count, ent_sum, nonfinite = 0.0, 0.0, 0.0, 0.0
         pre_lps: list[list[torch.Tensor]] = []
+        routes: list[list[torch.Tensor]] = []
+        load_counts = torch.zeros((n_layers, tap.num_experts if tap is not None else 0), dtype=torch.float64)
         for mb in minibatches:
-            micros, lps, ent = self._inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0))
+            mb_routes: list[torch.Tensor] | None = [] if tap is not None else None
+            micros, lps, ent = self._inference_pass(
+                mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes
+            )
             ent_sum += ent
             pre_lps.append(lps)
-            for micro, lp in zip(micros, lps):
+            routes.append(mb_routes or [])
+            for k, (micro, lp) in enumerate(zip(micros, lps)):
                 diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
                 diff_count += float(micro.mask.sum())
+                if guard is not None:
+                    bad = ~(torch.isfinite(lp) & torch.isfinite(micro.old_log_probs))
+                    nonfinite += float((bad & micro.mask).sum())
+                if moe_diag:
+                    load_counts += expert_counts(mb_routes[k], response_positions(micro.mask).cpu(), tap.num_experts)
+        pre = self._all_reduce([diff_sum, diff_count, ent_sum, nonfinite] + load_counts.reshape(-1).tolist())
+        diff_sum, diff_count, ent_sum, nonfinite = pre[:4]
+        out: dict[str, Any] = {
+            "actor/entropy": ent_sum,
+            "actor/train_rollout_logprob_diff": diff_sum / diff_count if diff_count else 0.0,
+        }
+        if moe_diag:
+            out.update(self._moe_load_metrics(torch.tensor(pre[4:], dtype=torch.float64).reshape(load_counts.shape)))
+        failures: list[tuple[str, str]] = []
+        if guard is not None:
+            if nonfinite:
+                failures.append(("nonfinite_log_probs", f"{int(nonfinite)} non-finite log-probs on response tokens"))
+            failures += failed_checks(guard, out, "pre")
 
         counts = self._aligned_counts([len(self._micro_slices(len(mb), cfg.micro_batch_size)) for mb in minibatches])
         parts: list[dict[str, float]] = []
         seq_sum, seq_count, seq_min, seq_max = 0.0, 0.0, math.inf, -math.inf
         loss_sum, kl_sum, grad_norms = 0.0, 0.0, []
+        # Routing volatility, per training pass over a minibatch after >= 1 update: [changed (experts used),
+        # changed (router's own choice), compared] on this rank, and the updates since the pre-update pass.
+        vol_local: list[list[float]] = []
+        vol_updates: list[int] = []
+        snapshot = self._snapshot_training_state() if guard is not None and not failures else None
+        stop = bool(failures)
         for _epoch in range(cfg.ppo_epochs):
+            if stop:
+                break
             for m, batch in enumerate(minibatches):
                 slices = self._micro_slices(len(batch), cfg.micro_batch_size)
+                updates = len(grad_norms)  # optimizer steps applied in this call so far
+                measure = moe_diag and updates >= 1
+                vol = [0.0, 0.0, 0.0]
+                bad_loss = 0.0
                 for k in range(counts[m]):
                     self.engine.set_gradient_accumulation_boundary(k == counts[m] - 1)
                     if k >= len(slices):
@@ -420,7 +518,17 @@ class LearnerRank:
                         continue
                     mb = _Micro(batch, *slices[k], self.device, "response_mask")
                     old = pre_lps[m][k] if cfg.old_logprob_source == "recompute" else mb.old_log_probs
-                    logits = self._logits(self.engine, mb.input_ids, mb.attention_mask)
+                    if tap is not None:
+                        replay = routes[m][k] if cfg.routing_replay else None
+                        with tap.capture(replay=replay) as record:
+                            logits = self._logits(self.engine, mb.input_ids, mb.attention_mask)
+                        if measure:
+                            sel = response_positions(mb.mask).cpu()
+                            used, _ = topk_set_changes(record.used_tensor().cpu(), routes[m][k], sel)
+                            own, compared = topk_set_changes(record.router_tensor().cpu(), routes[m][k], sel)
+                            vol = [vol[0] + used, vol[1] + own, vol[2] + compared]
+                    else:
+                        logits = self._logits(self.engine, mb.input_ids, mb.attention_mask)
                     lp = token_log_probs(logits, mb.targets, self.temperature)
                     loss, metrics = policy_loss(
                         lp,
@@ -450,6 +558,8 @@ class LearnerRank:
                         )
                         kl_sum += float(kl.detach())
                         loss = loss + cfg.kl_coef * kl
+                    if not math.isfinite(float(loss.detach())):
+                        bad_loss = 1.0
                     # DeepSpeed averages gradients over the ranks: x world_size turns that into the sum.
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
                     parts.append(metrics)
@@ -465,16 +575,31 @@ class LearnerRank:
                             seq_count += float(s.numel())
                             seq_min = min(seq_min, float(s.min()))
                             seq_max = max(seq_max, float(s.max()))
-                grad_norms.append(self._optimizer_step())
+                norm = self._optimizer_step()
+                grad_norms.append(norm)
+                if measure:
+                    vol_local.append(vol)
+                    vol_updates.append(updates)
+                if guard is not None:
+                    # Stop at the first step whose loss or gradient is broken (the decision is collective).
+                    limit = guard.get("max_grad_norm", math.inf)
+                    local = [bad_loss, 0.0 if math.isfinite(norm) else 1.0, 0.0 if norm <= limit else 1.0]
+                    flags = self._all_reduce(local, "max")
+                    if any(flags):
+                        if flags[0]:
+                            failures.append(("nonfinite_loss", "a micro-batch loss is NaN or inf"))
+                        stop = True
+                        break
 
-        steps = cfg.ppo_epochs * n_mb
-        sums = self._all_reduce([loss_sum, kl_sum, diff_sum, diff_count, ent_sum, seq_sum, seq_count])
-        loss_sum, kl_sum, diff_sum, diff_count, ent_sum, seq_sum, seq_count = sums
+        steps = len(grad_norms)
+        sums = self._all_reduce([loss_sum, kl_sum, seq_sum, seq_count] + [v for row in vol_local for v in row])
+        loss_sum, kl_sum, seq_sum, seq_count = sums[:4]
+        vol_tot = [sums[4 + 3 * i : 7 + 3 * i] for i in range(len(vol_local))]
         seq_min = self._all_reduce([seq_min], "min")[0]
         seq_max = self._all_reduce([seq_max], "max")[0]
         all_parts = [p for rank_parts in self._all_gather_objects(parts) for p in rank_parts]
         pm = combine_policy_metrics(all_parts) if all_parts else _EMPTY_POLICY_METRICS
-        out = {
+        out.update({
             "loss/policy": loss_sum / max(steps, 1),
             "actor/clip_fraction": pm["clip_fraction"],
             "actor/clip_fraction_low": pm["clip_fraction_low"],
@@ -486,17 +611,174 @@ class LearnerRank:
             "actor/seq_ratio_mean": seq_sum / seq_count if seq_count else 1.0,
             "actor/seq_ratio_min": seq_min if seq_count else 1.0,
             "actor/seq_ratio_max": seq_max if seq_count else 1.0,
-            "actor/entropy": ent_sum,
-            "actor/train_rollout_logprob_diff": diff_sum / diff_count if diff_count else 0.0,
             "actor/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
             "actor/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
             "actor/lr": self.get_lr(),
             "actor/num_optimizer_steps": float(steps),
             "actor/num_response_tokens": float(pm["num_tokens"]) / max(cfg.ppo_epochs, 1),
-        }
+        })
         if self.ref_model is not None:
             out["loss/kl"] = kl_sum / max(steps, 1)
+        if moe_diag:
+            out.update(self._moe_volatility_metrics(vol_tot, vol_updates))
+        if guard is not None:
+            if snapshot is not None:  # the optimizer ran: check the loss, gradients and clipping too
+                if not math.isfinite(loss_sum) and not any(n == "nonfinite_loss" for n, _ in failures):
+                    failures.append(("nonfinite_loss", f"loss/policy={loss_sum / max(steps, 1)}"))
+                if any(not math.isfinite(g) for g in grad_norms):
+                    failures.append(("nonfinite_grad_norm", f"actor/grad_norm_max={max(grad_norms)}"))
+                failures += [f for f in failed_checks(guard, out, "post")
+                             if not (f[0] == "max_grad_norm" and not math.isfinite(out["actor/grad_norm_max"]))]
+            # Every rank reaches the same verdict from the same all-reduced values; the extra all-reduce makes
+            # the decision collective even if a value differed in the last bit between ranks.
+            skip = self._all_reduce([1.0 if failures else 0.0], "max")[0] > 0
+            if skip and snapshot is not None:
+                self._restore_training_state(snapshot)
+            if skip:
+                out["actor/num_optimizer_steps"] = 0.0
+                log.warning("health guard: step skipped (%s)", "; ".join(f"{n}: {r}" for n, r in failures))
+            out["health/skipped"] = 1.0 if skip else 0.0
+            out["health/failed_checks"] = ",".join(n for n, _ in failures)
+            out["health/reasons"] = "; ".join(f"{n}: {r}" for n, r in failures)
+            out["health/nonfinite_log_probs"] = float(nonfinite)
         return out
+
+    # ---------------------------------------------------------------------------------------------------
+    # MoE diagnostics
+
+    def _moe_load_metrics(self, counts: torch.Tensor) -> dict[str, Any]:
+        """Expert-load metrics from the all-reduced ``[layers, E]`` counts of the pre-update pass.
+
+        Counted: every (token, top-k slot) routing decision at the input positions whose output predicts a
+        response token (``learner.moe.response_positions``), over all ranks and minibatches of the step.
+        ``moe/expert_load[l][e]``: share of layer ``l``'s assignments that went to expert ``e`` (rows sum to 1;
+        ``l`` indexes the MoE layers in order, ``moe/layers`` gives their decoder layer numbers);
+        ``moe/layer{L}/load_imbalance``: max share / mean share (1 = even, E/k = collapsed);
+        ``moe/load_imbalance``: mean over layers, ``moe/load_imbalance_max``: the worst layer;
+        ``moe/load_cv``: mean over layers of the coefficient of variation of the shares.
+        """
+        stats = load_statistics(counts)
+        out: dict[str, Any] = {
+            "moe/load_imbalance": stats["imbalance_mean"],
+            "moe/load_imbalance_max": stats["imbalance_max"],
+            "moe/load_cv": stats["cv_mean"],
+        }
+        for layer, imb in zip(self._tap.layers, stats["imbalance"]):
+            out[f"moe/layer{layer}/load_imbalance"] = imb
+        out["moe/expert_load"] = stats["share"]
+        out["moe/layers"] = list(self._tap.layers)
+        return out
+
+    @staticmethod
+    def _moe_volatility_metrics(vol_tot: list[list[float]], vol_updates: list[int]) -> dict[str, float]:
+        """Routing volatility of the step from the all-reduced per-pass counts.
+
+        What it measures: take the experts every response position (see ``_moe_load_metrics``) was routed to in
+        each MoE layer during the pre-update forward (the behaviour policy when the rollout is on-policy: the
+        weights the rollout was generated with). Every later training forward over the same tokens (minibatch
+        ``m`` of epoch ``e`` runs after ``u = e * M + m`` optimizer steps of this call) is compared with it; a
+        (token, layer) pair counts as changed when its top-k expert SET differs (order ignored). Passes with
+        ``u = 0`` (the first minibatch of the first epoch: same weights) are left out.
+
+        - ``moe/routing_volatility``: mean over the measured passes of changed / compared (pairs pooled over
+          ranks, tokens and layers within a pass), for the experts the training forward actually USED (0
+          under Routing Replay by construction);
+        - ``moe/routing_volatility_unreplayed``: the same for the router's OWN top-k choice at the current
+          weights (what it would pick without replay; equal to the above without replay);
+        - ``moe/routing_volatility_per_update``: mean over the passes of (router's own changed share) / u, a
+          per-update rate comparable across num_minibatches (the paper's "about 10% per update");
+        - ``moe/routing_volatility_passes``: number of measured passes (0 with one minibatch and one epoch:
+          the three figures are then 0 and mean nothing).
+        """
+        shares_used = [c[0] / c[2] for c in vol_tot if c[2] > 0]
+        shares_own = [c[1] / c[2] for c in vol_tot if c[2] > 0]
+        per_update = [c[1] / c[2] / u for c, u in zip(vol_tot, vol_updates) if c[2] > 0]
+        n = len(shares_used)
+        return {
+            "moe/routing_volatility": sum(shares_used) / n if n else 0.0,
+            "moe/routing_volatility_unreplayed": sum(shares_own) / n if n else 0.0,
+            "moe/routing_volatility_per_update": sum(per_update) / n if n else 0.0,
+            "moe/routing_volatility_passes": float(n),
+        }
+
+    # ---------------------------------------------------------------------------------------------------
+    # health guard: exact snapshot and restore of the training state
+
+    def _training_state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this rank that an optimizer step writes, each once: the module's parameters (the
+        local partition ``ds_tensor`` under ZeRO-3, plus the full data of parameters currently held gathered,
+        e.g. persistent small ones), DeepSpeed's fp32 master partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``,
+        ZeRO-3 ``fp32_partitioned_groups_flat``, bf16 ``fp32_groups_flat_partition``) and the torch
+        optimizer's parameters. Optimizer state (moments, steps) is handled separately."""
+        seen: set[int] = set()
+        out: list[torch.Tensor] = []
+
+        def add(t) -> None:
+            if torch.is_tensor(t) and t.numel() > 0 and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+
+        for p in self.engine.module.parameters():
+            if hasattr(p, "ds_tensor"):
+                add(p.ds_tensor)
+            add(p.data if p.data.numel() > 0 else None)
+        ds_opt = self.engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+            for t in getattr(ds_opt, attr, None) or []:
+                add(t)
+        for group in self._base_optimizer().param_groups:
+            for p in group["params"]:
+                add(p)
+        return out
+
+    def _snapshot_training_state(self) -> dict[str, Any]:
+        """A CPU copy of everything an optimizer step changes on this rank (see ``_restore_training_state``)."""
+
+        def keep(v):
+            return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+
+        opt = self._base_optimizer()
+        tensors = self._training_state_tensors()
+        return {
+            "tensors": [(t, keep(t)) for t in tensors],
+            "opt_state": {key: {name: keep(v) for name, v in st.items()} for key, st in opt.state.items()},
+            "groups": [{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "counters": {a: getattr(self.engine, a) for a in ("global_steps", "global_samples", "micro_steps",
+                                                              "skipped_steps") if hasattr(self.engine, a)},
+            "optimizer_steps": self.optimizer_steps,
+            "captured": len((getattr(self, "_capture", None) or {}).get("steps", [])),
+        }
+
+    @torch.no_grad()
+    def _restore_training_state(self, snap: dict[str, Any]) -> None:
+        """Put back a ``_snapshot_training_state``: parameters, fp32 partitions, optimizer state (entries
+        created since are removed, so e.g. Adam re-initialises exactly as it would have), hyperparameters,
+        DeepSpeed's step counters and ``optimizer_steps``. Local (every rank restores its own copy)."""
+        for live, saved in snap["tensors"]:
+            live.data.copy_(saved.to(live.device))
+        opt = self._base_optimizer()
+        saved_state = snap["opt_state"]
+        for key in [k for k in opt.state if k not in saved_state]:
+            del opt.state[key]
+        for key, saved in saved_state.items():
+            live = opt.state.setdefault(key, {})
+            for name in [n for n in live if n not in saved]:
+                del live[name]
+            for name, value in saved.items():
+                cur = live.get(name)
+                if torch.is_tensor(value) and torch.is_tensor(cur) and cur.shape == value.shape and cur.dtype == value.dtype:
+                    cur.copy_(value.to(cur.device))
+                elif torch.is_tensor(value):
+                    live[name] = value.clone()
+                else:
+                    live[name] = copy.deepcopy(value)
+        for group, saved in zip(opt.param_groups, snap["groups"]):
+            group.update(saved)
+        for attr, value in snap["counters"].items():
+            setattr(self.engine, attr, value)
+        self.optimizer_steps = snap["optimizer_steps"]
+        if getattr(self, "_capture", None) is not None and "steps" in self._capture:
+            del self._capture["steps"][snap["captured"] :]
 
     def capture_gradients(self, enabled: bool = True) -> None:
         """Debug/verification hook: when enabled, every optimizer step first records the full (all-rank,

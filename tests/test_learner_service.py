@@ -364,7 +364,8 @@ def test_bf16_training_runs(model_path, port):
     learner = _rank(model_path, cfg, port)
     before = learner.state_checksum()
     out = learner.train_rollout_batch([b], [s], [t])
-    assert all(torch.isfinite(torch.tensor(v)) for v in out.values())
+    # (moe/expert_load is a list of lists and moe/layers a list; every other value is a float)
+    assert all(torch.isfinite(torch.tensor(v)).all() for k, v in out.items() if k != "moe/layers")
     assert out["actor/grad_norm"] > 0
     assert learner.state_checksum() != before
     buckets = learner.export_weights(64, as_refs=False)
