@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-fast bench submit compare clean
+.PHONY: setup train test test-fast bench soak submit compare clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,11 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/step.py $(ARGS)
+	$(BIN)/python bench/reward.py
+
+# Kill a random engine or reward worker every few steps; reports restarts and lost/duplicated prompts.
+soak: setup
+	$(BIN)/python bench/soak.py $(ARGS)
 
 submit: setup
 	$(BIN)/python -m cluster.submit $(CONFIG) $(ARGS)
