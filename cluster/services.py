@@ -210,6 +210,7 @@ class EngineFleet:
 
     def _engine_env(self) -> dict[str, str]:
         env = actor_env(self.cfg.rollout.threads_per_engine)
+        env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))  # not INFO per sync
         if self.cfg.rollout.enforce_eager:
             # vLLM's sampler still torch.compiles a small log-prob rank kernel; on the CPU that is a g++ build
             # at every engine start (tens of seconds, again for every replacement engine). Eager mode needs none.
