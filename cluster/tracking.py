@@ -83,7 +83,8 @@ class MetricsLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if v is not None and k != "step"}, step=int(rec["step"]))
+            scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
+            self._wandb.log(scalars, step=int(rec["step"]))
 
     def close(self) -> None:
         if self._wandb is not None:
@@ -115,6 +116,35 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> Path | None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    plot_expert_load(history, out.with_name("expert_load.png"))
+    return out
+
+
+def plot_expert_load(history: list[dict[str, Any]], out: Path) -> Path | None:
+    """Heat map of the share of routed tokens per layer (rows) and expert (columns), averaged over the steps
+    that logged ``moe/expert_load`` (MoE models only)."""
+    import numpy as np
+
+    loads = [np.asarray(r["moe/expert_load"], dtype=float) for r in history if r.get("moe/expert_load") is not None]
+    if not loads:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mean = np.mean(np.stack(loads), axis=0)
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * mean.shape[1] + 2), max(2.5, 0.5 * mean.shape[0] + 1.5)))
+    im = ax.imshow(mean, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(mean.shape[1]))
+    ax.set_yticks(range(mean.shape[0]))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title(f"expert load (share of routed tokens), mean over {len(loads)} steps")
+    fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
