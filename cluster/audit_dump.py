@@ -2,19 +2,269 @@
 
 Called by the driver for every step in ``trainer.audit_steps``: ``save_inputs`` before the learner trains on
 the step's rollout batch (the behaviour weights are still loaded), ``save_outputs`` after.
+
+Layout of ``RUN_DIR/audit/step_NNNNNNNN/`` (read by ``learner.audit``):
+
+- ``batch.safetensors``: the ``TrainBatch`` tensors as the learner receives them (``input_ids``,
+  ``attention_mask``, ``response_mask``, ``old_log_probs`` = the engines' behaviour log-probs, ``advantages``,
+  ``rewards``, ``weight_versions``), ``learner_log_probs`` (float32 ``[N, L-1]``: the learner's own token
+  log-probs at the behaviour weights, ``compute_log_probs`` on every rank, rank 0's result; 0 outside the
+  response mask) and ``prompt_lengths`` (int64 ``[N]``, from the dataset rows, not from the batch).
+- ``split.json``: per minibatch, the batch row indices each rank trained on and the global normalisers the
+  driver passed (``num_sequences``, ``num_tokens``). The indices are recovered by matching the rows the
+  learner actually receives against the batch (identical rows are interchangeable).
+- ``meta.json``: step, weight version, prompt uids and prompt token ids, and the objective's settings
+  (algorithm, resolved clip range and loss aggregation, temperature, micro-batch size, world size, ...).
+- ``model/``: the behaviour weights in Hugging Face format (``model.safetensors`` plus the config and tokenizer
+  files of the run's model folder), loadable with ``AutoModelForCausalLM.from_pretrained``.
+- ``metrics.json`` (``save_outputs``): what the learner returned for the step.
+- ``gradient_first_step.safetensors`` (``save_outputs``): the full pre-clip gradient of the step's first
+  optimizer step (the first minibatch, summed over ranks and micro-batches), recorded by the learner's
+  ``capture_gradients`` hook, which ``save_inputs`` turns on and ``save_outputs`` off again.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import shutil
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
+AUDIT_SUBDIR = "audit"
+BATCH_FILE = "batch.safetensors"
+SPLIT_FILE = "split.json"
+META_FILE = "meta.json"
+METRICS_FILE = "metrics.json"
+GRADIENT_FILE = "gradient_first_step.safetensors"
+MODEL_SUBDIR = "model"
+FORMAT_VERSION = 1
+
+# Files of the model folder that are weights (not copied: the behaviour weights are written instead).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
+
+
+def audit_dir_for(run_dir: Path, step: int) -> Path:
+    """``run_dir/audit/step_NNNNNNNN`` (``step`` 1-based, as logged)."""
+    return Path(run_dir) / AUDIT_SUBDIR / f"step_{int(step):08d}"
+
+
+def _row_key(batch: Any, i: int) -> tuple:
+    """Content of row ``i`` of a ``TrainBatch``: equal keys mean interchangeable rows for the learner."""
+    return (
+        batch.input_ids[i].numpy().tobytes(),
+        batch.attention_mask[i].numpy().tobytes(),
+        batch.response_mask[i].numpy().tobytes(),
+        batch.old_log_probs[i].numpy().tobytes(),
+        float(batch.advantages[i]),
+    )
+
+
+def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
+    """The rows of ``batch`` that every rank receives for every minibatch, with the driver's normalisers.
+
+    Args:
+        batch: the step's ``TrainBatch`` (N rows).
+        plans: ``cluster.batching.RankPlan`` per rank (``minibatches[m]`` is a ``TrainBatch`` shard).
+
+    Returns:
+        One dict per minibatch: ``{"ranks": [[row indices of rank 0], ...], "num_sequences": S, "num_tokens":
+        T}`` (``S`` and ``T`` as passed to every rank; ``num_sequences_per_rank`` / ``num_tokens_per_rank``
+        hold each rank's value when they differ).
+
+    Raises:
+        ValueError: a shard row that is not a (not yet used) row of ``batch``, or ranks with different numbers
+            of minibatches.
+    """
+    pool: dict[tuple, list[int]] = {}
+    for i in range(len(batch)):
+        pool.setdefault(_row_key(batch, i), []).append(i)
+    counts = {len(p.minibatches) for p in plans}
+    if len(counts) != 1:
+        raise ValueError(f"ranks have different numbers of minibatches: {sorted(counts)}")
+    out = []
+    for m in range(counts.pop()):
+        ranks = []
+        for r, plan in enumerate(plans):
+            shard = plan.minibatches[m]
+            rows = []
+            for j in range(len(shard)):
+                queue = pool.get(_row_key(shard, j))
+                if not queue:
+                    raise ValueError(f"minibatch {m}, rank {r}, row {j} is not a row of the step's batch")
+                rows.append(queue.pop(0))
+            ranks.append(rows)
+        entry: dict[str, Any] = {
+            "ranks": ranks,
+            "num_sequences": int(plans[0].num_sequences[m]),
+            "num_tokens": int(plans[0].num_tokens[m]),
+        }
+        per_seq = [int(p.num_sequences[m]) for p in plans]
+        per_tok = [int(p.num_tokens[m]) for p in plans]
+        if len(set(per_seq)) > 1 or len(set(per_tok)) > 1:
+            entry["num_sequences_per_rank"], entry["num_tokens_per_rank"] = per_seq, per_tok
+        out.append(entry)
+    return out
+
+
+def _objective_settings(cfg: Any) -> dict[str, Any]:
+    from learner.objectives import resolve_objective
+
+    lc = cfg.learner
+    clip_low, clip_high, loss_agg = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    return {
+        "algorithm": lc.algorithm,
+        "clip_low": clip_low,
+        "clip_high": clip_high,
+        "loss_agg": loss_agg,
+        "temperature": float(cfg.rollout.temperature),
+        "micro_batch_size": int(lc.micro_batch_size),
+        "world_size": int(lc.world_size),
+        "num_minibatches": int(lc.num_minibatches),
+        "ppo_epochs": int(lc.ppo_epochs),
+        "old_logprob_source": lc.old_logprob_source,
+        "kl_coef": float(lc.kl_coef),
+        "zero_stage": int(lc.zero_stage),
+        "learner_dtype": lc.dtype,
+        "rollout_dtype": cfg.rollout.dtype,
+        "routing_replay": bool(getattr(lc, "routing_replay", False)),
+        "config_clip_low": lc.clip_low,
+        "config_clip_high": lc.clip_high,
+        "config_loss_agg": lc.loss_agg,
+    }
+
+
+def _save_behaviour_weights(trainer: Any, out: Path) -> None:
+    """Full weights from the learner ranks (collective: every rank exports, rank 0 returns them) in Hugging
+    Face checkpoint format, plus the run model folder's config and tokenizer files."""
+    from safetensors.torch import save_file
+
+    from cluster import services
+
+    results = services.get_fail_fast(
+        [l.export_weights.remote(trainer.cfg.sync.bucket_mb, as_refs=False) for l in trainer.learners]
+    )
+    state: dict[str, Any] = {}
+    for bucket in results[0]:
+        state.update(bucket)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    src = Path(trainer.model_path)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, out / f.name)
+
 
 def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
-    """Save what the step trains on and the weights that generated it; returns the step's audit folder."""
-    raise NotImplementedError
+    """Save what step ``step`` trains on and the weights that generated it; returns the step's audit folder.
+
+    Must run before the learner trains on ``batch`` (its weights are then the behaviour weights the rollout
+    engines sampled with). Collective on the learner ranks (``compute_log_probs`` and ``export_weights`` are
+    called on all of them).
+
+    Args:
+        trainer: the ``cluster.train.Trainer`` (uses ``cfg``, ``run_dir``, ``learners``, ``model_path``,
+            ``train_rows``, ``weight_version``).
+        step: the 1-based RL step.
+        batch: the step's ``TrainBatch``.
+        plans: the ``RankPlan`` list the learner ranks receive.
+
+    Raises:
+        ValueError: the plans do not hold rows of ``batch``.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from cluster import services
+
+    out = audit_dir_for(trainer.run_dir, step)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    split = split_indices(batch, plans)
+
+    # The learner's own log-probs at the behaviour weights (all ranks take part; rank 0's result).
+    lps = services.get_fail_fast([l.compute_log_probs.remote(batch) for l in trainer.learners])
+    learner_lp = lps[0].to(torch.float32)
+
+    rows = {r.uid: r for r in getattr(trainer, "train_rows", [])}
+    prompts: dict[str, list[int]] = {}
+    lengths = []
+    for uid in batch.prompt_uids:
+        row = rows.get(uid)
+        if row is None:
+            lengths.append(-1)  # unknown: the audit reports the mask alignment as not checkable
+            continue
+        prompts[uid] = list(row.prompt_token_ids)
+        lengths.append(len(row.prompt_token_ids))
+
+    tensors = {
+        "input_ids": batch.input_ids.to(torch.int64),
+        "attention_mask": batch.attention_mask.to(torch.int64),
+        "response_mask": batch.response_mask.to(torch.bool),
+        "old_log_probs": batch.old_log_probs.to(torch.float32),
+        "advantages": batch.advantages.to(torch.float32),
+        "rewards": batch.rewards.to(torch.float32),
+        "weight_versions": batch.weight_versions.to(torch.int64),
+        "learner_log_probs": learner_lp,
+        "prompt_lengths": torch.tensor(lengths, dtype=torch.int64),
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / BATCH_FILE))
+    (out / SPLIT_FILE).write_text(json.dumps({"minibatches": split, "seed": int(trainer.cfg.trainer.seed + step - 1)},
+                                             indent=1) + "\n")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "weight_version": int(trainer.weight_version),
+        "model_path": str(trainer.model_path),
+        "objective": _objective_settings(trainer.cfg),
+        "prompt_uids": list(batch.prompt_uids),
+        "prompt_token_ids": prompts,
+        "group_size": int(trainer.cfg.trainer.group_size),
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    _save_behaviour_weights(trainer, out / MODEL_SUBDIR)
+    # Record the gradient of every optimizer step of this call (read and switched off by save_outputs).
+    services.get_fail_fast([l.capture_gradients.remote(True) for l in trainer.learners])
+    log.info("audit: step %d saved to %s (%d sequences)", step, out, len(batch))
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if hasattr(v, "item") and callable(v.item):
+        try:
+            return _jsonable(v.item())
+        except (ValueError, RuntimeError):
+            return str(v)
+    return v
 
 
 def save_outputs(trainer: Any, audit_dir: Path, metrics: dict[str, Any]) -> None:
-    """Save what training logged for the step (metrics of the learner)."""
-    raise NotImplementedError
+    """Save what training logged for the step (the learner's metrics dict) as ``metrics.json``, and the
+    gradient of the step's first optimizer step (captured on the learner ranks since ``save_inputs``; the
+    capture is switched off again on every rank)."""
+    from safetensors.torch import save_file
+
+    from cluster import services
+
+    audit_dir = Path(audit_dir)
+    audit_dir.mkdir(parents=True, exist_ok=True)
+    (audit_dir / METRICS_FILE).write_text(json.dumps(_jsonable(dict(metrics)), indent=1) + "\n")
+    learners = getattr(trainer, "learners", [])
+    if not learners:
+        return
+    steps = services.get_fail_fast([learners[0].captured_gradients.remote()])[0]
+    services.get_fail_fast([l.capture_gradients.remote(False) for l in learners])
+    if steps:
+        grads = {k: v.contiguous() for k, v in steps[0].items() if v is not None}
+        save_file(grads, str(audit_dir / GRADIENT_FILE))
