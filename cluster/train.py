@@ -80,6 +80,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.t_start = time.perf_counter()
         self.run_dir = _setup_run_dir(cfg)
         self.step = 0
         self.weight_version = 0
@@ -412,6 +413,7 @@ class Trainer:
             summary.setdefault("eval/accuracy_start", evals[0])
             summary["eval/accuracy_final"] = evals[-1]
             summary["eval/accuracy_best"] = max(evals)
+        summary["timing/total_s"] = time.perf_counter() - self.t_start
         if tc.plots:
             plot_curves(hist, self.run_dir / "curves.png")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
