@@ -67,6 +67,7 @@ class Check:
     status: str = "ok"  # "ok", "FAIL" or "skipped"
     note: str = ""
     exact: bool = False
+    values: dict[str, float] = field(default_factory=dict)  # the compared figures, for machine readers
 
     @property
     def failed(self) -> bool:
@@ -591,7 +592,9 @@ def _gradient_check(model, captured: dict[str, Tensor], tolerance: float) -> Che
     norm_a, norm_t = math.sqrt(total_a), math.sqrt(total_t)
     missing = len(captured) - len(common)
     note = f"grad norm audit {norm_a:.6g}, training {norm_t:.6g}" + (f"; {missing} names not in model" if missing else "")
-    return _judge("gradient_first_minibatch", worst, tolerance, where, note)
+    check = _judge("gradient_first_minibatch", worst, tolerance, where, note)
+    check.values = {"audit_grad_norm": norm_a, "training_grad_norm": norm_t}
+    return check
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -252,6 +252,9 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
         "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0",
         "trainer.plots=false", "trainer.audit_steps=[1]", "learner.micro_batch_size=2", "learner.num_minibatches=2",
         "warm_start.steps=2", "warm_start.batch_size=16", "data.num_eval=8", "wandb.mode=disabled",
+        # After 2 warm-start steps no sum is right; a format term (a digit anywhere) makes rewards differ within
+        # groups, so advantages and the first minibatch's gradient are not all zero.
+        "reward.extra_terms=[{verifier: format, weight: 1.0}]", 'reward.format_regex="[0-9]"',
     ])
     trainer = Trainer(cfg)
     try:
@@ -269,6 +272,8 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
         assert (step_dir / name).is_file(), name
     split = json.loads((step_dir / "split.json").read_text())["minibatches"]
     assert len(split) == 2 and all(len(mb["ranks"]) == 2 and len(mb["ranks"][0]) == 8 for mb in split)
+    first_rows = [i for r in split[0]["ranks"] for i in r]
+    assert load_file(str(step_dir / "batch.safetensors"))["advantages"][first_rows].abs().sum() > 0
 
     cmd = [sys.executable, "-m", "learner.audit", str(run_dir), "--step", "1", "--json", str(tmp_path / "clean.json")]
     clean = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
@@ -278,19 +283,18 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     for name in ("mask_alignment", "behaviour_log_probs", "learner_log_probs", "sequence_log_ratio", "normalisers",
                  "minibatch_split", "entropy", "logprob_diff_metric", "gradient_first_minibatch"):
         assert status[name] == "ok", (name, clean.stdout)
+    grad = next(c for c in report["checks"] if c["name"] == "gradient_first_minibatch")
+    assert grad["values"]["training_grad_norm"] > 0, grad  # the check compared a real gradient
 
-    # Plant a one-token shift of one row's response mask (one position later) in the saved data.
+    # Plant a one-token shift of one row's response mask (one position earlier: the last prompt token counts,
+    # the last response token does not) in the saved data.
     tensors = load_file(str(step_dir / "batch.safetensors"))
     mask = tensors["response_mask"]
     row = int(torch.nonzero(mask.any(-1))[0])
     cols = torch.nonzero(mask[row]).flatten()
     first, last = int(cols[0]), int(cols[-1])
-    assert last + 1 < mask.shape[1] or first > 0
-    shifted = mask[row].clone()
-    shifted[first] = False
-    if last + 1 < mask.shape[1]:
-        shifted[last + 1] = True
-    mask[row] = shifted
+    assert first >= 1
+    mask[row, first - 1], mask[row, last] = True, False
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(step_dir / "batch.safetensors"))
     bad = subprocess.run(cmd[:-1] + [str(tmp_path / "bad.json")], capture_output=True, text=True, cwd=REPO,
                          timeout=600)
