@@ -42,7 +42,7 @@ import torch
 
 from cluster.contracts import SFTBatch, TrainBatch
 from learner.config import LearnerConfig, WarmStartConfig
-from learner.health import failed_checks, validate_guard
+from learner.health import GUARD_CHECKS, failed_checks, validate_guard
 from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.moe import RouterTap, expert_counts, find_routers, load_statistics, response_positions, topk_set_changes
 from learner.objectives import (
@@ -439,6 +439,7 @@ class LearnerRank:
 
             With a guard: ``health/skipped`` (0.0 or 1.0), ``health/failed_checks`` (comma-joined check names,
             ``""`` when none), ``health/reasons`` (``"; "``-joined ``name: metric=value > limit``),
+            ``health/steps_undone`` (optimizer steps that ran and were rolled back),
             ``health/nonfinite_log_probs`` (count of non-finite learner or rollout log-probs on response
             tokens).
 
@@ -490,7 +491,9 @@ class LearnerRank:
         if guard is not None:
             if nonfinite:
                 failures.append(("nonfinite_log_probs", f"{int(nonfinite)} non-finite log-probs on response tokens"))
-            failures += failed_checks(guard, out, "pre")
+            # A NaN metric caused by those non-finite log-probs is not reported a second time.
+            failures += [f for f in failed_checks(guard, out, "pre")
+                         if not (nonfinite and not math.isfinite(float(out[GUARD_CHECKS[f[0]][0]])))]
 
         counts = self._aligned_counts([len(self._micro_slices(len(mb), cfg.micro_batch_size)) for mb in minibatches])
         parts: list[dict[str, float]] = []
@@ -638,6 +641,7 @@ class LearnerRank:
                 out["actor/num_optimizer_steps"] = 0.0
                 log.warning("health guard: step skipped (%s)", "; ".join(f"{n}: {r}" for n, r in failures))
             out["health/skipped"] = 1.0 if skip else 0.0
+            out["health/steps_undone"] = float(steps) if skip else 0.0
             out["health/failed_checks"] = ",".join(n for n, _ in failures)
             out["health/reasons"] = "; ".join(f"{n}: {r}" for n, r in failures)
             out["health/nonfinite_log_probs"] = float(nonfinite)

@@ -236,17 +236,21 @@ def test_expert_load_and_volatility_metrics(model_path):
     assert not any(k.startswith("moe/") for k in _train(_rank(model_path, quiet), batches[:1]))
 
 
-def test_routing_replay_keeps_recorded_experts_and_is_exact_at_unchanged_weights(model_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_routing_replay_keeps_recorded_experts_and_is_exact_at_unchanged_weights(model_path, zero_stage):
     """With routing_replay the training forwards use exactly the pre-update experts after updates (volatility
-    0 while the router's own choice moved), and with one minibatch (no update before the training forward)
-    the loss, gradients and update are bit-identical to training without replay."""
+    0 while the router's own choice moved; ZeRO-3 with every parameter partitioned too), and with one
+    minibatch (no update before the training forward) the loss, gradients and update are bit-identical to
+    training without replay."""
     batches = [make_batch(model_path, 4, seed=s) for s in (31, 32, 33)]
-    cfg = LearnerConfig(algorithm="grpo", zero_stage=2, micro_batch_size=2, lr=1e-2, num_minibatches=3,
-                        routing_replay=True)
+    cfg = LearnerConfig(algorithm="grpo", zero_stage=zero_stage, micro_batch_size=2, lr=1e-2, num_minibatches=3,
+                        routing_replay=True, zero3_param_persistence_threshold=0 if zero_stage == 3 else None)
     out = _train(_rank(model_path, cfg), batches)
     assert out["moe/routing_volatility_passes"] == 2.0
     assert out["moe/routing_volatility"] == 0.0
     assert out["moe/routing_volatility_unreplayed"] > 0.0
+    if zero_stage == 3:
+        return
 
     results = {}
     for replay in (False, True):
