@@ -1,0 +1,480 @@
+"""Equal-budget comparison: ``python -m cluster.compare CONFIG --algorithms gspo,grpo[,grpo_rr,dapo] [--seeds K]
+[--name NAME] [dotted.key=value ...]`` (also ``make compare CONFIG=... ARGS=...``).
+
+Trains the same config once per algorithm and seed, one run after the other in this process (a ``Trainer``
+each, Ray shut down between runs), and writes ``<output-dir>/<name>/report.md`` (a table with mean and spread
+over seeds), ``curves.png`` (the runs overlaid) and ``results.json``; each run's own folder (metrics.jsonl,
+checkpoints, plots) is ``<output-dir>/<name>/runs/<algorithm>_seed<k>``.
+
+What is held equal within a seed: the model and its supervised warm start (run once, by the seed's first run,
+saved as a checkpoint that the other algorithms resume from), the prompt stream and sampling seeds
+(``trainer.seed`` and ``rollout.seed`` are the config's plus ``k``), rollouts per step, the reward and the
+response length limit. What differs is only the objective:
+
+- ``gspo``: ``learner.algorithm=gspo`` with the paper's clip range (3e-4 / 4e-4 unless the config is a GSPO
+  config with its own) and the sequence-mean loss;
+- ``grpo``: token-level ratios, clip 0.2 / 0.27 (the GSPO paper's GRPO baseline), our default token-mean loss;
+- ``grpo_rr``: ``grpo`` with ``learner.routing_replay=true`` (MoE models; skipped with a note when the learner
+  or the model does not support it);
+- ``dapo``: ``grpo`` with clip 0.2 / 0.28, ``loss_agg=token_mean`` and dynamic sampling
+  (``trainer.dynamic_sampling=true``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config import Config, ConfigError, load_config
+
+log = logging.getLogger("cluster.compare")
+
+ALGORITHMS = ("gspo", "grpo", "grpo_rr", "dapo")
+DEFAULT_SPIKE_FACTOR = 5.0
+
+_DESCRIPTIONS = {
+    "gspo": "GSPO: sequence ratio, clip {clip}, {agg}",
+    "grpo": "GRPO: token ratios, clip {clip}, {agg}",
+    "grpo_rr": "GRPO + Routing Replay: token ratios, clip {clip}, {agg}",
+    "dapo": "DAPO: token ratios, clip {clip}, {agg}, dynamic sampling",
+}
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+
+def routing_replay_supported() -> tuple[bool, str]:
+    """Whether the learner's config has ``routing_replay`` (the option may not exist in every version)."""
+    from learner.config import LearnerConfig
+
+    if "routing_replay" in LearnerConfig.model_fields:
+        return True, ""
+    return False, "learner.routing_replay is not an option of this learner (Routing Replay not implemented)"
+
+
+def algorithm_overrides(algorithm: str, base: Config) -> list[str]:
+    """The dotted overrides that turn ``base`` into ``algorithm``'s run (see the module docstring).
+
+    Raises:
+        ValueError: an unknown algorithm name.
+    """
+    rr = ["learner.routing_replay=false"] if routing_replay_supported()[0] else []
+    if algorithm == "gspo":
+        out = ["learner.algorithm=gspo", "learner.loss_agg=null", "trainer.dynamic_sampling=false"]
+        if base.learner.algorithm not in ("gspo", "gspo_token"):
+            out += ["learner.clip_low=null", "learner.clip_high=null"]  # the paper's defaults
+        return out + rr
+    grpo = ["learner.algorithm=grpo", "learner.clip_low=0.2", "learner.clip_high=0.27", "learner.loss_agg=null",
+            "trainer.dynamic_sampling=false"]
+    if algorithm == "grpo":
+        return grpo + rr
+    if algorithm == "grpo_rr":
+        return grpo + ["learner.routing_replay=true"]
+    if algorithm == "dapo":
+        return ["learner.algorithm=grpo", "learner.clip_low=0.2", "learner.clip_high=0.28",
+                "learner.loss_agg=token_mean", "trainer.dynamic_sampling=true"] + rr
+    raise ValueError(f"algorithm {algorithm!r} is not one of {ALGORITHMS}")
+
+
+def run_overrides(algorithm: str, seed_index: int, base: Config, runs_dir: Path) -> list[str]:
+    """Output folder, run name, seeds (config's + ``seed_index``) and the algorithm's settings."""
+    return [
+        f"trainer.output_dir={runs_dir}",
+        f"trainer.run_name={algorithm}_seed{seed_index}",
+        f"trainer.seed={base.trainer.seed + seed_index}",
+        f"rollout.seed={base.rollout.seed + seed_index}",
+        "trainer.resume=false",
+    ] + algorithm_overrides(algorithm, base)
+
+
+def _settings(cfg: Config) -> str:
+    from learner.objectives import resolve_objective
+
+    lc = cfg.learner
+    low, high, agg = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    return f"{lc.algorithm}, clip [1-{low:g}, 1+{high:g}], {agg}" + (
+        ", routing replay" if getattr(lc, "routing_replay", False) else "") + (
+        ", dynamic sampling" if cfg.trainer.dynamic_sampling else "")
+
+
+# ----------------------------------------------------------------------------------------------- one run
+
+
+@dataclass
+class RunResult:
+    """One (algorithm, seed) run."""
+
+    algorithm: str
+    seed_index: int
+    run_dir: str
+    status: str  # "ok", "skipped" or "failed"
+    note: str = ""
+    settings: str = ""
+    wall_s: float = float("nan")  # trainer.run(): RL steps, evals, checkpoints (not start-up or warm start)
+    warm_start: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> None:
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dst)
+
+
+def run_one(cfg: Config, algorithm: str, seed_index: int, warm_dir: Path) -> RunResult:
+    """Start a ``Trainer`` for ``cfg``, train it, shut everything down (Ray included).
+
+    The warm start: when ``warm_dir`` holds a checkpoint (an earlier algorithm of this seed wrote it) it is
+    copied into the run's checkpoints and resumed from; otherwise this run does the warm start, saves it and
+    copies it to ``warm_dir`` for the next algorithms.
+    """
+    import ray
+
+    from cluster import checkpoint
+    from cluster.train import Trainer
+
+    shared = checkpoint.latest_checkpoint(warm_dir) if warm_dir.is_dir() else None
+    if shared is not None and cfg.warm_start.steps > 0:
+        run_dir = cfg.run_dir.resolve()
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a fresh run: no metrics or checkpoints from an earlier invocation
+        _copy_checkpoint(shared, checkpoint.checkpoint_root(run_dir) / shared.name)
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"resume": True})})
+    elif cfg.run_dir.resolve().exists():
+        shutil.rmtree(cfg.run_dir.resolve())
+    result = RunResult(algorithm, seed_index, str(cfg.run_dir.resolve()), "ok", settings=_settings(cfg))
+    trainer = Trainer(cfg)
+    try:
+        try:
+            trainer.start()
+        except Exception as e:  # noqa: BLE001 - a start-up refusal of Routing Replay is a skip, not a failure
+            if algorithm == "grpo_rr" and "routing_replay" in str(e):
+                result.status, result.note = "skipped", f"the learner refused Routing Replay: {_first_line(e)}"
+                return result
+            raise
+        if cfg.warm_start.steps > 0 and not trainer.warm_start_done:
+            result.warm_start = trainer.warm_start()
+            saved = trainer.save()
+            _copy_checkpoint(saved, warm_dir / saved.name)
+        t = time.perf_counter()
+        result.summary = trainer.run()
+        result.wall_s = time.perf_counter() - t
+        result.history = list(trainer.logger.history)
+    except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
+        log.exception("run %s seed %d failed", algorithm, seed_index)
+        result.status, result.note = "failed", f"{type(e).__name__}: {_first_line(e)}"
+        if getattr(trainer, "logger", None) is not None:
+            result.history = list(trainer.logger.history)
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    return result
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1][:300] if text else type(e).__name__
+
+
+# ------------------------------------------------------------------------------------------ the summary
+
+
+def _values(history: list[dict[str, Any]], key: str, rl_only: bool = True) -> list[float]:
+    out = []
+    for r in history:
+        if rl_only and int(r.get("step", 0)) < 1:
+            continue
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+            out.append(float(v))
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def summarise(history: list[dict[str, Any]], spike_factor: float = DEFAULT_SPIKE_FACTOR) -> dict[str, float]:
+    """The report's figures for one run, from its metrics records (``metrics.jsonl`` lines).
+
+    - ``start_accuracy``, ``final_accuracy``, ``best_accuracy``: held-out greedy accuracy at step 0, at the
+      last evaluation, and the best over every evaluation (step 0 included);
+    - ``reward``: mean of ``reward/mean`` over the last quarter of the RL steps (at least one step);
+    - ``clip_fraction``: mean ``actor/clip_fraction`` over the RL steps (sequences for GSPO, tokens for GRPO);
+    - ``routing_volatility`` / ``routing_volatility_router``: mean ``moe/routing_volatility`` (experts used)
+      and ``moe/routing_volatility_unreplayed`` (the router's own choice) over the steps that measured it;
+    - ``grad_norm_spikes``: RL steps whose largest pre-clip gradient norm (``actor/grad_norm_max``) exceeds
+      ``spike_factor`` x the median of the run's ``actor/grad_norm``;
+    - ``rl_time_s``: sum of ``timing/step_s`` (rollout, reward, learner, weight sync; no evals);
+      ``tokens_per_s``: response tokens trained on (``actor/num_response_tokens``) / ``rl_time_s``;
+    - ``entropy_final``: ``actor/entropy`` of the last step; ``steps``: RL steps logged.
+
+    Missing metrics give NaN.
+    """
+    evals = [(int(r.get("step", 0)), float(r["eval/accuracy"])) for r in history
+             if isinstance(r.get("eval/accuracy"), (int, float))]
+    steps = [r for r in history if int(r.get("step", 0)) >= 1]
+    rewards = _values(history, "reward/mean")
+    tail = rewards[-max(1, len(rewards) // 4):] if rewards else []
+    norms = _values(history, "actor/grad_norm")
+    peaks = _values(history, "actor/grad_norm_max") or norms
+    median = statistics.median(norms) if norms else float("nan")
+    spikes = sum(1 for p in peaks if p > spike_factor * median) if norms else float("nan")
+    measured = [r for r in steps if float(r.get("moe/routing_volatility_passes") or 0) > 0]
+    vol = _values(measured, "moe/routing_volatility")
+    vol_router = _values(measured, "moe/routing_volatility_unreplayed")
+    step_time = sum(_values(history, "timing/step_s"))
+    tokens = _values(history, "actor/num_response_tokens")
+    entropy = _values(history, "actor/entropy")
+    return {
+        "steps": float(len(steps)),
+        "start_accuracy": evals[0][1] if evals and evals[0][0] == 0 else float("nan"),
+        "final_accuracy": evals[-1][1] if evals else float("nan"),
+        "best_accuracy": max(a for _, a in evals) if evals else float("nan"),
+        "reward": _mean(tail),
+        "clip_fraction": _mean(_values(history, "actor/clip_fraction")),
+        "routing_volatility": _mean(vol),
+        "routing_volatility_router": _mean(vol_router),
+        "grad_norm_spikes": float(spikes),
+        "rl_time_s": step_time,
+        "tokens_per_s": sum(tokens) / step_time if tokens and step_time > 0 else float("nan"),
+        "entropy_final": entropy[-1] if entropy else float("nan"),
+    }
+
+
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (NaN with fewer than two values) of the finite values."""
+    xs = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not xs:
+        return float("nan"), float("nan")
+    return _mean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+
+
+def _fmt(mean: float, spread: float, digits: int = 3) -> str:
+    if not math.isfinite(mean):
+        return "–"
+    text = f"{mean:.{digits}f}"
+    return text + (f" ± {spread:.{digits}f}" if math.isfinite(spread) else "")
+
+
+COLUMNS = [  # (summary key, header, digits)
+    ("start_accuracy", "start acc", 3),
+    ("final_accuracy", "final acc", 3),
+    ("best_accuracy", "best acc", 3),
+    ("reward", "reward (last ¼)", 3),
+    ("clip_fraction", "clip fraction", 4),
+    ("routing_volatility", "routing vol. (used)", 3),
+    ("routing_volatility_router", "routing vol. (router)", 3),
+    ("grad_norm_spikes", "grad-norm spikes", 1),
+    ("wall_s", "wall s", 1),
+    ("tokens_per_s", "tokens/s", 0),
+]
+
+
+def _row_values(r: RunResult, spike_factor: float) -> dict[str, float]:
+    s = summarise(r.history, spike_factor)
+    s["wall_s"] = r.wall_s
+    return s
+
+
+def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, overrides: list[str],
+                 shared: dict[str, Any], spike_factor: float) -> Path:
+    """``report.md``: the per-algorithm table (mean ± sample std over seeds), the per-run table, the shared
+    settings, definitions, skipped and failed runs, and what the comparison does and does not show."""
+    algos = list(dict.fromkeys(r.algorithm for r in results))
+    lines = [f"# Equal-budget comparison: {out_dir.name}", ""]
+    lines += [f"Config `{config_path}`" + (f" with `{' '.join(overrides)}`" if overrides else "") + ".", ""]
+    lines += ["Held equal in every run of a seed: " + ", ".join(f"{k} {v}" for k, v in shared.items()) + ".", ""]
+    lines += ["## Results (mean ± sample std over seeds)", ""]
+    header = ["algorithm", "settings", "runs"] + [h for _, h, _ in COLUMNS]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for a in algos:
+        runs = [r for r in results if r.algorithm == a and r.status == "ok"]
+        all_runs = [r for r in results if r.algorithm == a]
+        settings = next((r.settings for r in all_runs if r.settings), "")
+        if not runs:
+            status = ", ".join(sorted({r.status for r in all_runs}))
+            lines.append(f"| {a} | {settings} | 0 ({status}) |" + " – |" * len(COLUMNS))
+            continue
+        vals = [_row_values(r, spike_factor) for r in runs]
+        cells = [_fmt(*mean_spread([v[k] for v in vals]), d) for k, _, d in COLUMNS]
+        lines.append(f"| {a} | {settings} | {len(runs)} | " + " | ".join(cells) + " |")
+    lines += ["", "## Runs", ""]
+    header = ["run", "status", "steps"] + [h for _, h, _ in COLUMNS]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        v = _row_values(r, spike_factor)
+        cells = [_fmt(v[k], float("nan"), d) for k, _, d in COLUMNS]
+        lines.append(f"| {r.algorithm} seed {r.seed_index} | {r.status} | {v['steps']:.0f} | " + " | ".join(cells) + " |")
+    notes = [r for r in results if r.status != "ok"]
+    if notes:
+        lines += ["", "## Skipped and failed runs", ""]
+        lines += [f"- {r.algorithm} seed {r.seed_index}: {r.status}: {r.note}" for r in notes]
+    lines += [
+        "", "## Definitions", "",
+        "- Accuracy: held-out prompts, greedy decoding, judged by the verifier; start = step 0 (after the shared "
+        "warm start; the same for every algorithm of a seed), final = last evaluation, best = best evaluation.",
+        "- Reward: mean training-rollout reward over the last quarter of the RL steps.",
+        "- Clip fraction: mean over RL steps of `actor/clip_fraction`. Its unit differs: sequences for GSPO, "
+        "tokens for GRPO/DAPO, so the columns are not the same quantity across algorithms.",
+        "- Routing volatility: mean `moe/routing_volatility` (share of (token, MoE layer) top-k expert sets that "
+        "differ from the behaviour policy's, for the experts used; 0 under Routing Replay by construction) and "
+        "`moe/routing_volatility_unreplayed` (the router's own choice). – when not logged (dense model, or one "
+        "minibatch and one epoch per step).",
+        f"- Grad-norm spikes: RL steps whose largest pre-clip gradient norm exceeds {spike_factor:g} x the median "
+        "of the run's per-step mean gradient norm.",
+        "- Wall s: `Trainer.run()` of the run (RL steps, evaluations, checkpoints; not service start-up or the "
+        "warm start). Tokens/s: response tokens trained on / summed step time (rollout, reward, learner, sync). "
+        "Timings are only comparable between runs on the same idle machine.",
+        "", "## What this shows and what it does not", "",
+        "It shows how the objectives behave on this config: the same warm-started model, the same prompts, "
+        "sampling seeds, rollouts per step, reward and length limit, with only the objective changed. It does "
+        "not reproduce the GSPO paper: a tiny model on a toy task with a handful of seeds is not a 30B MoE on "
+        "competition mathematics, differences within the spread over seeds are noise, and a short run says "
+        "nothing about the long-horizon stability the paper reports.",
+    ]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot_runs(results: list[RunResult], out: Path) -> Path | None:
+    """``curves.png``: held-out accuracy, reward, clip fraction and entropy against the step, every run
+    overlaid (one colour per algorithm, one line style per seed)."""
+    runs = [r for r in results if r.history]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("eval/accuracy", "held-out accuracy (greedy)"), ("reward/mean", "reward (training rollouts)"),
+              ("actor/clip_fraction", "clip fraction (GSPO: sequences, GRPO: tokens)"),
+              ("actor/entropy", "entropy (nats/token)")]
+    algos = list(dict.fromkeys(r.algorithm for r in runs))
+    colours = {a: f"C{i}" for i, a in enumerate(algos)}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (key, title) in zip(axes.flat, panels):
+        for r in runs:
+            pts = [(int(h["step"]), float(h[key])) for h in r.history
+                   if isinstance(h.get(key), (int, float)) and math.isfinite(float(h[key]))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, color=colours[r.algorithm], linestyle=styles[r.seed_index % len(styles)],
+                        marker="o" if len(pts) < 30 else None, markersize=3,
+                        label=f"{r.algorithm} s{r.seed_index}")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes.flat[1].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides applied to every run")
+    parser.add_argument("--algorithms", default="gspo,grpo", help=f"comma-separated, from {', '.join(ALGORITHMS)}")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (trainer.seed and rollout.seed + k)")
+    parser.add_argument("--name", default=None, help="report folder name (default: the config's file name)")
+    parser.add_argument("--output-dir", default="outputs/compare", help="parent of the report folder")
+    parser.add_argument("--spike-factor", type=float, default=DEFAULT_SPIKE_FACTOR,
+                        help="a step is a grad-norm spike above this x the run's median grad norm")
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in ALGORITHMS]
+    if not algos or unknown or len(set(algos)) != len(algos):
+        print(f"error: --algorithms={args.algorithms!r}: give distinct names from {', '.join(ALGORITHMS)}", file=sys.stderr)
+        return 2
+    if args.seeds < 1:
+        print(f"error: --seeds={args.seeds} must be >= 1", file=sys.stderr)
+        return 2
+    if not (args.spike_factor > 0 and math.isfinite(args.spike_factor)):
+        print(f"error: --spike-factor={args.spike_factor} must be a finite number > 0", file=sys.stderr)
+        return 2
+    name = args.name or Path(args.config).stem
+    out_dir = Path(args.output_dir) / name
+    runs_dir = (out_dir / "runs").resolve()
+    try:
+        base = load_config(args.config, args.overrides)
+        # Every run's config is checked before the first one starts.
+        configs = {(a, k): load_config(args.config, args.overrides + run_overrides(a, k, base, runs_dir))
+                   for k in range(args.seeds) for a in algos if not (a == "grpo_rr" and not routing_replay_supported()[0])}
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    results: list[RunResult] = []
+    for k in range(args.seeds):
+        warm_dir = out_dir.resolve() / "warm_start" / f"seed{k}"
+        if warm_dir.exists():
+            shutil.rmtree(warm_dir)  # this invocation's warm start, not an earlier one's
+        for a in algos:
+            if (a, k) not in configs:
+                results.append(RunResult(a, k, "", "skipped", routing_replay_supported()[1]))
+                log.warning("%s seed %d skipped: %s", a, k, results[-1].note)
+                continue
+            log.info("=== %s, seed %d ===", a, k)
+            results.append(run_one(configs[(a, k)], a, k, warm_dir))
+            r = results[-1]
+            log.info("%s seed %d: %s %s", a, k, r.status, r.note)
+            # Write after every run: a long comparison shows its progress and keeps what is done.
+            _write_outputs(out_dir, results, args, base, algos)
+    _write_outputs(out_dir, results, args, base, algos)
+    print(f"report: {out_dir / 'report.md'}")
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def _write_outputs(out_dir: Path, results: list[RunResult], args, base: Config, algos: list[str]) -> None:
+    t, ro = base.trainer, base.rollout
+    shared = {
+        "model": base.model.path,
+        "warm start": f"{base.warm_start.steps} steps (one checkpoint per seed)",
+        "RL steps": t.total_steps,
+        "prompts/step": t.prompts_per_step,
+        "rollouts/prompt": t.group_size,
+        "max response tokens": ro.max_response_tokens,
+        "temperature": ro.temperature,
+        "minibatches/step": base.learner.num_minibatches,
+        "seeds": args.seeds,
+    }
+    write_report(out_dir, results, config_path=args.config, overrides=args.overrides, shared=shared,
+                 spike_factor=args.spike_factor)
+    plot_runs(results, out_dir / "curves.png")
+    payload = []
+    for r in results:
+        d = asdict(r)
+        d.pop("history")
+        d["figures"] = _row_values(r, args.spike_factor)
+        payload.append(d)
+    (out_dir / "results.json").write_text(json.dumps({"algorithms": algos, "runs": payload}, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
