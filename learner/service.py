@@ -21,6 +21,14 @@ exactly (DeepSpeed 0.19.8 source, ``deepspeed/runtime/engine.py`` and ``zero/sta
 
 Ranks must run the same number of forward/backward passes (ZeRO-2 reduces and ZeRO-3 gathers inside them), so
 a rank with fewer micro-batches in a minibatch runs zero-weighted passes on a dummy input to keep step.
+
+MoE models (``learner.moe``): forward hooks on the routers record, in the pre-update pass that runs anyway,
+the experts every token is routed to; from them come the expert-load metrics, the routing volatility of the
+later training forwards, and (``learner.routing_replay``) the experts replayed in those forwards.
+
+Health guard (``train_rollout_batch(..., guard=...)``, checks in ``learner.health``): every decision is taken
+from all-reduced values, so all ranks skip or apply a step together; a skipped step leaves weights and optimizer
+state bit-identical (in-memory CPU snapshot taken before the first optimizer step, restored on failure).
 """
 
 from __future__ import annotations
