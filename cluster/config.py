@@ -58,6 +58,29 @@ class SyncConfig(Section):
     bucket_mb: float = Field(64.0, gt=0, description="size of one object-store bucket of weights, MiB")
 
 
+class HealthConfig(Section):
+    """Health guard: per-step checks; a failing step's update is skipped (weights and optimizer unchanged),
+    ``rollback_after`` failures in a row roll back to the last checkpoint, and ``max_rollbacks`` rollbacks
+    without a good step in between stop the run with a report naming the checks that failed. Non-finite loss,
+    gradient norm or log-probs always fail when the guard is on."""
+
+    enabled: bool = Field(False, description="run the checks (costs one in-memory copy of each rank's state)")
+    max_grad_norm: float | None = Field(None, gt=0, description="pre-clip global gradient norm")
+    max_clip_fraction: float | None = Field(None, ge=0, le=1)
+    max_logprob_diff: float | None = Field(None, ge=0, description="mean |train - rollout| log-prob, nats")
+    min_entropy: float | None = Field(None, ge=0, description="mean token entropy, nats (entropy collapse)")
+    max_load_imbalance: float | None = Field(None, ge=1, description="MoE: max over layers of max/mean expert load")
+    rollback_after: int = Field(3, ge=1, description="failed steps in a row before rolling back")
+    max_rollbacks: int = Field(2, ge=1, description="rollbacks without a good step in between before stopping")
+
+    def guard(self) -> dict[str, float] | None:
+        """The learner's guard dict (thresholds that are set), or None when the guard is off."""
+        if not self.enabled:
+            return None
+        keys = ("max_grad_norm", "max_clip_fraction", "max_logprob_diff", "min_entropy", "max_load_imbalance")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
 class ClusterConfig(Section):
     """What the cluster looks like, for the placement plan and the --dry-run memory check."""
 
@@ -108,6 +131,7 @@ class Config(Section):
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 

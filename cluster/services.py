@@ -334,6 +334,30 @@ class EngineFleet:
         return max(times) if times else 0.0
 
 
+class RewardGroups:
+    """Scheduling strategy factory for the reward pool: one placement group per worker slot (a replaced
+    worker gets a fresh group; the old one is removed)."""
+
+    def __init__(self, num_cpus: float):
+        self.num_cpus = num_cpus
+        self.groups: dict[int, Any] = {}
+
+    def __call__(self, slot: int) -> PlacementGroupSchedulingStrategy:
+        old = self.groups.pop(slot, None)
+        if old is not None:
+            remove_placement_group(old)
+        bundle = [{"CPU": self.num_cpus}]
+        pg = placement_group(bundle, strategy="STRICT_PACK")
+        _wait_ready(pg, "reward worker", bundle)
+        self.groups[slot] = pg
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+
+    def remove_all(self) -> None:
+        for pg in self.groups.values():
+            remove_placement_group(pg)
+        self.groups.clear()
+
+
 def get_fail_fast(refs: list[Any]) -> list[Any]:
     """``ray.get`` of several refs that raises as soon as ANY of them fails (a dead learner rank), instead of
     waiting in order behind a peer that blocks in a collective until its timeout."""

@@ -86,6 +86,10 @@ class Trainer:
         self.weight_version = 0
         self.warm_start_done = False
         self.trained_uids: list[list[str]] = []
+        self.health_failures = 0  # refused steps in a row
+        self.rollbacks = 0
+        self.rollbacks_in_a_row = 0  # rollbacks with no good step between them
+        self.health_log: list[dict[str, Any]] = []
 
     # -- start-up -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -122,7 +126,8 @@ class Trainer:
         self.learners, self.learner_groups = services.start_learners(cfg, self.model_path)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
         self.fleet.start(cfg.rollout.num_engines)
-        self.rewards = RewardPool(cfg.reward)
+        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
+        self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
         services.wait_learners(self.learners)
         log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
                  time.perf_counter() - t0, cfg.learner.world_size, len(self.fleet), cfg.reward.num_workers)
@@ -277,15 +282,23 @@ class Trainer:
 
                 audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans)
             t = time.perf_counter()
+            guard = cfg.health.guard()
             outs = services.get_fail_fast([
-                l.train_rollout_batch.remote(p.minibatches, p.num_sequences, p.num_tokens)
+                l.train_rollout_batch.remote(p.minibatches, p.num_sequences, p.num_tokens, guard=guard)
                 for l, p in zip(self.learners, plans)
             ])
             learner_s = time.perf_counter() - t
             m.update(outs[0])
             if audit_dir is not None:
                 audit_dump.save_outputs(self, audit_dir, outs[0])
-            sync_s = self._sync_weights(self.weight_version + 1)
+            if m.get("health/skipped"):
+                # weights unchanged: the engines keep the current version
+                sync_s = 0.0
+                self._health_failure(m)
+            else:
+                self.health_failures = 0
+                self.rollbacks_in_a_row = 0
+                sync_s = self._sync_weights(self.weight_version + 1)
         else:
             log.warning("step %d: no informative group; no update", self.step + 1)
             learner_s = sync_s = 0.0
@@ -321,6 +334,44 @@ class Trainer:
         m.update(reward_metrics)
         m["timing/step_s"] = time.perf_counter() - t_step
         return m
+
+    def _health_failure(self, m: dict[str, Any]) -> None:
+        """Count a step the guard refused; roll back after ``health.rollback_after`` in a row; stop after
+        ``health.max_rollbacks`` rollbacks with no good step between them."""
+        import ray
+
+        from cluster.checkpoint import latest_checkpoint
+
+        hc = self.cfg.health
+        self.health_failures += 1
+        self.health_log.append({"step": self.step + 1, "checks": m.get("health/failed_checks", ""),
+                                "reasons": m.get("health/reasons", "")})
+        log.warning("health guard refused step %d (%s); %d in a row", self.step + 1, m.get("health/reasons", ""),
+                    self.health_failures)
+        m["health/consecutive_failures"] = float(self.health_failures)
+        if self.health_failures < hc.rollback_after:
+            return
+        ck = latest_checkpoint(self.run_dir)
+        if ck is None or self.rollbacks_in_a_row >= hc.max_rollbacks:
+            self._stop_for_health(ck)
+        ray.get([l.load_checkpoint.remote(str(ck / "learner")) for l in self.learners])
+        self._sync_weights(self.weight_version + 1)
+        self.rollbacks += 1
+        self.rollbacks_in_a_row += 1
+        self.health_failures = 0
+        m["health/rollbacks"] = float(self.rollbacks)
+        log.warning("health guard: rolled back to %s (rollback %d)", ck, self.rollbacks)
+
+    def _stop_for_health(self, ck) -> None:
+        checks = sorted({c for e in self.health_log[-self.cfg.health.rollback_after:] for c in e["checks"].split(",") if c})
+        report = {"stopped_at_step": self.step + 1, "failed_checks": checks, "rollbacks": self.rollbacks,
+                  "last_checkpoint": str(ck) if ck else None, "recent_failures": self.health_log[-10:]}
+        (self.run_dir / "health_report.json").write_text(json.dumps(report, indent=2))
+        raise HealthStop(
+            f"health guard: the run stops at step {self.step + 1}: check(s) {', '.join(checks) or '?'} kept failing"
+            + (f" after {self.rollbacks} rollback(s) to {ck}" if ck else " and there is no checkpoint to roll back to")
+            + f"; report: {self.run_dir / 'health_report.json'}"
+        )
 
     def _apply_control(self) -> None:
         """Scale between steps: ``<run_dir>/control.yaml`` may set ``rollout.num_engines`` and
@@ -430,11 +481,22 @@ class Trainer:
             self.fleet.shutdown()
         if getattr(self, "rewards", None) is not None:
             self.rewards.shutdown()
+            self.reward_groups.remove_all()
         for l in getattr(self, "learners", []):
             try:
                 ray.get(l.shutdown.remote(), timeout=30)
             except Exception:
                 pass
+            ray.kill(l)
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in getattr(self, "learner_groups", []):
+            remove_placement_group(pg)  # so a next run in the same Ray session finds the resources free
+        self.learners, self.learner_groups = [], []
+
+
+class HealthStop(RuntimeError):
+    """The health guard's checks kept failing after rolling back; the message names them."""
 
 
 def _is_learner_error(err: Exception) -> bool:
@@ -489,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.start()
         summary = trainer.run()
+    except HealthStop as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     except Exception as e:
         import ray
 

@@ -134,3 +134,34 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2, 3, 4]  # one line per step, no duplicates after resume
     shutil.rmtree(run / "checkpoints" / "step_00000004.tmp", ignore_errors=True)
+
+
+def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
+    import ray
+
+    from cluster.train import HealthStop
+
+    t = _trainer(tmp_path, "health", ["trainer.total_steps=20", "health.enabled=true", "health.rollback_after=2",
+                                      "health.max_rollbacks=1", "health.max_grad_norm=1e6"])
+    t.start()
+    try:
+        t.warm_start()
+        assert t.rl_step().get("health/skipped") == 0.0
+        t.save()
+        good = ray.get([l.state_digest.remote() for l in t.learners])
+        version = t.weight_version
+        t.cfg.health.min_entropy = 1e9  # a check that every step now fails (entropy is far below)
+        m = t.rl_step()
+        assert m["health/skipped"] == 1.0 and "min_entropy" in m["health/failed_checks"]
+        assert ray.get([l.state_digest.remote() for l in t.learners]) == good  # update skipped exactly
+        assert t.weight_version == version  # nothing synced
+        m = t.rl_step()  # second failure in a row: roll back to the checkpoint
+        assert m["health/rollbacks"] == 1.0
+        assert ray.get([l.state_digest.remote() for l in t.learners]) == good
+        t.rl_step()
+        with pytest.raises(HealthStop, match="min_entropy"):
+            t.rl_step()  # still failing after a rollback: stop with a report
+        report = json.loads((t.run_dir / "health_report.json").read_text())
+        assert report["failed_checks"] == ["min_entropy"] and report["rollbacks"] == 1
+    finally:
+        t.shutdown()
