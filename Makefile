@@ -34,7 +34,7 @@ train: setup
 
 # The whole suite: unit tests and the integration tests that start real Ray, vLLM and DeepSpeed.
 test: setup
-	$(BIN)/python -m pytest -q -x --timeout=1800 $(ARGS)
+	$(BIN)/python -m pytest -q --timeout=1800 --durations=15 $(ARGS)
 
 # Unit tests only (seconds).
 test-fast: setup
