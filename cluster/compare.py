@@ -166,7 +166,7 @@ def run_one(cfg: Config, algorithm: str, seed_index: int, warm_dir: Path) -> Run
         if cfg.warm_start.steps > 0 and not trainer.warm_start_done:
             result.warm_start = trainer.warm_start()
             saved = trainer.save()
-            _copy_checkpoint(saved, warm_dir / saved.name)
+            _copy_checkpoint(saved, checkpoint.checkpoint_root(warm_dir) / saved.name)
         t = time.perf_counter()
         result.summary = trainer.run()
         result.wall_s = time.perf_counter() - t
@@ -359,6 +359,7 @@ def plot_runs(results: list[RunResult], out: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("eval/accuracy", "held-out accuracy (greedy)"), ("reward/mean", "reward (training rollouts)"),
               ("actor/clip_fraction", "clip fraction (GSPO: sequences, GRPO: tokens)"),
@@ -378,6 +379,7 @@ def plot_runs(results: list[RunResult], out: Path) -> Path | None:
                         label=f"{r.algorithm} s{r.seed_index}")
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if not handles:

@@ -126,6 +126,8 @@ def test_two_algorithms_one_seed_report(tmp_path):
         "trainer.save_every=0", "trainer.plots=false", "learner.world_size=1", "learner.num_minibatches=2",
         "learner.micro_batch_size=4", "warm_start.steps=2", "warm_start.batch_size=8", "data.num_eval=8",
         "wandb.mode=disabled",
+        # a format term (a digit anywhere) so that rewards differ within groups after a 2-step warm start
+        "reward.extra_terms=[{verifier: format, weight: 1.0}]", 'reward.format_regex="[0-9]"',
     ])
     out = tmp_path / "t"
     assert rc == 0, (out / "report.md").read_text() if (out / "report.md").exists() else rc
@@ -140,8 +142,12 @@ def test_two_algorithms_one_seed_report(tmp_path):
     # the second run resumed from the first run's warm-start checkpoint.
     assert runs[0]["figures"]["start_accuracy"] == runs[1]["figures"]["start_accuracy"]
     assert runs[0]["warm_start"] and not runs[1]["warm_start"]
-    assert (out / "warm_start" / "seed0" / "step_00000000" / "COMPLETE").is_file()
+    assert (out / "warm_start" / "seed0" / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
     # the objectives really differed: GSPO clips sequences in a 3e-4 band, GRPO tokens in 0.2
     metrics = [[json.loads(l) for l in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()] for r in runs]
     assert all(m[-1]["step"] == 2 for m in metrics)
+    # Step 1's rollouts come from the same weights with the same seeds: same prompts, same rewards.
+    step1 = [next(r for r in m if r["step"] == 1) for m in metrics]
+    assert step1[0]["reward/mean"] == step1[1]["reward/mean"]
+    assert step1[0]["response/length_mean"] == step1[1]["response/length_mean"]
     assert "gspo" in runs[0]["settings"] and "grpo, clip [1-0.2, 1+0.27]" in runs[1]["settings"]
