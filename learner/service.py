@@ -507,6 +507,7 @@ class LearnerRank:
         parts: list[dict[str, float]] = []
         seq_sum, seq_count, seq_min, seq_max = 0.0, 0.0, math.inf, -math.inf
         loss_sum, kl_sum, grad_norms = 0.0, 0.0, []
+        step_losses: list[float] = []  # this rank's loss of each optimizer step (sum over its micro-batches)
         # Routing volatility, per training pass over a minibatch after >= 1 update: [changed (experts used),
         # changed (router's own choice), compared] on this rank, and the updates since the pre-update pass.
         vol_local: list[list[float]] = []
@@ -522,6 +523,7 @@ class LearnerRank:
                 measure = moe_diag and updates >= 1
                 vol = [0.0, 0.0, 0.0]
                 bad_loss = 0.0
+                step_loss = 0.0
                 for k in range(counts[m]):
                     self.engine.set_gradient_accumulation_boundary(k == counts[m] - 1)
                     if k >= len(slices):
@@ -554,6 +556,7 @@ class LearnerRank:
                         num_tokens=num_tokens[m],
                     )
                     loss_sum += float(loss.detach())
+                    step_loss += float(loss.detach())
                     if self.ref_model is not None:
                         with torch.no_grad():
                             ref_logits = self._logits(self.ref_model, mb.input_ids, mb.attention_mask)
@@ -588,6 +591,7 @@ class LearnerRank:
                             seq_max = max(seq_max, float(s.max()))
                 norm = self._optimizer_step()
                 grad_norms.append(norm)
+                step_losses.append(step_loss)
                 if measure:
                     vol_local.append(vol)
                     vol_updates.append(updates)
@@ -603,6 +607,7 @@ class LearnerRank:
                         break
 
         steps = len(grad_norms)
+        step_losses = self._all_reduce(step_losses) if step_losses else []
         sums = self._all_reduce([loss_sum, kl_sum, seq_sum, seq_count] + [v for row in vol_local for v in row])
         loss_sum, kl_sum, seq_sum, seq_count = sums[:4]
         vol_tot = [sums[4 + 3 * i : 7 + 3 * i] for i in range(len(vol_local))]
@@ -612,6 +617,7 @@ class LearnerRank:
         pm = combine_policy_metrics(all_parts) if all_parts else _EMPTY_POLICY_METRICS
         out.update({
             "loss/policy": loss_sum / max(steps, 1),
+            "loss/policy_minibatches": [float(x) for x in step_losses],  # per optimizer step, summed over ranks
             "actor/clip_fraction": pm["clip_fraction"],
             "actor/clip_fraction_low": pm["clip_fraction_low"],
             "actor/clip_fraction_high": pm["clip_fraction_high"],

@@ -225,6 +225,7 @@ def test_metrics_are_exact(model_path, port):
     s, t = loss_normalisers(mask)
     out = learner.train_rollout_batch([batch], [s], [t])
     assert out["loss/policy"] == pytest.approx(float(loss), rel=1e-5, abs=1e-8)
+    assert out["loss/policy_minibatches"] == pytest.approx([float(loss)], rel=1e-5, abs=1e-8)
     assert out["actor/train_rollout_logprob_diff"] == pytest.approx(diff, rel=1e-4)
     assert out["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
     assert out["actor/clip_fraction"] == pytest.approx(pm["clip_fraction"])
