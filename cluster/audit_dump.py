@@ -35,12 +35,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 AUDIT_SUBDIR = "audit"
-BATCH_FILE = "batch.safetensors"
-SPLIT_FILE = "split.json"
-META_FILE = "meta.json"
-METRICS_FILE = "metrics.json"
-GRADIENT_FILE = "gradient_first_step.safetensors"
-MODEL_SUBDIR = "model"
+# The folder's file names are the audit tool's (one definition of the format).
+from learner.audit import BATCH_FILE, GRADIENT_FILE, META_FILE, METRICS_FILE, MODEL_SUBDIR, SPLIT_FILE  # noqa: E402
 FORMAT_VERSION = 1
 
 # Files of the model folder that are weights (not copied: the behaviour weights are written instead).

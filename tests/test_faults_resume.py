@@ -147,6 +147,18 @@ def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
     try:
         t.warm_start()
         assert t.rl_step().get("health/skipped") == 0.0
+        # DAPO dynamic sampling is bounded: groups whose rewards are all equal are dropped and refilled for at
+        # most max_sampling_rounds extra rounds, then the step trains on what it has (possibly nothing).
+        t.cfg.trainer.dynamic_sampling, t.cfg.trainer.max_sampling_rounds = True, 2
+        position = t.stream.position
+        m = t.rl_step()
+        trained, dropped, rounds = m["sampling/groups_trained"], m["sampling/dropped_groups"], m["sampling/rounds"]
+        assert 1 <= rounds <= 3 and trained + dropped <= t.stream.position - position
+        # trained on whole groups, a multiple of num_minibatches (4) x world_size (2)
+        assert trained == len(t.trained_uids[-1]) and trained % 8 == 0
+        if trained < 8:
+            assert rounds == 3  # it stopped at the bound
+        t.cfg.trainer.dynamic_sampling = False
         t.save()
         good = ray.get([l.state_digest.remote() for l in t.learners])
         version = t.weight_version
