@@ -34,8 +34,13 @@ class LoadReport:
     skipped: dict[str, int] = field(default_factory=dict)
 
     def skip(self, reason: str, where: str) -> None:
+        """Count a skipped row; the first 10 rows are named in a warning each, the rest in the summary."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        log.warning("skipping %s: %s", where, reason)
+        total = sum(self.skipped.values())
+        if total <= 10:
+            log.warning("skipping %s: %s", where, reason)
+        elif total == 11:
+            log.warning("more rows skipped; the counts per reason follow when loading ends")
 
 
 # --------------------------------------------------------------------------------------------- arithmetic
