@@ -90,7 +90,7 @@ def main() -> int:
     base, base_tokens, base_s = hf_generate_tokens_per_s(
         t.model_path, [r.prompt_token_ids for r in first_prompts], cfg.trainer.group_size,
         cfg.rollout.max_response_tokens, cfg.rollout.temperature, cfg.rollout.threads_per_engine,
-        t.tokenizer.eos_token_id, t.tokenizer.pad_token_id or 0)
+        t.tokenizer.eos_token_id, t.pad_id)
     print(f"start-up (Ray, {cfg.learner.world_size} learner ranks, {cfg.rollout.num_engines} engines, "
           f"{cfg.reward.num_workers} reward workers): {startup:.1f} s")
     print(f"mean over steps 2..{args.steps} (seconds):")

@@ -107,6 +107,8 @@ class Trainer:
         build = m.model_dump(exclude={"path", "build_seed", "num_params_b"})
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **build))
         self.tokenizer = _tokenizer(self.model_path)
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         dump_rows(self.eval_rows, self.run_dir / "eval_prompts.jsonl")
         log.info("data: %d training prompts, %d held-out prompts", len(self.train_rows), len(self.eval_rows))
@@ -193,18 +195,20 @@ class Trainer:
 
         ws, lc = self.cfg.warm_start, self.cfg.learner
         eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         t = time.perf_counter()
         losses = []
+        current_lr = None
         for s in range(ws.steps):
             rows = [self.sft_rng.choice(self.train_rows) for _ in range(ws.batch_size)]
             prompts = [r.prompt_token_ids for r in rows]
             responses = [self.tokenizer(r.meta["solution"], add_special_tokens=False)["input_ids"] + [eos] for r in rows]
-            batch = build_sft_batch(prompts, responses, pad)
+            batch = build_sft_batch(prompts, responses, self.pad_id)
             num_tokens = int(batch.loss_mask.sum())
             per = ws.batch_size // lc.world_size
             lr = ws.lr * min(1.0, (s + 1) / ws.warmup_steps) if ws.warmup_steps else ws.lr
-            ray.get([l.set_lr.remote(lr) for l in self.learners])
+            if lr != current_lr:  # one round trip to the ranks only when the schedule changes the lr
+                ray.get([l.set_lr.remote(lr) for l in self.learners])
+                current_lr = lr
             outs = services.get_fail_fast([
                 l.sft_step.remote(_select_sft(batch, r * per, (r + 1) * per), num_tokens)
                 for r, l in enumerate(self.learners)
@@ -273,8 +277,7 @@ class Trainer:
         m: dict[str, Any] = {"step": self.step + 1}
         if prompts:
             advantages = group_advantages(rewards, G, normalize_std=cfg.learner.normalize_adv_std)
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-            batch = build_train_batch(comps, rewards, advantages, pad)
+            batch = build_train_batch(comps, rewards, advantages, self.pad_id)
             plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
             audit_dir = None
             if self.step + 1 in tc.audit_steps:
