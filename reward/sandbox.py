@@ -301,13 +301,18 @@ def kill_run(run_id: str | None = None, uid: int | None = None, pgid: int | None
     alive = [p for p in alive if _is_live(p)]
     if uid is not None and alive:
         _kill_uid(uid)
-    for p in alive:
+    _kill_and_wait(alive)
+    return len(alive)
+
+
+def _kill_and_wait(procs: list[psutil.Process], timeout: float = 2.0) -> None:
+    """SIGKILL every process of ``procs`` (gone ones are fine) and wait up to ``timeout`` s for them."""
+    for p in procs:
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=2)
-    return len(alive)
+    psutil.wait_procs(procs, timeout=timeout)
 
 
 def _is_live(p: psutil.Process) -> bool:
@@ -326,12 +331,7 @@ def reap_owner(owner_pid: int) -> int:
         victims += [p for p in _uid_processes(uid) if p.pid not in {v.pid for v in victims}]
         if victims:
             _kill_uid(uid)
-    for p in victims:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(victims, timeout=2)
+    _kill_and_wait(victims)
     return len(victims)
 
 
