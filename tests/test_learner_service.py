@@ -8,7 +8,6 @@ with plain torch and ``policy_loss`` (GSPO and GRPO, ZeRO stages 1, 2 and 3).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from cluster.contracts import SFTBatch, TrainBatch  # noqa: E402
+from cluster.services import free_port  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.logprobs import token_log_probs  # noqa: E402
 from learner.objectives import loss_normalisers, policy_loss  # noqa: E402
@@ -26,9 +26,7 @@ GRAD_RTOL = 1e-5
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="module")
