@@ -1,13 +1,33 @@
-"""Config section ``learner``: the DeepSpeed learner and the RL objective."""
+"""Config section ``learner``: the DeepSpeed learner and the RL objective.
+
+The algorithm names, the loss aggregations, the KL estimators and the rule that refuses a length-weighted
+aggregation for GSPO live in the core (``learner/objectives.py``); this schema takes them from there.
+"""
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.schema_base import Section
+from learner.objectives import (
+    ALGORITHMS,
+    GSPO_LOSS_AGG,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    SEQUENCE_LEVEL_ALGORITHMS,
+    check_loss_agg,
+)
 
-Algorithm = Literal["gspo", "gspo_token", "grpo"]
-LossAgg = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"]
+
+class Section(BaseModel):
+    """Base of the learner config sections: unknown keys are refused and values are validated on assignment
+    (tests/test_config.py checks that every section of the composed schema is strict)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
+
+
+Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]  (Literal of the core's tuple of names)
+LossAgg = Literal[LOSS_AGGS]  # type: ignore[valid-type]
+KlEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 
 
 class LearnerConfig(Section):
@@ -19,19 +39,25 @@ class LearnerConfig(Section):
     threads_per_rank: int = Field(1, ge=1, description="torch threads per rank on CPU (1 is fastest here)")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
-    algorithm: Algorithm = Field("gspo", description="policy objective: gspo | gspo_token | grpo")
+    algorithm: Algorithm = Field(
+        "gspo", description="policy objective; clip range and loss aggregation default per algorithm (learner/README.md)"
+    )
     clip_low: float | None = Field(None, ge=0, description="ratio clip 1-clip_low; default per algorithm")
     clip_high: float | None = Field(None, ge=0, description="ratio clip 1+clip_high; default per algorithm")
-    loss_agg: LossAgg | None = Field(None, description="loss aggregation; default per algorithm")
+    loss_agg: LossAgg | None = Field(
+        None,
+        description=f"loss aggregation; None = the algorithm's default ({', '.join(SEQUENCE_LEVEL_ALGORITHMS)} "
+        f"accept only {GSPO_LOSS_AGG})",
+    )
     num_minibatches: int = Field(4, ge=1, description="optimizer steps per rollout batch and epoch (paper: 4)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the rollout batch")
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
     lr: float = Field(1e-6, gt=0, description="RL learning rate (AdamW)")
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = Field((0.9, 0.999))
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2)")
     grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (paper: 0)")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3")
+    kl_estimator: KlEstimator = Field("k3", description="estimator of the KL penalty (Schulman, \"Approximating KL divergence\", 2020)")
     normalize_adv_std: bool = Field(True, description="group z-score (True) or mean-only, Dr. GRPO (False)")
     old_logprob_source: Literal["rollout", "recompute"] = Field(
         "rollout", description="behaviour log-probs from the engine or a learner forward before updating"
@@ -57,11 +83,7 @@ class LearnerConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
-        if self.algorithm in ("gspo", "gspo_token") and self.loss_agg not in (None, "seq_mean_token_mean"):
-            raise ValueError(
-                f"learner.loss_agg={self.loss_agg!r} is refused with learner.algorithm={self.algorithm!r}: "
-                "GSPO's objective is a mean over sequences of a length-normalised ratio (seq_mean_token_mean)"
-            )
+        check_loss_agg(self.algorithm, self.loss_agg, prefix="learner.")
         return self
 
 
@@ -70,5 +92,5 @@ class WarmStartConfig(Section):
 
     steps: int = Field(0, ge=0, description="SFT optimizer steps before RL (0 = none)")
     batch_size: int = Field(64, ge=1, description="sequences per SFT step (all ranks together)")
-    lr: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(1e-3, gt=0, description="SFT learning rate (AdamW)")
+    warmup_steps: int = Field(0, ge=0, description="SFT steps of linear learning-rate warm-up (0 = none)")
