@@ -10,12 +10,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.schema_base import Section
 from learner.config import LearnerConfig, WarmStartConfig
+from learner.health import GUARD_CHECKS
 from reward.config import RewardConfig
 from rollout.config import RolloutConfig
+
+
+class Section(BaseModel):
+    """Base of the run-level config sections: unknown keys are refused and values are validated on assignment
+    (tests/test_config.py checks that every section of the composed schema is strict)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
 
 class ModelConfig(Section):
@@ -24,27 +31,35 @@ class ModelConfig(Section):
 
     path: str = Field("builtin:tiny_moe", description="HF model folder or builtin:tiny_moe")
     build_seed: int = Field(0, description="seed of the tiny model's random init")
-    hidden_size: int = Field(128, ge=32)
-    num_layers: int = Field(2, ge=1)
-    num_experts: int = Field(8, ge=1)
-    num_experts_per_tok: int = Field(2, ge=1)
-    moe_intermediate_size: int = Field(128, ge=32)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    head_dim: int = Field(32, ge=8)
+    hidden_size: int = Field(128, ge=32, description="builtin:tiny_moe only: hidden size (a multiple of 32)")
+    num_layers: int = Field(2, ge=1, description="builtin:tiny_moe only: decoder layers")
+    num_experts: int = Field(8, ge=1, description="builtin:tiny_moe only: routed experts per MoE layer")
+    num_experts_per_tok: int = Field(2, ge=1, description="builtin:tiny_moe only: experts chosen per token (top-k)")
+    moe_intermediate_size: int = Field(
+        128, ge=32, description="builtin:tiny_moe only: intermediate size of one expert (a multiple of 32)"
+    )
+    num_attention_heads: int = Field(4, ge=1, description="builtin:tiny_moe only: query heads")
+    num_key_value_heads: int = Field(
+        2, ge=1, description="builtin:tiny_moe only: key/value heads (must divide the query heads)"
+    )
+    head_dim: int = Field(
+        32, ge=8, description="builtin:tiny_moe only: size of one attention head (one the vLLM CPU attention supports)"
+    )
     num_params_b: float | None = Field(None, gt=0, description="total parameters (billions), for --dry-run")
 
 
 class DataConfig(Section):
     """Where prompts come from and how they are split."""
 
-    task: Literal["arithmetic", "gsm8k"] = Field("arithmetic")
-    train_path: str | None = Field(None, description="JSONL for gsm8k (relative paths: from the repo root)")
-    test_path: str | None = Field(None)
-    num_train: int = Field(20000, ge=1, description="procedural tasks: training prompts generated")
+    task: Literal["arithmetic", "gsm8k"] = Field(
+        "arithmetic", description="arithmetic = generated 2-operand additions; gsm8k = JSONL (train_path, test_path)"
+    )
+    train_path: str | None = Field(None, description="gsm8k: training JSONL (relative paths: from the repo root)")
+    test_path: str | None = Field(None, description="gsm8k: held-out JSONL (relative paths: from the repo root)")
+    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic) or read at most (gsm8k)")
     num_eval: int = Field(256, ge=1, description="held-out prompts for eval/accuracy (greedy)")
     max_prompt_tokens: int = Field(64, ge=1, description="longer prompts are counted and skipped")
-    seed: int = Field(1234)
+    seed: int = Field(1234, description="arithmetic: seed of the generated train/held-out prompts")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
     demo_slip_rate: float = Field(
         0.0, ge=0, le=1,
@@ -58,6 +73,14 @@ class SyncConfig(Section):
     bucket_mb: float = Field(64.0, gt=0, description="size of one object-store bucket of weights, MiB")
 
 
+def _threshold(key: str, what: str) -> str:
+    """Description of a health-guard threshold, with the metric and the comparison from ``GUARD_CHECKS``
+    (a key the learner does not check fails here, at import)."""
+    metric, kind, phase = GUARD_CHECKS[key]
+    when = "before the update" if phase == "pre" else "after the optimizer steps, which are then undone"
+    return f"{what} (None = unchecked); a step fails when {metric} {'>' if kind == 'max' else '<'} this, checked {when}"
+
+
 class HealthConfig(Section):
     """Health guard: per-step checks; a failing step's update is skipped (weights and optimizer unchanged),
     ``rollback_after`` failures in a row roll back to the last checkpoint, and ``max_rollbacks`` rollbacks
@@ -65,11 +88,21 @@ class HealthConfig(Section):
     gradient norm or log-probs always fail when the guard is on."""
 
     enabled: bool = Field(False, description="run the checks (costs one in-memory copy of each rank's state)")
-    max_grad_norm: float | None = Field(None, gt=0, description="pre-clip global gradient norm")
-    max_clip_fraction: float | None = Field(None, ge=0, le=1)
-    max_logprob_diff: float | None = Field(None, ge=0, description="mean |train - rollout| log-prob, nats")
-    min_entropy: float | None = Field(None, ge=0, description="mean token entropy, nats (entropy collapse)")
-    max_load_imbalance: float | None = Field(None, ge=1, description="MoE: max over layers of max/mean expert load")
+    max_grad_norm: float | None = Field(
+        None, gt=0, description=_threshold("max_grad_norm", "pre-clip global gradient norm")
+    )
+    max_clip_fraction: float | None = Field(
+        None, ge=0, le=1, description=_threshold("max_clip_fraction", "share of clipped importance ratios")
+    )
+    max_logprob_diff: float | None = Field(
+        None, ge=0, description=_threshold("max_logprob_diff", "mean |train - rollout| log-prob, nats")
+    )
+    min_entropy: float | None = Field(
+        None, ge=0, description=_threshold("min_entropy", "mean token entropy, nats (entropy collapse)")
+    )
+    max_load_imbalance: float | None = Field(
+        None, ge=1, description=_threshold("max_load_imbalance", "MoE: max over layers of max/mean expert load")
+    )
     rollback_after: int = Field(3, ge=1, description="failed steps in a row before rolling back")
     max_rollbacks: int = Field(2, ge=1, description="rollbacks without a good step in between before stopping")
 
@@ -77,8 +110,7 @@ class HealthConfig(Section):
         """The learner's guard dict (thresholds that are set), or None when the guard is off."""
         if not self.enabled:
             return None
-        keys = ("max_grad_norm", "max_clip_fraction", "max_logprob_diff", "min_entropy", "max_load_imbalance")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in GUARD_CHECKS if getattr(self, k) is not None}
 
 
 class ClusterConfig(Section):
@@ -89,7 +121,9 @@ class ClusterConfig(Section):
 
 
 class WandbConfig(Section):
-    project: str = Field("gspo-rl")
+    """Weights & Biases logging of the same metrics as metrics.jsonl."""
+
+    project: str = Field("gspo-rl", description="wandb project name")
     mode: Literal["offline", "online", "disabled", "auto"] = Field(
         "auto", description="auto = online when WANDB_API_KEY is set, else offline"
     )
@@ -107,17 +141,17 @@ class TrainerConfig(Section):
     max_sampling_rounds: int = Field(3, ge=0, description="dynamic sampling: extra rollout rounds per step, at most")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
     audit_steps: list[int] = Field(
         default_factory=list, description="RL steps whose rollouts and behaviour weights are saved for learner.audit"
     )
-    output_dir: str = Field("outputs")
-    run_name: str = Field("default")
-    seed: int = Field(0)
-    resume: bool = Field(False)
+    output_dir: str = Field("outputs", description="parent folder of the run folders")
+    run_name: str = Field("default", description="the run folder: output_dir/run_name")
+    seed: int = Field(0, description="seed of the prompt order, the warm-start batches and the minibatch split")
+    resume: bool = Field(False, description="continue from the newest complete checkpoint of the run folder")
     ray_address: str | None = Field(None, description="None: local Ray on 127.0.0.1; 'auto' inside a job")
     bind_host: str = Field("127.0.0.1", description="address that Ray and the learner's rendezvous bind to")
-    plots: bool = Field(True)
+    plots: bool = Field(True, description="write curves.png into the run folder at the end")
 
 
 class Config(Section):

@@ -40,7 +40,7 @@ class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
     algorithm: Algorithm = Field(
-        "gspo", description="policy objective; clip range and loss aggregation default per algorithm (learner/README.md)"
+        "gspo", description="policy objective; clip range and loss_agg default per algorithm (learner/README.md)"
     )
     clip_low: float | None = Field(None, ge=0, description="ratio clip 1-clip_low; default per algorithm")
     clip_high: float | None = Field(None, ge=0, description="ratio clip 1+clip_high; default per algorithm")
@@ -57,7 +57,9 @@ class LearnerConfig(Section):
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2)")
     grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (paper: 0)")
-    kl_estimator: KlEstimator = Field("k3", description="estimator of the KL penalty (Schulman, \"Approximating KL divergence\", 2020)")
+    kl_estimator: KlEstimator = Field(
+        "k3", description="estimator of the KL penalty (Schulman, 'Approximating KL divergence', 2020)"
+    )
     normalize_adv_std: bool = Field(True, description="group z-score (True) or mean-only, Dr. GRPO (False)")
     old_logprob_source: Literal["rollout", "recompute"] = Field(
         "rollout", description="behaviour log-probs from the engine or a learner forward before updating"

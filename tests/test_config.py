@@ -1,20 +1,32 @@
-"""The config schema: defaults load, bad keys/values/combinations stop with errors naming key and value."""
+"""The config schema: defaults load, bad keys/values/combinations stop with errors naming key and value; every
+section is strict, every key is described, docs/config.md is generated from the schema, and the facts the
+schema shares with the learner core (algorithm names, the GSPO aggregation rule, the health-guard keys) have
+one home."""
+
+import typing
 
 import pytest
+from pydantic import BaseModel, ValidationError
 
-from cluster.config import ConfigError, load_config
+from cluster.config import Config, ConfigError, HealthConfig, load_config
+from cluster.config_reference import COMMAND, reference_markdown, sections
+from learner import objectives
+from learner.config import LearnerConfig
+from learner.health import GUARD_CHECKS, validate_guard
+from tests.conftest import REPO_ROOT
 
-CONFIGS = ["configs/tiny_moe.yaml", "configs/gsm8k_tiny.yaml"]
+TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
+CONFIGS = [REPO_ROOT / "configs" / "tiny_moe.yaml", REPO_ROOT / "configs" / "gsm8k_tiny.yaml"]
 
 
-@pytest.mark.parametrize("path", CONFIGS)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert cfg.learner.algorithm in ("gspo", "gspo_token", "grpo")
 
 
 def test_defaults_follow_the_paper():
-    cfg = load_config("configs/tiny_moe.yaml")
+    cfg = load_config(TINY)
     assert cfg.learner.algorithm == "gspo"
     assert cfg.learner.clip_low is None and cfg.learner.clip_high is None  # objective defaults: 3e-4 / 4e-4
     assert cfg.learner.kl_coef == 0.0
@@ -23,7 +35,7 @@ def test_defaults_follow_the_paper():
 
 
 def test_overrides_are_typed():
-    cfg = load_config("configs/tiny_moe.yaml", ["trainer.total_steps=3", "rollout.num_engines=2", "learner.zero_stage=3"])
+    cfg = load_config(TINY, ["trainer.total_steps=3", "rollout.num_engines=2", "learner.zero_stage=3"])
     assert cfg.trainer.total_steps == 3 and cfg.rollout.num_engines == 2 and cfg.learner.zero_stage == 3
 
 
@@ -37,23 +49,142 @@ def test_overrides_are_typed():
         ("learner.micro_batch_size=7", "learner.micro_batch_size=7"),
         ("trainer.prompts_per_step=6", "trainer.prompts_per_step=6"),
         ("learner.loss_agg=token_mean", "learner.loss_agg='token_mean'"),
+        ("learner.algorithm=gpso", "learner.algorithm"),
+        ("learner.kl_estimator=k4", "learner.kl_estimator"),
         ("rollout.top_p=0.9", "rollout.top_p=0.9"),
         ("learner.zero_stage=5", "learner.zero_stage"),
     ],
 )
 def test_bad_values_name_key_and_value(override, needle):
     with pytest.raises(ConfigError) as err:
-        load_config("configs/tiny_moe.yaml", [override])
+        load_config(TINY, [override])
     assert needle in str(err.value)
 
 
 def test_grpo_accepts_token_mean():
-    cfg = load_config("configs/tiny_moe.yaml", ["learner.algorithm=grpo", "learner.loss_agg=token_mean"])
+    cfg = load_config(TINY, ["learner.algorithm=grpo", "learner.loss_agg=token_mean"])
     assert cfg.learner.loss_agg == "token_mean"
 
 
 def test_missing_file_and_malformed_override():
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config("configs/nope.yaml")
+        load_config(REPO_ROOT / "configs" / "nope.yaml")
     with pytest.raises(ConfigError, match="dotted.key=value"):
-        load_config("configs/tiny_moe.yaml", ["trainer.total_steps"])
+        load_config(TINY, ["trainer.total_steps"])
+
+
+def test_gspo_token_refuses_length_weighted_aggregation_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["learner.algorithm=gspo_token", "learner.loss_agg=seq_mean_token_sum"])
+    assert "learner.loss_agg='seq_mean_token_sum'" in str(err.value)
+    assert "learner.algorithm='gspo_token'" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# one home per fact
+
+
+def test_learner_names_are_the_cores():
+    """The schema's choices are the core's tuples (not a copy that could drift), and for every pair the
+    config refuses exactly what the core refuses."""
+    fields = LearnerConfig.model_fields
+    assert typing.get_args(fields["algorithm"].annotation) == objectives.ALGORITHMS
+    assert typing.get_args(fields["kl_estimator"].annotation) == objectives.KL_ESTIMATORS
+    loss_agg_choices = [a for a in typing.get_args(fields["loss_agg"].annotation) if a is not type(None)]
+    assert typing.get_args(loss_agg_choices[0]) == objectives.LOSS_AGGS
+    refused = set()
+    for algorithm in objectives.ALGORITHMS:
+        for loss_agg in (None, *objectives.LOSS_AGGS):
+            try:
+                LearnerConfig(algorithm=algorithm, loss_agg=loss_agg)
+            except ValidationError:
+                refused.add((algorithm, loss_agg))
+            try:
+                objectives.resolve_objective(algorithm, loss_agg=loss_agg)
+            except ValueError:
+                assert (algorithm, loss_agg) in refused
+            else:
+                assert (algorithm, loss_agg) not in refused
+    # hand-written: GSPO and GSPO-token take only the sequence mean of token means
+    assert refused == {(a, agg) for a in ("gspo", "gspo_token") for agg in ("token_mean", "seq_mean_token_sum")}
+
+
+def test_assignment_is_checked_by_the_core_rule():
+    cfg = LearnerConfig(algorithm="grpo", loss_agg="token_mean")
+    with pytest.raises(ValidationError, match="learner.loss_agg='token_mean' is refused with learner.algorithm='gspo'"):
+        cfg.algorithm = "gspo"
+
+
+def test_health_guard_keys_come_from_the_learner():
+    """Every check the learner knows has a threshold key in ``health``; ``guard()`` passes each one that is set
+    and only those, and the learner accepts the result."""
+    thresholds = {k: f for k, f in HealthConfig.model_fields.items() if k in GUARD_CHECKS}
+    assert set(thresholds) == set(GUARD_CHECKS)
+    values = {"max_grad_norm": 100.0, "max_clip_fraction": 0.5, "max_logprob_diff": 0.25, "min_entropy": 0.01,
+              "max_load_imbalance": 3.0}
+    assert set(values) == set(GUARD_CHECKS)
+    full = HealthConfig(enabled=True, **values).guard()
+    assert full == values and validate_guard(full) == values
+    assert HealthConfig(enabled=True, min_entropy=0.5).guard() == {"min_entropy": 0.5}
+    assert HealthConfig(enabled=True).guard() == {}
+    assert HealthConfig(enabled=False, **values).guard() is None
+    for key, (metric, _, _) in GUARD_CHECKS.items():
+        assert metric in thresholds[key].description, key
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the schema itself
+
+
+def _section_instances() -> dict[str, BaseModel]:
+    """One instance of every section (dotted name -> instance), from a config with one reward term."""
+    root = Config.model_validate({"reward": {"extra_terms": [{"verifier": "exact"}]}})
+    out = {}
+    for dotted, cls in sections():
+        node = root
+        for part in filter(None, dotted.split(".")):
+            node = getattr(node, part.removesuffix("[]"))
+            if part.endswith("[]"):
+                node = node[0]
+        assert type(node) is cls, dotted
+        out[dotted or "<root>"] = node
+    return out
+
+
+def test_sections_cover_the_schema():
+    names = [d for d, _ in sections()]
+    assert names[0] == "" and len(names) == len(set(names))
+    for expected in ("model", "data", "rollout", "reward", "reward.sandbox", "reward.extra_terms[]", "learner",
+                     "warm_start", "sync", "trainer", "health", "cluster", "wandb"):
+        assert expected in names
+
+
+@pytest.mark.parametrize("dotted", [d or "<root>" for d, _ in sections()])
+def test_every_section_is_strict(dotted):
+    """Unknown keys are refused, and assignments are validated (a wrong value cannot be set after loading)."""
+    node = _section_instances()[dotted]
+    cls = type(node)
+    assert cls.model_config.get("extra") == "forbid" and cls.model_config.get("validate_assignment") is True
+    with pytest.raises(ValidationError, match="no_such_key"):
+        cls.model_validate({**node.model_dump(), "no_such_key": 1})
+    first = next(iter(cls.model_fields))
+    with pytest.raises(ValidationError):
+        setattr(node, first, object())
+
+
+@pytest.mark.parametrize("dotted", [d for d, _ in sections() if d])
+def test_every_key_has_a_description(dotted):
+    cls = dict(sections())[dotted]
+    assert (cls.__doc__ or "").strip(), f"section {dotted} ({cls.__name__}) has no docstring"
+    for name, field in cls.model_fields.items():
+        is_section = dotted + "." + name in dict(sections()) or dotted + "." + name + "[]" in dict(sections())
+        assert is_section or (field.description or "").strip(), f"{dotted}.{name} has no description"
+
+
+def test_config_reference_is_in_sync_with_the_schema():
+    written = (REPO_ROOT / "docs" / "config.md").read_text()
+    assert written == reference_markdown(), f"docs/config.md is out of date: run `{COMMAND}`"
+    for dotted, cls in sections()[1:]:
+        assert f"## `{dotted}`" in written
+        for name in cls.model_fields:
+            assert f"| `{name}` |" in written, f"{dotted}.{name}"
