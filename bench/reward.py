@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))
 
 
 def exact_requests(n: int):
-    from cluster.contracts import PromptRow, RewardRequest
+    from reward.contracts import RewardRequest
+    from rollout.contracts import PromptRow
 
     reqs = []
     for i in range(n):
@@ -34,7 +35,8 @@ def exact_requests(n: int):
 
 
 def math_requests(n: int):
-    from cluster.contracts import PromptRow, RewardRequest
+    from reward.contracts import RewardRequest
+    from rollout.contracts import PromptRow
 
     path = Path(os.environ.get("GSPO_SHARED_DIR", REPO.parent / "shared")) / "data" / "gsm8k" / "test.jsonl"
     if not path.exists():

@@ -35,7 +35,7 @@ def main() -> int:
 
     from cluster.config import load_config
     from cluster.data import PromptStream
-    from cluster.train import Trainer
+    from cluster.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="soak-")
     cfg = load_config(args.config, [

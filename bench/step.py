@@ -60,7 +60,7 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     from cluster.config import load_config
-    from cluster.train import Trainer
+    from cluster.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="bench-")
     cfg = load_config(args.config, [*args.overrides, f"trainer.output_dir={out}", "trainer.run_name=bench",

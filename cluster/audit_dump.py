@@ -32,20 +32,19 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+
+# The folder's file names are the audit tool's (one definition of the format).
+from learner.audit import BATCH_FILE, GRADIENT_FILE, META_FILE, METRICS_FILE, MODEL_SUBDIR, SPLIT_FILE, step_dir_for
+from learner.objectives import resolve_objective
+
 log = logging.getLogger(__name__)
 
-AUDIT_SUBDIR = "audit"
-# The folder's file names are the audit tool's (one definition of the format).
-from learner.audit import BATCH_FILE, GRADIENT_FILE, META_FILE, METRICS_FILE, MODEL_SUBDIR, SPLIT_FILE  # noqa: E402
 FORMAT_VERSION = 1
 
 # Files of the model folder that are weights (not copied: the behaviour weights are written instead).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
-
-
-def audit_dir_for(run_dir: Path, step: int) -> Path:
-    """``run_dir/audit/step_NNNNNNNN`` (``step`` 1-based, as logged)."""
-    return Path(run_dir) / AUDIT_SUBDIR / f"step_{int(step):08d}"
 
 
 def _row_key(batch: Any, i: int) -> tuple:
@@ -107,8 +106,6 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
 
 
 def _objective_settings(cfg: Any) -> dict[str, Any]:
-    from learner.objectives import resolve_objective
-
     lc = cfg.learner
     clip_low, clip_high, loss_agg = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
     return {
@@ -136,15 +133,8 @@ def _objective_settings(cfg: Any) -> dict[str, Any]:
 def _save_behaviour_weights(trainer: Any, out: Path) -> None:
     """Full weights from the learner ranks (collective: every rank exports, rank 0 returns them) in Hugging
     Face checkpoint format, plus the run model folder's config and tokenizer files."""
-    from safetensors.torch import save_file
-
-    from cluster import services
-
-    results = services.get_fail_fast(
-        [l.export_weights.remote(trainer.cfg.sync.bucket_mb, as_refs=False) for l in trainer.learners]
-    )
     state: dict[str, Any] = {}
-    for bucket in results[0]:
+    for bucket in trainer.learners.export_weights(trainer.cfg.sync.bucket_mb, as_refs=False):
         state.update(bucket)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"),
@@ -163,7 +153,7 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
     called on all of them).
 
     Args:
-        trainer: the ``cluster.train.Trainer`` (uses ``cfg``, ``run_dir``, ``learners``, ``model_path``,
+        trainer: the ``cluster.trainer.Trainer`` (uses ``cfg``, ``run_dir``, ``learners``, ``model_path``,
             ``train_rows``, ``weight_version``).
         step: the 1-based RL step.
         batch: the step's ``TrainBatch``.
@@ -172,19 +162,14 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
     Raises:
         ValueError: the plans do not hold rows of ``batch``.
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from cluster import services
-
-    out = audit_dir_for(trainer.run_dir, step)
+    out = step_dir_for(trainer.run_dir, step)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     split = split_indices(batch, plans)
 
     # The learner's own log-probs at the behaviour weights (all ranks take part; rank 0's result).
-    lps = services.get_fail_fast([l.compute_log_probs.remote(batch) for l in trainer.learners])
+    lps = trainer.learners.call("compute_log_probs", batch)
     learner_lp = lps[0].to(torch.float32)
 
     rows = {r.uid: r for r in getattr(trainer, "train_rows", [])}
@@ -225,7 +210,7 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     _save_behaviour_weights(trainer, out / MODEL_SUBDIR)
     # Record the gradient of every optimizer step of this call (read and switched off by save_outputs).
-    services.get_fail_fast([l.capture_gradients.remote(True) for l in trainer.learners])
+    trainer.learners.call("capture_gradients", True)
     log.info("audit: step %d saved to %s (%d sequences)", step, out, len(batch))
     return out
 
@@ -249,18 +234,14 @@ def save_outputs(trainer: Any, audit_dir: Path, metrics: dict[str, Any]) -> None
     """Save what training logged for the step (the learner's metrics dict) as ``metrics.json``, and the
     gradient of the step's first optimizer step (captured on the learner ranks since ``save_inputs``; the
     capture is switched off again on every rank)."""
-    from safetensors.torch import save_file
-
-    from cluster import services
-
     audit_dir = Path(audit_dir)
     audit_dir.mkdir(parents=True, exist_ok=True)
     (audit_dir / METRICS_FILE).write_text(json.dumps(_jsonable(dict(metrics)), indent=1) + "\n")
-    learners = getattr(trainer, "learners", [])
+    learners = getattr(trainer, "learners", None)
     if not learners:
         return
-    steps = services.get_fail_fast([learners[0].captured_gradients.remote()])[0]
-    services.get_fail_fast([l.capture_gradients.remote(False) for l in learners])
+    steps = learners.call("captured_gradients")[0]
+    learners.call("capture_gradients", False)
     if steps:
         grads = {k: v.contiguous() for k, v in steps[0].items() if v is not None}
         save_file(grads, str(audit_dir / GRADIENT_FILE))

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.contracts import Completion, SFTBatch, TrainBatch
+from learner.contracts import SFTBatch, TrainBatch
+from rollout.contracts import Completion
 from learner.objectives import loss_normalisers
 
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.common import mean as _mean
 from cluster.config import Config, ConfigError, load_config
 
 log = logging.getLogger("cluster.compare")
@@ -142,7 +143,7 @@ def run_one(cfg: Config, algorithm: str, seed_index: int, warm_dir: Path) -> Run
     import ray
 
     from cluster import checkpoint
-    from cluster.train import Trainer
+    from cluster.trainer import Trainer
 
     shared = checkpoint.latest_checkpoint(warm_dir) if warm_dir.is_dir() else None
     if shared is not None and cfg.warm_start.steps > 0:
@@ -199,10 +200,6 @@ def _values(history: list[dict[str, Any]], key: str, rl_only: bool = True) -> li
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
             out.append(float(v))
     return out
-
-
-def _mean(xs: list[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def summarise(history: list[dict[str, Any]], spike_factor: float = DEFAULT_SPIKE_FACTOR) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Prompts for training and evaluation: the procedural arithmetic task, GSM8K (JSONL), and the prompt stream.
 
-Rows become ``PromptRow`` (cluster/contracts.py). Bad rows (missing fields, empty or over-long prompts,
+Rows become ``PromptRow`` (rollout/contracts.py). Bad rows (missing fields, empty or over-long prompts,
 undecodable bytes) are counted and skipped with a warning that names the row; a split with no usable row
 stops with ``DataError``.
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.contracts import PromptRow
+from cluster.common import REPO_ROOT
+from rollout.contracts import PromptRow
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class DataError(ValueError):

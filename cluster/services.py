@@ -1,6 +1,6 @@
 """Starting the services as Ray actors in placement groups, and the calls that fan work out to them.
 
-This is the only module (with the driver) that knows Ray placement. Each learner rank, rollout engine and
+This module (with ``cluster.learner_group`` for the learner's ranks) is where Ray placement is decided. Each learner rank, rollout engine and
 reward worker is one actor (one process). Learner ranks share one placement group; every rollout engine has
 a group of its own, so engines can be added and removed while the run goes on.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.common import REPO_ROOT
 from cluster.config import Config
-from cluster.contracts import Completion, PromptRow
+from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def actor_env(threads: int) -> dict[str, str]:
@@ -41,13 +40,6 @@ def actor_env(threads: int) -> dict[str, str]:
         if key in os.environ:
             env[key] = os.environ[key]
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` now (for the learner's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resource_demand(cfg: Config) -> float:
@@ -85,88 +77,13 @@ def init_ray(cfg: Config, run_dir: Path) -> None:
     )
 
 
-def _wait_ready(pg, what: str, bundles: list[dict[str, float]], timeout_s: float = 120.0) -> None:
+def wait_ready(pg, what: str, bundles: list[dict[str, float]], timeout_s: float = 120.0) -> None:
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         raise RuntimeError(
             f"placement group for {what} ({bundles}) was not scheduled within {timeout_s:.0f}s; cluster "
             f"resources: {ray.cluster_resources()}. Lower the per-actor CPU/GPU settings or add nodes."
         )
-
-
-def start_learners(cfg: Config, model_path: str) -> tuple[list[Any], Any]:
-    """Start ``learner.world_size`` DeepSpeed ranks: on GPUs one STRICT_PACK placement group per node
-    (``cluster.gpus_per_node`` GPUs each), on the CPU one PACK group.
-
-    Returns:
-        (actors in rank order, placement groups). The constructors are still running: call
-        ``wait_learners`` before using them.
-    """
-    from learner.service import LearnerRank
-
-    lc = cfg.learner
-    bundle = {"CPU": lc.num_cpus_per_rank}
-    if lc.num_gpus_per_rank:
-        bundle["GPU"] = lc.num_gpus_per_rank
-    # On GPUs: one STRICT_PACK group per node (gpus_per_node ranks each), so ranks of a node share NVLink and
-    # the learner can span nodes; on the CPU one PACK group.
-    per_group = lc.world_size
-    if lc.num_gpus_per_rank:
-        per_group = max(1, min(lc.world_size, int(cfg.cluster.gpus_per_node / lc.num_gpus_per_rank)))
-    groups = []
-    for start in range(0, lc.world_size, per_group):
-        bundles = [dict(bundle) for _ in range(min(per_group, lc.world_size - start))]
-        pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
-        _wait_ready(pg, "learner", bundles)
-        groups.append(pg)
-    # The rendezvous address: rank 0's node (a probe task in rank 0's bundle), or the bind host locally.
-    if len(groups) > 1 or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
-        master_addr, port = ray.get(
-            ray.remote(_node_address)
-            .options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0))
-            .remote()
-        )
-    else:
-        master_addr = cfg.trainer.bind_host
-        port = free_port(master_addr)
-    cls = ray.remote(LearnerRank)
-    actors = []
-    for rank in range(lc.world_size):
-        actors.append(
-            cls.options(
-                num_cpus=lc.num_cpus_per_rank,
-                num_gpus=lc.num_gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    groups[rank // per_group], placement_group_bundle_index=rank % per_group
-                ),
-                runtime_env={"env_vars": actor_env(lc.threads_per_rank)},
-                name=None,
-            ).remote(
-                model_path,
-                lc,
-                rank=rank,
-                world_size=lc.world_size,
-                master_addr=master_addr,
-                master_port=port,
-                seed=cfg.trainer.seed,
-                temperature=cfg.rollout.temperature,
-                warm_start=cfg.warm_start,
-            )
-        )
-    # The constructors rendezvous with each other and run while the caller starts the other services;
-    # ``wait_learners`` surfaces a failure.
-    return actors, groups
-
-
-def _node_address() -> tuple[str, int]:
-    """This node's IP address (as Ray knows it) and a free port on it."""
-    ip = ray.util.get_node_ip_address()
-    return ip, free_port(ip)
-
-
-def wait_learners(actors: list[Any]) -> None:
-    """Block until every learner rank finished its constructor (raises the rank's error if one failed)."""
-    ray.get([a.pid.remote() for a in actors])
 
 
 class EngineFleet:
@@ -193,7 +110,7 @@ class EngineFleet:
         if rc.num_gpus_per_engine:
             bundle["GPU"] = rc.num_gpus_per_engine * rc.tensor_parallel_size
         pg = placement_group([bundle], strategy="STRICT_PACK")
-        _wait_ready(pg, "rollout engine", [bundle])
+        wait_ready(pg, "rollout engine", [bundle])
         index = self._next_index
         self._next_index += 1
         actor = (
@@ -348,7 +265,7 @@ class RewardGroups:
             remove_placement_group(old)
         bundle = [{"CPU": self.num_cpus}]
         pg = placement_group(bundle, strategy="STRICT_PACK")
-        _wait_ready(pg, "reward worker", bundle)
+        wait_ready(pg, "reward worker", bundle)
         self.groups[slot] = pg
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
 
@@ -366,9 +283,3 @@ def get_fail_fast(refs: list[Any]) -> list[Any]:
         ready, pending = ray.wait(pending, num_returns=1)
         ray.get(ready)  # raises the actor's error
     return ray.get(refs)
-
-
-def export_weights(learners: list[Any], bucket_mb: float) -> list[Any]:
-    """Every rank takes part (ZeRO-3 gathers); rank 0 returns the object refs of the weight buckets."""
-    results = get_fail_fast([l.export_weights.remote(bucket_mb) for l in learners])
-    return results[0]

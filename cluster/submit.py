@@ -32,7 +32,6 @@ import shlex
 import shutil
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.common import REPO_ROOT, free_port
 from cluster.config import ConfigError, load_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: gitignore-style patterns left out of the shipped working_dir (Ray also honours .gitignore).
 WORKING_DIR_EXCLUDES = [
@@ -86,13 +85,6 @@ class SubmitError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------- the local head
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` at the time of the call."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalHead:

@@ -104,6 +104,7 @@ class StepData:
 
 
 def step_dir_for(run_dir: Path, step: int) -> Path:
+    """``run_dir/audit/step_NNNNNNNN`` (``step`` 1-based, as logged): where the driver saves an audit step."""
     return Path(run_dir) / "audit" / f"step_{int(step):08d}"
 
 

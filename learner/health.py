@@ -82,3 +82,77 @@ def failed_checks(guard: Mapping[str, float], metrics: Mapping[str, object], pha
         if not ok:
             failed.append((key, f"{metric}={value:.6g} {'>' if kind == 'max' else '<'} {limit:.6g}"))
     return failed
+
+
+class GuardDecision:
+    """The health guard's decision on one rollout batch, in one place.
+
+    The learner step consults it three times: before any optimizer step (``refuse_before_update``), after
+    each optimizer step (``stop_after_optimizer_step``) and at the end (``verdict``). Every decision is taken
+    from all-reduced values (``all_reduce(values, op)`` sums / maxes float lists over the ranks), so all
+    ranks skip or apply a step together. With ``guard=None`` the guard is off and every method says "go on".
+
+    Args:
+        guard: a guard dict (see the module docstring) or None.
+
+    Raises:
+        ValueError: an invalid guard (see ``validate_guard``).
+    """
+
+    def __init__(self, guard: Mapping[str, float] | None):
+        self.guard = validate_guard(guard)
+        self.failures: list[tuple[str, str]] = []
+
+    @property
+    def on(self) -> bool:
+        return self.guard is not None
+
+    def refuse_before_update(self, metrics: Mapping[str, object], nonfinite: float) -> bool:
+        """Record the pre-update failures (``nonfinite``: non-finite log-probs on response tokens, all ranks)
+        and return True when the step must not update at all."""
+        if self.guard is None:
+            return False
+        if nonfinite:
+            self.failures.append(("nonfinite_log_probs", f"{int(nonfinite)} non-finite log-probs on response tokens"))
+        # A NaN metric caused by those non-finite log-probs is not reported a second time.
+        self.failures += [f for f in failed_checks(self.guard, metrics, "pre")
+                          if not (nonfinite and not math.isfinite(float(metrics[GUARD_CHECKS[f[0]][0]])))]
+        return bool(self.failures)
+
+    def stop_after_optimizer_step(self, bad_loss: bool, grad_norm: float, all_reduce) -> bool:
+        """True when training must stop at this optimizer step (a non-finite loss or gradient norm, or a norm
+        over ``max_grad_norm``, on any rank). Collective when the guard is on."""
+        if self.guard is None:
+            return False
+        limit = self.guard.get("max_grad_norm", math.inf)
+        local = [1.0 if bad_loss else 0.0, 0.0 if math.isfinite(grad_norm) else 1.0, 0.0 if grad_norm <= limit else 1.0]
+        flags = all_reduce(local, "max")
+        if flags[0]:
+            self.failures.append(("nonfinite_loss", "a micro-batch loss is NaN or inf"))
+        return any(flags)
+
+    def verdict(self, metrics: dict[str, object], loss_sum: float, grad_norms: list[float], updated: bool,
+                all_reduce) -> tuple[bool, dict[str, object]]:
+        """The final decision: ``(skip, health metrics)``. ``updated``: optimizer steps ran (the post-update
+        checks apply). Collective when the guard is on; ``(False, {})`` when it is off.
+
+        Health metrics: ``health/skipped`` (0.0 or 1.0), ``health/failed_checks`` (comma-joined names),
+        ``health/reasons`` (``"; "``-joined ``name: metric=value > limit``); the caller adds the counts."""
+        if self.guard is None:
+            return False, {}
+        if updated:
+            steps = max(len(grad_norms), 1)
+            if not math.isfinite(loss_sum) and not any(n == "nonfinite_loss" for n, _ in self.failures):
+                self.failures.append(("nonfinite_loss", f"loss/policy={loss_sum / steps}"))
+            if any(not math.isfinite(g) for g in grad_norms):
+                self.failures.append(("nonfinite_grad_norm", f"actor/grad_norm_max={max(grad_norms)}"))
+            self.failures += [f for f in failed_checks(self.guard, metrics, "post")
+                              if not (f[0] == "max_grad_norm" and not math.isfinite(float(metrics["actor/grad_norm_max"])))]
+        # Every rank reaches the same verdict from the same all-reduced values; the extra all-reduce makes the
+        # decision collective even if a value differed in the last bit between ranks.
+        skip = all_reduce([1.0 if self.failures else 0.0], "max")[0] > 0
+        return skip, {
+            "health/skipped": 1.0 if skip else 0.0,
+            "health/failed_checks": ",".join(n for n, _ in self.failures),
+            "health/reasons": "; ".join(f"{n}: {r}" for n, r in self.failures),
+        }

@@ -40,6 +40,8 @@ __all__ = [
     "load_statistics",
     "topk_set_changes",
     "response_positions",
+    "load_metrics",
+    "volatility_metrics",
 ]
 
 
@@ -318,3 +320,59 @@ def topk_set_changes(a: Tensor, b: Tensor, select: Tensor) -> tuple[int, int]:
     sb = b[:, sel].to(a.device).sort(-1).values
     changed = int((sa != sb).any(-1).sum())
     return changed, int(sa.shape[0] * sa.shape[1])
+
+
+def load_metrics(counts: torch.Tensor, layers: list[int]) -> dict[str, object]:
+    """Expert-load metrics from the all-reduced ``[layers, E]`` counts of the pre-update pass (``layers``: the
+    decoder layer numbers of the MoE layers, ``RouterTap.layers``).
+
+    Counted: every (token, top-k slot) routing decision at the input positions whose output predicts a
+    response token (``learner.moe.response_positions``), over all ranks and minibatches of the step.
+    ``moe/expert_load[l][e]``: share of layer ``l``'s assignments that went to expert ``e`` (rows sum to 1;
+    ``l`` indexes the MoE layers in order, ``moe/layers`` gives their decoder layer numbers);
+    ``moe/layer{L}/load_imbalance``: max share / mean share (1 = even, E/k = collapsed);
+    ``moe/load_imbalance``: mean over layers, ``moe/load_imbalance_max``: the worst layer;
+    ``moe/load_cv``: mean over layers of the coefficient of variation of the shares.
+    """
+    stats = load_statistics(counts)
+    out: dict[str, object] = {
+        "moe/load_imbalance": stats["imbalance_mean"],
+        "moe/load_imbalance_max": stats["imbalance_max"],
+        "moe/load_cv": stats["cv_mean"],
+    }
+    for layer, imb in zip(layers, stats["imbalance"]):
+        out[f"moe/layer{layer}/load_imbalance"] = imb
+    out["moe/expert_load"] = stats["share"]
+    out["moe/layers"] = list(layers)
+    return out
+
+def volatility_metrics(vol_tot: list[list[float]], vol_updates: list[int]) -> dict[str, float]:
+    """Routing volatility of the step from the all-reduced per-pass counts.
+
+    What it measures: take the experts every response position (see ``load_metrics``) was routed to in
+    each MoE layer during the pre-update forward (the behaviour policy when the rollout is on-policy: the
+    weights the rollout was generated with). Every later training forward over the same tokens (minibatch
+    ``m`` of epoch ``e`` runs after ``u = e * M + m`` optimizer steps of this call) is compared with it; a
+    (token, layer) pair counts as changed when its top-k expert SET differs (order ignored). Passes with
+    ``u = 0`` (the first minibatch of the first epoch: same weights) are left out.
+
+    - ``moe/routing_volatility``: mean over the measured passes of changed / compared (pairs pooled over
+      ranks, tokens and layers within a pass), for the experts the training forward actually USED (0
+      under Routing Replay by construction);
+    - ``moe/routing_volatility_unreplayed``: the same for the router's OWN top-k choice at the current
+      weights (what it would pick without replay; equal to the above without replay);
+    - ``moe/routing_volatility_per_update``: mean over the passes of (router's own changed share) / u, a
+      per-update rate comparable across num_minibatches (the paper's "about 10% per update");
+    - ``moe/routing_volatility_passes``: number of measured passes (0 with one minibatch and one epoch:
+      the three figures are then 0 and mean nothing).
+    """
+    shares_used = [c[0] / c[2] for c in vol_tot if c[2] > 0]
+    shares_own = [c[1] / c[2] for c in vol_tot if c[2] > 0]
+    per_update = [c[1] / c[2] / u for c, u in zip(vol_tot, vol_updates) if c[2] > 0]
+    n = len(shares_used)
+    return {
+        "moe/routing_volatility": sum(shares_used) / n if n else 0.0,
+        "moe/routing_volatility_unreplayed": sum(shares_own) / n if n else 0.0,
+        "moe/routing_volatility_per_update": sum(per_update) / n if n else 0.0,
+        "moe/routing_volatility_passes": float(n),
+    }

@@ -5,9 +5,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.schema_base import Section
+
+class Section(BaseModel):
+    """Base of the reward config sections: unknown keys are refused and values are validated on assignment
+    (tests/test_config.py checks that every section of the composed schema is strict)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
 
 class SandboxConfig(Section):

@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any, Callable
 
-from cluster.contracts import RewardRequest, RewardResult
+from reward.contracts import RewardRequest, RewardResult
 from reward.config import RewardConfig
 from reward.worker import RewardWorker
 

@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from cluster.contracts import RewardRequest, RewardResult
+from reward.contracts import RewardRequest, RewardResult
 from reward.config import RewardConfig
 from reward.runner import CallOutcome, ProtectedRunner
 from reward.verifiers import get_verifier

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cluster.contracts import Completion, PromptRow
+from rollout.contracts import Completion, PromptRow
 from rollout.config import RolloutConfig
 
 _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.experts)\.gate_up_proj$")

@@ -245,7 +245,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from cluster.config import load_config
-    from cluster.train import Trainer
+    from cluster.trainer import Trainer
 
     cfg = load_config(REPO / "configs" / "tiny_moe.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit", "trainer.total_steps=1",

@@ -10,7 +10,7 @@ import torch
 
 from cluster import checkpoint
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
-from cluster.contracts import Completion
+from rollout.contracts import Completion
 from cluster.data import DataError, PromptStream, arithmetic_rows, gsm8k_rows
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ REQUIRED_KEYS = [
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     from cluster.config import load_config
-    from cluster.train import Trainer
+    from cluster.trainer import Trainer
 
     out = tmp_path_factory.mktemp("e2e")
     cfg = load_config(
@@ -48,14 +48,14 @@ def trainer(tmp_path_factory):
 def _checksums(t):
     import ray
 
-    return ray.get([l.state_checksum.remote() for l in t.learners])
+    return t.learners.call("state_checksum")
 
 
 def test_two_steps_end_to_end(trainer):
     import ray
 
     from cluster.batching import build_train_batch
-    from cluster.contracts import Completion
+    from rollout.contracts import Completion
 
     before = _checksums(trainer)
     summary = trainer.run()
@@ -72,7 +72,7 @@ def test_two_steps_end_to_end(trainer):
     seq = prompt + response
     comp = Completion("fixed", 0, prompt, response, [0.0] * len(response), "46", "stop", 0)
     batch = build_train_batch([comp], torch.zeros(1), torch.zeros(1), pad_token_id=0)
-    learner_lp = ray.get(trainer.learners[0].compute_log_probs.remote(batch))[0][batch.response_mask[0]]
+    learner_lp = trainer.learners.call("compute_log_probs", batch)[0][0][batch.response_mask[0]]
     for engine in trainer.fleet.engines:
         engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, len(prompt))))
         assert engine_lp.shape == learner_lp.shape

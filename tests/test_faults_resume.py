@@ -22,7 +22,7 @@ BASE = [
 
 def _trainer(out, name, extra):
     from cluster.config import load_config
-    from cluster.train import Trainer
+    from cluster.trainer import Trainer
 
     return Trainer(load_config("configs/tiny_moe.yaml", [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]))
 
@@ -87,19 +87,19 @@ def test_engine_and_reward_worker_death_and_scaling(tmp_path, ray_session):
 def test_learner_death_stops_the_step_fast(tmp_path, ray_session):
     import ray
 
-    from cluster.train import _is_learner_error
+    from cluster.train import is_learner_error
 
     t = _trainer(tmp_path, "learner_dies", ["trainer.total_steps=2", "learner.dist_timeout_s=600"])
     t.start()
     try:
-        pid = ray.get(t.learners[1].pid.remote())
+        pid = ray.get(t.learners.actors[1].pid.remote())
         _kill(pid)
         start = time.time()
         with pytest.raises(ray.exceptions.RayActorError) as err:
             t.rl_step()
         # fails as soon as the rank is gone, not after the 600 s collective timeout
         assert time.time() - start < 300
-        assert _is_learner_error(err.value)
+        assert is_learner_error(err.value)
     finally:
         t.shutdown()
 
@@ -112,7 +112,7 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
     try:
         full.run()
         ref_uids = list(full.trained_uids)
-        ref_digest = ray.get([l.state_digest.remote() for l in full.learners])
+        ref_digest = full.learners.call("state_digest")
     finally:
         full.shutdown()
     run = tmp_path / "full"
@@ -127,7 +127,7 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
         assert resumed.step == 2 and resumed.stream.position == 16  # exactly one epoch
         resumed.run()
         assert resumed.trained_uids == ref_uids[2:]  # the same prompts as the uninterrupted run
-        digest = ray.get([l.state_digest.remote() for l in resumed.learners])
+        digest = resumed.learners.call("state_digest")
         assert digest == ref_digest, "resumed run diverged from the uninterrupted one"
     finally:
         resumed.shutdown()
@@ -139,7 +139,7 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
 def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
     import ray
 
-    from cluster.train import HealthStop
+    from cluster.trainer import HealthStop
 
     t = _trainer(tmp_path, "health", ["trainer.total_steps=20", "health.enabled=true", "health.rollback_after=2",
                                       "health.max_rollbacks=1", "health.max_grad_norm=1e6"])
@@ -160,16 +160,16 @@ def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
             assert rounds == 3  # it stopped at the bound
         t.cfg.trainer.dynamic_sampling = False
         t.save()
-        good = ray.get([l.state_digest.remote() for l in t.learners])
+        good = t.learners.call("state_digest")
         version = t.weight_version
         t.cfg.health.min_entropy = 1e9  # a check that every step now fails (entropy is far below)
         m = t.rl_step()
         assert m["health/skipped"] == 1.0 and "min_entropy" in m["health/failed_checks"]
-        assert ray.get([l.state_digest.remote() for l in t.learners]) == good  # update skipped exactly
+        assert t.learners.call("state_digest") == good  # update skipped exactly
         assert t.weight_version == version  # nothing synced
         m = t.rl_step()  # second failure in a row: roll back to the checkpoint
         assert m["health/rollbacks"] == 1.0
-        assert ray.get([l.state_digest.remote() for l in t.learners]) == good
+        assert t.learners.call("state_digest") == good
         t.rl_step()
         with pytest.raises(HealthStop, match="min_entropy"):
             t.rl_step()  # still failing after a rollback: stop with a report

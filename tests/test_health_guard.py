@@ -18,7 +18,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from cluster.contracts import TrainBatch  # noqa: E402
+from learner.contracts import TrainBatch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.health import GUARD_CHECKS, failed_checks, validate_guard  # noqa: E402
 from learner.objectives import loss_normalisers  # noqa: E402
@@ -111,13 +111,13 @@ def _spy_restore(learner) -> list[str]:
     """Record the weights digest at the moment the guard restores (proves the refused steps had changed
     the weights, so the restore was needed)."""
     seen: list[str] = []
-    original = learner._restore_training_state
+    original = learner.replica.restore
 
     def spy(snap):
         seen.append(learner.state_digest())
         original(snap)
 
-    learner._restore_training_state = spy
+    learner.replica.restore = spy
     return seen
 
 
@@ -132,7 +132,7 @@ def test_nonfinite_rollout_log_prob_is_refused_before_any_update(model_path, val
     assert out["health/nonfinite_log_probs"] == 1.0 and out["health/steps_undone"] == 0.0
     assert out["actor/num_optimizer_steps"] == 0.0
     assert _digests(learner) == before
-    assert len(learner._base_optimizer().state) == 0  # no optimizer step ever ran
+    assert len(learner.replica.base_optimizer().state) == 0  # no optimizer step ever ran
     assert "moe/expert_load" in out and not math.isfinite(out["actor/train_rollout_logprob_diff"])
 
 

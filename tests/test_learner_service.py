@@ -15,8 +15,8 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from cluster.contracts import SFTBatch, TrainBatch  # noqa: E402
-from cluster.services import free_port  # noqa: E402
+from learner.contracts import SFTBatch, TrainBatch  # noqa: E402
+from cluster.common import free_port  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.logprobs import token_log_probs  # noqa: E402
 from learner.objectives import loss_normalisers, policy_loss  # noqa: E402
@@ -155,7 +155,7 @@ def _rank(model_path, cfg, port, seed=0):
 
 
 def _module_params(rank) -> dict[str, torch.Tensor]:
-    return rank._full_state_dict(on_all_ranks=True)
+    return rank.full_state_dict()
 
 
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
@@ -298,9 +298,9 @@ def test_sft_step_lr_and_reset(model_path, port):
     assert out["loss/sft"] == pytest.approx(want, rel=1e-5)
     assert out["grad_norm"] > 0 and out["lr"] == pytest.approx(5e-3)
     assert learner.state_checksum() != before
-    assert len(learner._base_optimizer().state) > 0
+    assert len(learner.replica.base_optimizer().state) > 0
     learner.reset_optimizer_state()
-    assert len(learner._base_optimizer().state) == 0
+    assert len(learner.replica.base_optimizer().state) == 0
     learner.set_lr(1e-6)
     assert learner.get_lr() == pytest.approx(1e-6)
     out2 = learner.sft_step(sft, int(sft.loss_mask.sum()))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.contracts import PromptRow, RewardRequest
+from reward.contracts import RewardRequest
+from rollout.contracts import PromptRow
 from reward.config import RewardConfig
 from tests.test_reward_verifiers import gsm8k_rows, needs_gsm8k, right_and_wrong_forms
 

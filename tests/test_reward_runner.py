@@ -15,7 +15,8 @@ from reward._forkserver import make_chunks
 from reward.config import RewardConfig
 from reward.runner import ProtectedRunner
 from reward.worker import RewardWorker
-from cluster.contracts import PromptRow, RewardRequest
+from reward.contracts import RewardRequest
+from rollout.contracts import PromptRow
 from tests.test_reward_userfns import (
     dies,
     exact_with_pid,

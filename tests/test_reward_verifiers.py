@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.contracts import PromptRow
+from rollout.contracts import PromptRow
 from reward.verifiers import (
     exact_verifier,
     extract_code,

@@ -11,7 +11,8 @@ import os
 import psutil
 import pytest
 
-from cluster.contracts import PromptRow, RewardRequest
+from reward.contracts import RewardRequest
+from rollout.contracts import PromptRow
 from reward.config import RewardConfig, RewardTerm, SandboxConfig
 from reward.runner import ProtectedRunner
 from reward.sandbox import ENV_OWNER

@@ -8,7 +8,7 @@ by the module; the tests that update its weights record the reference model it n
 import pytest
 import torch
 
-from cluster.contracts import PromptRow
+from rollout.contracts import PromptRow
 from cluster.tiny_model import build_tiny_moe
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine, RolloutWorkerExtension, to_checkpoint_format

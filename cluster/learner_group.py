@@ -1,0 +1,137 @@
+"""The learner's ranks as one group: started in placement groups, driven together, failing fast.
+
+Every call below goes to every rank (most learner methods are collective: a rank alone would wait for its
+peers in a collective until ``learner.dist_timeout_s``), and results are collected with ``get_fail_fast``, so
+one dead rank stops the driver at once instead of after a peer's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.common import free_port
+from cluster.config import Config
+from cluster.services import actor_env, get_fail_fast, wait_ready
+from learner.contracts import SFTBatch
+
+
+def _node_address() -> tuple[str, int]:
+    """This node's IP address (as Ray knows it) and a free port on it."""
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port(ip)
+
+
+class LearnerGroup:
+    """``learner.world_size`` DeepSpeed ranks (``learner.service.LearnerRank`` actors, rank order).
+
+    On GPUs one STRICT_PACK placement group per node (``cluster.gpus_per_node`` GPUs each), so the ranks of a
+    node share NVLink and the learner can span nodes; on the CPU one PACK group. The constructor returns while
+    the ranks still build their models (they rendezvous with each other meanwhile): call ``wait_ready``
+    before the first call.
+
+    Args:
+        cfg: the run config.
+        model_path: the Hugging Face model folder every rank loads.
+    """
+
+    def __init__(self, cfg: Config, model_path: str):
+        from learner.service import LearnerRank
+
+        lc = cfg.learner
+        bundle = {"CPU": lc.num_cpus_per_rank}
+        if lc.num_gpus_per_rank:
+            bundle["GPU"] = lc.num_gpus_per_rank
+        per_group = lc.world_size
+        if lc.num_gpus_per_rank:
+            per_group = max(1, min(lc.world_size, int(cfg.cluster.gpus_per_node / lc.num_gpus_per_rank)))
+        self.groups: list[Any] = []
+        for start in range(0, lc.world_size, per_group):
+            bundles = [dict(bundle) for _ in range(min(per_group, lc.world_size - start))]
+            pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
+            wait_ready(pg, "learner", bundles)
+            self.groups.append(pg)
+        master_addr, port = self._rendezvous(cfg)
+        cls = ray.remote(LearnerRank)
+        self.actors: list[Any] = [
+            cls.options(
+                num_cpus=lc.num_cpus_per_rank,
+                num_gpus=lc.num_gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.groups[rank // per_group], placement_group_bundle_index=rank % per_group
+                ),
+                runtime_env={"env_vars": actor_env(lc.threads_per_rank)},
+            ).remote(
+                model_path, lc, rank=rank, world_size=lc.world_size, master_addr=master_addr, master_port=port,
+                seed=cfg.trainer.seed, temperature=cfg.rollout.temperature, warm_start=cfg.warm_start,
+            )
+            for rank in range(lc.world_size)
+        ]
+
+    def _rendezvous(self, cfg: Config) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (a probe task in rank 0's bundle), or the bind host
+        when the run is local."""
+        if len(self.groups) > 1 or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
+            strategy = PlacementGroupSchedulingStrategy(self.groups[0], placement_group_bundle_index=0)
+            return ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
+        return cfg.trainer.bind_host, free_port(cfg.trainer.bind_host)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    # -- calls on every rank ------------------------------------------------------------------------------
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        """``method(*args, **kwargs)`` on every rank; the results in rank order. Fails fast."""
+        return get_fail_fast([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call_sharded(self, method: str, per_rank: list[tuple], **kwargs) -> list[Any]:
+        """``method(*per_rank[r], **kwargs)`` on rank ``r``; the results in rank order. Fails fast."""
+        if len(per_rank) != len(self.actors):
+            raise ValueError(f"{len(per_rank)} argument tuples for {len(self.actors)} learner ranks")
+        return get_fail_fast([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)])
+
+    def wait_ready(self) -> None:
+        """Block until every rank finished its constructor (raises the rank's error if one failed)."""
+        self.call("pid")
+
+    def train(self, plans: list[Any], guard: dict[str, float] | None) -> dict[str, Any]:
+        """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.batching.RankPlan``). Returns the
+        metrics (identical on every rank)."""
+        outs = self.call_sharded("train_rollout_batch", [(p.minibatches, p.num_sequences, p.num_tokens) for p in plans],
+                                 guard=guard)
+        return outs[0]
+
+    def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
+        """One supervised step on ``batch``, cut into equal contiguous shards per rank."""
+        per = len(batch) // len(self.actors)
+        shards = [(SFTBatch(batch.input_ids[lo:lo + per], batch.attention_mask[lo:lo + per],
+                            batch.loss_mask[lo:lo + per]), num_tokens)
+                  for lo in range(0, per * len(self.actors), per)]
+        return self.call_sharded("sft_step", shards)[0]
+
+    def export_weights(self, bucket_mb: float, **kwargs) -> list[Any]:
+        """Every rank takes part (ZeRO-3 gathers); rank 0's buckets (object refs) are returned."""
+        return self.call("export_weights", bucket_mb, **kwargs)[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        self.call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.call("load_checkpoint", path)
+
+    def shutdown(self) -> None:
+        """Leave the process groups, kill the actors and free the placement groups (so a next run in the
+        same Ray session finds the resources free)."""
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(a)
+        for pg in self.groups:
+            remove_placement_group(pg)
+        self.actors, self.groups = [], []

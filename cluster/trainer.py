@@ -1,0 +1,488 @@
+"""The driver's run: services up, warm start, then RL steps (collect, score, prepare, train, sync, log).
+
+One RL step: prompts -> rollout engines (G completions each, behaviour log-probs, weight version) -> reward
+workers -> group advantages -> learner ranks (minibatches, GSPO) -> weights to the object store -> engines
+load them and reset their prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import yaml
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cluster import audit_dump, checkpoint, data, services
+from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
+from cluster.common import mean
+from cluster.config import Config, ConfigError
+from cluster.learner_group import LearnerGroup
+from cluster.tiny_model import ensure_model
+from cluster.tracking import MetricsLogger, plot_curves, progress_line
+from learner.advantages import group_advantages
+from reward.contracts import RewardRequest, RewardResult
+from reward.pool import RewardPool
+from rollout.contracts import Completion, PromptRow
+
+log = logging.getLogger("cluster.train")
+
+
+class HealthStop(RuntimeError):
+    """The health guard's checks kept failing after rolling back; the message names them."""
+
+
+def setup_run_dir(cfg: Config) -> Path:
+    """Create ``outputs/<run_name>/`` (and its cache), point vLLM's and inductor's caches into it, and write
+    the resolved config there."""
+    run_dir = cfg.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cache = run_dir / "cache"
+    cache.mkdir(exist_ok=True)
+    # vLLM and inductor litter ~/.cache and /tmp unless pointed into the run folder.
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    os.environ.setdefault("HF_DATASETS_CACHE", str(cache / "datasets"))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return run_dir
+
+
+def load_tokenizer(model_path: str):
+    """The model folder's tokenizer.
+
+    Raises:
+        ConfigError: the tokenizer has no EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.eos_token_id is None:
+        raise ConfigError(f"model.path={model_path!r}: the tokenizer has no eos token")
+    return tok
+
+
+def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Training and held-out rows for ``cfg.data``."""
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    d = cfg.data
+    if d.task == "arithmetic":
+        return data.arithmetic_rows(
+            tokenize, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
+            demo_slip_rate=d.demo_slip_rate,
+        )
+    train, _ = data.gsm8k_rows(d.train_path, tokenize, split="train", max_prompt_tokens=d.max_prompt_tokens, limit=d.num_train)
+    test, _ = data.gsm8k_rows(d.test_path, tokenize, split="eval", max_prompt_tokens=d.max_prompt_tokens, limit=d.num_eval)
+    return train, test
+
+
+def all_equal(scores: list[float]) -> bool:
+    """True when the group's valid (non-NaN) rewards are all equal (or fewer than two are valid)."""
+    valid = [x for x in scores if not math.isnan(x)]
+    return len(valid) < 2 or max(valid) == min(valid)
+
+
+def _tuple_state(state: Any) -> Any:
+    """random.Random state from JSON (lists back to tuples)."""
+    if isinstance(state, list):
+        return tuple(_tuple_state(x) for x in state)
+    return state
+
+
+@dataclass
+class Collected:
+    """What one step's rollout and scoring produced: the groups to train on and how they were obtained."""
+
+    prompts: list[PromptRow] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
+    results: list[RewardResult] = field(default_factory=list)
+    rollout_s: float = 0.0
+    reward_s: float = 0.0
+    rounds: int = 0
+    dropped: int = 0
+    generated_tokens: int = 0
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Owns the actors, the prompt stream, logging and checkpoints of one run."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.t_start = time.perf_counter()
+        self.run_dir = setup_run_dir(cfg)
+        self.step = 0
+        self.weight_version = 0
+        self.warm_start_done = False
+        self.trained_uids: list[list[str]] = []
+        self.health_failures = 0  # refused steps in a row
+        self.rollbacks = 0
+        self.rollbacks_in_a_row = 0  # rollbacks with no good step between them
+        self.health_log: list[dict[str, Any]] = []
+        self.learners: LearnerGroup | None = None
+
+    # -- start-up -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Model, tokenizer and data; resume state; the services (learner ranks, engines, reward workers)."""
+        cfg = self.cfg
+        random.seed(cfg.trainer.seed)
+        m = cfg.model
+        build = m.model_dump(exclude={"path", "build_seed", "num_params_b"})
+        self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **build))
+        self.tokenizer = tok = load_tokenizer(self.model_path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
+        data.dump_rows(self.eval_rows, self.run_dir / "eval_prompts.jsonl")
+        log.info("data: %d training prompts, %d held-out prompts", len(self.train_rows), len(self.eval_rows))
+
+        resume_from = checkpoint.latest_checkpoint(self.run_dir) if cfg.trainer.resume else None
+        state = checkpoint.read_state(resume_from) if resume_from else None
+        self.stream = data.PromptStream(self.train_rows, seed=cfg.trainer.seed,
+                                        position=state["stream_position"] if state else 0)
+        self.sft_rng = random.Random(cfg.trainer.seed + 1)
+        if state:
+            self.step = state["step"]
+            self.weight_version = state["weight_version"]
+            self.warm_start_done = state["warm_start_done"]
+            self.sft_rng.setstate(_tuple_state(state["sft_rng"]))
+        self._start_services()
+        if resume_from:
+            self.learners.load_checkpoint(str(resume_from / "learner"))
+            self._sync_weights(self.weight_version)
+            log.info("resumed from %s (step %d)", resume_from, self.step)
+        self.logger = MetricsLogger(self.run_dir, cfg.model_dump(mode="json"), wandb_mode=cfg.wandb.mode,
+                                    project=cfg.wandb.project, resume_from_step=self.step if resume_from else None)
+
+    def _start_services(self) -> None:
+        cfg = self.cfg
+        services.init_ray(cfg, self.run_dir)
+        t0 = time.perf_counter()
+        self.learners = LearnerGroup(cfg, self.model_path)
+        self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
+        self.fleet.start(cfg.rollout.num_engines)
+        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
+        self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
+        self.learners.wait_ready()
+        log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
+                 time.perf_counter() - t0, cfg.learner.world_size, len(self.fleet), cfg.reward.num_workers)
+
+    # -- pieces of a step ---------------------------------------------------------------------------------
+    def _sync_weights(self, version: int) -> float:
+        t = time.perf_counter()
+        refs = self.learners.export_weights(self.cfg.sync.bucket_mb)
+        self.fleet.sync(refs, version)  # the fleet keeps the refs: replacement engines load them
+        self.weight_version = version
+        return time.perf_counter() - t
+
+    def _score(self, rows_by_uid: dict[str, PromptRow], completions: list[Completion]) -> list[RewardResult]:
+        reqs = [
+            RewardRequest(response=c.response_text, row=rows_by_uid[c.prompt_uid],
+                          num_response_tokens=len(c.response_token_ids), truncated=c.truncated)
+            for c in completions
+        ]
+        return self.rewards.score(reqs)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy decoding on the held-out prompts; accuracy = share judged correct by the verifier."""
+        t = time.perf_counter()
+        comps = self.fleet.generate(self.eval_rows, 1, greedy=True)
+        results = self._score({r.uid: r for r in self.eval_rows}, comps)
+        self.rewards.metrics()  # eval's counters are not the step's
+        return {
+            "eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]),
+            "eval/num_prompts": float(len(results)),
+            "eval/response_length_mean": mean([float(len(c.response_token_ids)) for c in comps]),
+            "timing/eval_s": time.perf_counter() - t,
+        }
+
+    def warm_start(self) -> dict[str, float]:
+        """Supervised warm start: ``warm_start.steps`` cross-entropy steps on worked examples, then the
+        optimizer is reset and the RL learning rate set, and the engines receive the new weights."""
+        ws, lc = self.cfg.warm_start, self.cfg.learner
+        eos = self.tokenizer.eos_token_id
+        t = time.perf_counter()
+        losses = []
+        current_lr = None
+        for s in range(ws.steps):
+            rows = [self.sft_rng.choice(self.train_rows) for _ in range(ws.batch_size)]
+            prompts = [r.prompt_token_ids for r in rows]
+            responses = [self.tokenizer(r.meta["solution"], add_special_tokens=False)["input_ids"] + [eos] for r in rows]
+            batch = build_sft_batch(prompts, responses, self.pad_id)
+            lr = ws.lr * min(1.0, (s + 1) / ws.warmup_steps) if ws.warmup_steps else ws.lr
+            if lr != current_lr:  # one round trip to the ranks only when the schedule changes the lr
+                self.learners.call("set_lr", lr)
+                current_lr = lr
+            losses.append(self.learners.sft_step(batch, int(batch.loss_mask.sum()))["loss/sft"])
+            if (s + 1) % max(1, ws.steps // 10) == 0 or s + 1 == ws.steps:
+                log.info("warm start %d/%d: loss %.4f", s + 1, ws.steps, losses[-1])
+        self.learners.call("reset_optimizer_state")
+        self.learners.call("set_lr", lc.lr)
+        self._sync_weights(self.weight_version + 1)
+        self.warm_start_done = True
+        return {"warm_start/loss_final": losses[-1] if losses else float("nan"),
+                "warm_start/steps": float(ws.steps), "timing/warm_start_s": time.perf_counter() - t}
+
+    def collect(self) -> Collected:
+        """Rollout and scoring of one step's prompts. With dynamic sampling (DAPO), groups whose valid
+        rewards are all equal carry no signal: they are dropped and more prompts are sampled, at most
+        ``trainer.max_sampling_rounds`` extra rounds; the groups kept are cut to a multiple of
+        ``num_minibatches x world_size``."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        G, P = tc.group_size, tc.prompts_per_step
+        c = Collected()
+        want = P
+        while want > 0:
+            batch_prompts = self.stream.take(want)
+            t = time.perf_counter()
+            new = self.fleet.generate(batch_prompts, G, seed=cfg.rollout.seed + 1_000_003 * self.step + 7_919 * c.rounds)
+            c.rollout_s += time.perf_counter() - t
+            c.generated_tokens += sum(len(x.response_token_ids) for x in new)
+            if len(new) != len(batch_prompts) * G:
+                raise RuntimeError(f"rollout returned {len(new)} completions for {len(batch_prompts)} prompts x G={G}")
+            t = time.perf_counter()
+            scored = self._score({r.uid: r for r in batch_prompts}, new)
+            c.reward_s += time.perf_counter() - t
+            for k, v in self.rewards.metrics().items():
+                c.reward_metrics[k] = c.reward_metrics.get(k, 0.0) + v
+            for i, row in enumerate(batch_prompts):
+                group = scored[i * G : (i + 1) * G]
+                if tc.dynamic_sampling and all_equal([r.score for r in group]):
+                    c.dropped += 1
+                    continue
+                if len(c.prompts) < P:
+                    c.prompts.append(row)
+                    c.completions.extend(new[i * G : (i + 1) * G])
+                    c.results.extend(group)
+            c.rounds += 1
+            want = P - len(c.prompts) if tc.dynamic_sampling and c.rounds <= tc.max_sampling_rounds else 0
+        unit = cfg.learner.num_minibatches * cfg.learner.world_size
+        usable = len(c.prompts) - len(c.prompts) % unit
+        if usable < len(c.prompts):
+            log.warning("dynamic sampling: %d informative groups after %d rounds (bound reached); training on %d",
+                        len(c.prompts), c.rounds, usable)
+            c.prompts, c.completions, c.results = c.prompts[:usable], c.completions[: usable * G], c.results[: usable * G]
+        return c
+
+    def train_and_sync(self, c: Collected, rewards: torch.Tensor) -> tuple[dict[str, Any], float, float]:
+        """Prepare (group advantages, padded batch, split per rank and minibatch), train, then sync the new
+        weights, or count a refused step. Returns (learner metrics, learner seconds, sync seconds)."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.normalize_adv_std)
+        batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
+        plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
+        audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans) if self.step + 1 in tc.audit_steps else None
+        t = time.perf_counter()
+        m = self.learners.train(plans, cfg.health.guard())
+        learner_s = time.perf_counter() - t
+        if audit_dir is not None:
+            audit_dump.save_outputs(self, audit_dir, m)
+        if m.get("health/skipped"):
+            self._health_failure(m)  # weights unchanged: the engines keep the current version
+            return m, learner_s, 0.0
+        self.health_failures = 0
+        self.rollbacks_in_a_row = 0
+        return m, learner_s, self._sync_weights(self.weight_version + 1)
+
+    def rl_step(self) -> dict[str, Any]:
+        """One RL step: scale if asked (``control.yaml``), collect and score, train, sync, and the step's
+        metrics (see README for their names)."""
+        t_step = time.perf_counter()
+        self._apply_control()
+        restarts = self.fleet.restarts
+        c = self.collect()
+        rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
+        m: dict[str, Any] = {"step": self.step + 1}
+        learner_s = sync_s = 0.0
+        if c.prompts:
+            learner_m, learner_s, sync_s = self.train_and_sync(c, rewards)
+            m.update(learner_m)
+        else:
+            log.warning("step %d: no informative group; no update", self.step + 1)
+        self.step += 1
+        self.trained_uids.append([r.uid for r in c.prompts])
+        m.update(self.step_metrics(c, rewards, learner_s, sync_s, restarts))
+        m["timing/step_s"] = time.perf_counter() - t_step
+        return m
+
+    def step_metrics(self, c: Collected, rewards: torch.Tensor, learner_s: float, sync_s: float,
+                     restarts: int) -> dict[str, Any]:
+        """Reward, response, timing, throughput and fleet metrics of a step."""
+        tc = self.cfg.trainer
+        m: dict[str, Any] = {}
+        if tc.dynamic_sampling:
+            m.update({"sampling/rounds": float(c.rounds), "sampling/dropped_groups": float(c.dropped),
+                      "sampling/groups_trained": float(len(c.prompts))})
+        valid = rewards[~torch.isnan(rewards)]
+        lengths = [len(x.response_token_ids) for x in c.completions]
+        m.update({
+            "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
+            "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            "reward/accuracy": mean([1.0 if r.correct else 0.0 for r in c.results]),
+            "reward/invalid": float(torch.isnan(rewards).sum()),
+            "reward/groups_all_equal": mean([1.0 if all_equal(g) else 0.0 for g in rewards.view(-1, tc.group_size).tolist()]),
+            "response/length_mean": mean([float(x) for x in lengths]),
+            "response/length_max": float(max(lengths) if lengths else 0),
+            "response/clip_ratio": mean([1.0 if x.truncated else 0.0 for x in c.completions]),
+            "timing/rollout_s": c.rollout_s,
+            "timing/reward_s": c.reward_s,
+            "timing/learner_s": learner_s,
+            "timing/weight_sync_s": sync_s,
+            "throughput/rollout_tokens_per_s": c.generated_tokens / c.rollout_s if c.rollout_s > 0 else 0.0,
+            "weight_version": self.weight_version,
+            "data/epoch": float(self.stream.epoch),
+            "fault/rollout_restarts": float(self.fleet.restarts - restarts),
+            "rollout/num_engines": float(len(self.fleet)),
+            "reward/num_workers": float(self.rewards.num_workers),
+        })
+        m.update(c.reward_metrics)
+        return m
+
+    # -- health guard ---------------------------------------------------------------------------------------
+    def _health_failure(self, m: dict[str, Any]) -> None:
+        """Count a step the guard refused; roll back after ``health.rollback_after`` in a row; stop after
+        ``health.max_rollbacks`` rollbacks with no good step between them."""
+        hc = self.cfg.health
+        self.health_failures += 1
+        self.health_log.append({"step": self.step + 1, "checks": m.get("health/failed_checks", ""),
+                                "reasons": m.get("health/reasons", "")})
+        log.warning("health guard refused step %d (%s); %d in a row", self.step + 1, m.get("health/reasons", ""),
+                    self.health_failures)
+        m["health/consecutive_failures"] = float(self.health_failures)
+        if self.health_failures < hc.rollback_after:
+            return
+        ck = checkpoint.latest_checkpoint(self.run_dir)
+        if ck is None or self.rollbacks_in_a_row >= hc.max_rollbacks:
+            self._stop_for_health(ck)
+        self.learners.load_checkpoint(str(ck / "learner"))
+        self._sync_weights(self.weight_version + 1)
+        self.rollbacks += 1
+        self.rollbacks_in_a_row += 1
+        self.health_failures = 0
+        m["health/rollbacks"] = float(self.rollbacks)
+        log.warning("health guard: rolled back to %s (rollback %d)", ck, self.rollbacks)
+
+    def _stop_for_health(self, ck) -> None:
+        checks = sorted({c for e in self.health_log[-self.cfg.health.rollback_after:] for c in e["checks"].split(",") if c})
+        report = {"stopped_at_step": self.step + 1, "failed_checks": checks, "rollbacks": self.rollbacks,
+                  "last_checkpoint": str(ck) if ck else None, "recent_failures": self.health_log[-10:]}
+        (self.run_dir / "health_report.json").write_text(json.dumps(report, indent=2))
+        raise HealthStop(
+            f"health guard: the run stops at step {self.step + 1}: check(s) {', '.join(checks) or '?'} kept failing"
+            + (f" after {self.rollbacks} rollback(s) to {ck}" if ck else " and there is no checkpoint to roll back to")
+            + f"; report: {self.run_dir / 'health_report.json'}"
+        )
+
+    def _apply_control(self) -> None:
+        """Scale between steps: ``<run_dir>/control.yaml`` may set ``rollout.num_engines`` and
+        ``reward.num_workers`` (for example ``rollout.num_engines: 4`` when the cluster gained nodes). The
+        file is read before every step; new engines start with the current weights, surplus ones are
+        stopped after finishing their work (nothing is in flight between steps)."""
+        path = self.run_dir / "control.yaml"
+        if not path.is_file():
+            return
+        try:
+            wanted = yaml.safe_load(path.read_text()) or {}
+            engines = int(wanted.get("rollout.num_engines", len(self.fleet)))
+            workers = int(wanted.get("reward.num_workers", self.rewards.num_workers))
+        except (yaml.YAMLError, TypeError, ValueError, AttributeError) as e:
+            log.warning("ignoring %s: %s", path, e)
+            return
+        if engines != len(self.fleet):
+            if engines < 1:
+                log.warning("ignoring %s: rollout.num_engines=%d must be >= 1", path, engines)
+            else:
+                log.info("scaling rollout engines %d -> %d", len(self.fleet), engines)
+                self.fleet.resize(engines)
+        if workers != self.rewards.num_workers and workers >= 1:
+            log.info("scaling reward workers %d -> %d", self.rewards.num_workers, workers)
+            self.rewards.resize(workers)
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a checkpoint of the learner and the driver's state (atomically renamed when complete)."""
+        tmp = checkpoint.temp_dir_for(self.run_dir, self.step)
+        self.learners.save_checkpoint(str(tmp / "learner"))
+        state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "warm_start_done": self.warm_start_done,
+            "stream_position": self.stream.position,
+            "sft_rng": self.sft_rng.getstate(),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        final = checkpoint.finalize(self.run_dir, tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
+        log.info("checkpoint written: %s", final)
+        return final
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Warm start (unless resumed past it), the step-0 evaluation, the RL steps with evaluations and
+        checkpoints, then curves and ``summary.json``. Returns the summary."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        summary: dict[str, Any] = {}
+        if not self.warm_start_done and cfg.warm_start.steps > 0 and self.step == 0:
+            summary.update(self.warm_start())
+        if self.step == 0:
+            ev = self.evaluate()
+            self.logger.log({"step": 0, "weight_version": self.weight_version, **ev, **summary})
+            summary["eval/accuracy_start"] = ev["eval/accuracy"]
+            log.info("held-out accuracy before RL: %.3f (%d prompts)", ev["eval/accuracy"], len(self.eval_rows))
+        self._loop()
+        hist = self.logger.history
+        evals = [r["eval/accuracy"] for r in hist if r.get("eval/accuracy") is not None]
+        if evals:
+            summary.setdefault("eval/accuracy_start", evals[0])
+            summary["eval/accuracy_final"] = evals[-1]
+            summary["eval/accuracy_best"] = max(evals)
+        summary["timing/total_s"] = time.perf_counter() - self.t_start
+        if tc.plots:
+            plot_curves(hist, self.run_dir / "curves.png")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _loop(self) -> None:
+        tc = self.cfg.trainer
+        with Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[line]}"),
+            TimeElapsedColumn(),
+            disable=not sys.stderr.isatty() and os.environ.get("GSPO_PROGRESS", "1") == "0",
+        ) as progress:
+            task = progress.add_task("rl", total=tc.total_steps, completed=self.step, line="")
+            while self.step < tc.total_steps:
+                m = self.rl_step()
+                final = self.step == tc.total_steps
+                if final or (tc.eval_every and self.step % tc.eval_every == 0):
+                    m.update(self.evaluate())
+                self.logger.log(m)
+                progress.update(task, completed=self.step, line=progress_line(m))
+                if not sys.stderr.isatty():
+                    log.info("step %d/%d | %s", self.step, tc.total_steps, progress_line(m))
+                if final or (tc.save_every and self.step % tc.save_every == 0):
+                    self.save()
+
+    def shutdown(self) -> None:
+        """Close the logger and stop every service (engines, reward workers, learner ranks and their groups)."""
+        logger = getattr(self, "logger", None)
+        if logger is not None:
+            logger.close()
+        if getattr(self, "fleet", None) is not None:
+            self.fleet.shutdown()
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.shutdown()
+            self.reward_groups.remove_all()
+        if self.learners is not None:
+            self.learners.shutdown()

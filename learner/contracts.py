@@ -1,0 +1,75 @@
+"""Contracts of the learner service: the padded batches it trains on.
+
+Tensors on the CPU; they cross Ray actor calls through the object store (see ``rollout.contracts`` for the
+flow of one step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """A padded batch for the learner. N sequences, each ``prompt + response``, right-padded to length L.
+
+    Targets are aligned with the model's next-token predictions: position ``t`` of every ``[N, L-1]``
+    tensor describes token ``input_ids[:, t + 1]``, predicted from the logits at position ``t``.
+
+    Attributes:
+        input_ids: int64 ``[N, L]``, prompt then response tokens then padding (``pad_token_id``).
+        attention_mask: int64 ``[N, L]``, 1 on real tokens, 0 on padding.
+        response_mask: bool ``[N, L-1]``, True where the target token is a response token that counts in
+            the loss.
+        old_log_probs: float32 ``[N, L-1]``, behaviour-policy log-probs of the target tokens (from the
+            rollout engine); 0 outside ``response_mask``.
+        advantages: float32 ``[N]``, one advantage per sequence (group-relative).
+        rewards: float32 ``[N]`` (NaN = invalid sample), for metrics.
+        prompt_uids: length-N list of ``PromptRow.uid``.
+        weight_versions: int64 ``[N]``, weight version that generated each sequence.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    prompt_uids: list[str]
+    weight_versions: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: torch.Tensor | list[int]) -> "TrainBatch":
+        """The sub-batch of rows ``index`` (a 1-D index tensor or list), same field meanings."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return TrainBatch(
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            response_mask=self.response_mask[idx],
+            old_log_probs=self.old_log_probs[idx],
+            advantages=self.advantages[idx],
+            rewards=self.rewards[idx],
+            prompt_uids=[self.prompt_uids[i] for i in idx.tolist()],
+            weight_versions=self.weight_versions[idx],
+        )
+
+
+@dataclass
+class SFTBatch:
+    """A padded supervised batch (warm start): cross-entropy on the response part only.
+
+    Attributes:
+        input_ids: int64 ``[N, L]``; attention_mask: int64 ``[N, L]``;
+        loss_mask: bool ``[N, L-1]``, True where the target token ``input_ids[:, t+1]`` is trained on.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])

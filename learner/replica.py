@@ -1,0 +1,200 @@
+"""One rank's replica of the policy under DeepSpeed, and the operations the learner's steps are built from.
+
+``Replica`` holds this rank's DeepSpeed engine (the policy being trained), the optional frozen reference
+model, the MoE router tap, and offers: collectives over the ranks (all-reduce of floats, all-gather of
+objects, aligned pass counts), forwards (logits, the no-gradient log-prob pass, the zero-weighted pass that
+keeps ranks in step), the optimizer step with the exact scaling described in ``learner.service``, and the
+exact snapshot / restore of the training state used by the health guard.
+
+Ranks must run the same number of forward/backward passes (ZeRO-2 reduces and ZeRO-3 gathers inside them), so
+a rank with fewer micro-batches in a minibatch runs zero-weighted passes on a dummy input to keep step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner import state
+from learner.contracts import TrainBatch
+from learner.logprobs import entropy_from_logits, token_log_probs
+from learner.microbatch import MicroBatch, batch_problem, micro_slices
+from learner.moe import RouterTap
+from learner.objectives import loss_normalisers
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Replica:
+    """This rank's policy (DeepSpeed engine) and the collective / forward / optimizer operations on it.
+
+    Args:
+        engine: the DeepSpeed engine (``deepspeed.initialize``'s first result), in eval mode (no dropout).
+        cfg: the ``learner`` config section.
+        rank, world_size: this rank and the number of data-parallel ranks.
+        device: this rank's torch device.
+        temperature: the rollout sampling temperature (> 0); log-probs come from ``logits / temperature``.
+        ref_model: frozen reference policy for the KL penalty, or None.
+        tap: the MoE router tap (``learner.moe.RouterTap``), or None for a dense model / no diagnostics.
+    """
+
+    def __init__(self, engine, cfg, *, rank: int, world_size: int, device: torch.device, temperature: float,
+                 ref_model=None, tap: RouterTap | None = None):
+        self.engine, self.cfg = engine, cfg
+        self.rank, self.world_size = rank, world_size
+        self.device, self.temperature = device, float(temperature)
+        self.ref_model, self.tap = ref_model, tap
+        self.zero3 = cfg.zero_stage == 3
+        self.optimizer_steps = 0
+        self.capture: dict[str, Any] | None = None  # gradient capture for verification (capture_gradients)
+        self._dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
+
+    # -- collectives --------------------------------------------------------------------------------------
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """All-reduce a list of floats (float64) over the ranks; ``op`` is ``"sum"``, ``"max"`` or ``"min"``."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=_REDUCE_OPS[op])
+        return t.tolist()
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def aligned_counts(self, counts: list[int], collective: bool = True) -> list[int]:
+        """Per group, the largest number of passes any rank runs (all ranks must run as many)."""
+        if not collective or self.world_size == 1 or not counts:
+            return list(counts)
+        return [int(x) for x in self.all_reduce([float(c) for c in counts], op="max")]
+
+    def check_normalisers(self, minibatches: list[TrainBatch], num_sequences: list[int], num_tokens: list[int]) -> None:
+        """All-reduce this rank's counts and check the driver's global normalisers against them. Collective.
+
+        Raises:
+            ValueError: lists of different lengths, a bad shard on any rank, or normalisers that do not match.
+        """
+        if not (len(minibatches) == len(num_sequences) == len(num_tokens)):
+            raise ValueError(
+                f"minibatches ({len(minibatches)}), num_sequences ({len(num_sequences)}) and num_tokens "
+                f"({len(num_tokens)}) must have one entry per minibatch"
+            )
+        local, problem = [], None
+        for m, mb in enumerate(minibatches):
+            problem = problem or batch_problem(mb, f"minibatches[{m}]")
+            s, t = loss_normalisers(mb.response_mask)
+            local += [float(s), float(t), float(len(mb))]
+        # One flag per rank in the same all-reduce: a bad shard stops every rank, none waits for a peer.
+        tot = self.all_reduce(local + [1.0 if problem else 0.0])
+        if tot[-1]:
+            raise ValueError(problem or f"another learner rank refused its input ({int(tot[-1])} rank(s))")
+        for m in range(len(minibatches)):
+            nonempty, tokens, rows = tot[3 * m : 3 * m + 3]
+            if int(num_tokens[m]) != int(tokens):
+                raise ValueError(
+                    f"num_tokens[{m}]={num_tokens[m]!r} but the ranks' shards of minibatch {m} hold {int(tokens)} "
+                    "response tokens"
+                )
+            if not nonempty <= int(num_sequences[m]) <= rows:
+                raise ValueError(
+                    f"num_sequences[{m}]={num_sequences[m]!r} is outside [{int(nonempty)}, {int(rows)}] (sequences "
+                    f"with response tokens, all sequences) of minibatch {m} over the ranks"
+                )
+
+    # -- forwards -----------------------------------------------------------------------------------------
+    def logits(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]``."""
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits[:, :-1]
+
+    def dummy_pass(self, with_grad: bool) -> None:
+        """A pass that keeps this rank in step with ranks that have more micro-batches (zero gradient)."""
+        if with_grad:
+            logits = self.logits(self.engine, self._dummy, torch.ones_like(self._dummy))
+            self.engine.backward(logits.float().sum() * 0.0, scale_wrt_gas=False)
+        else:
+            with torch.no_grad():
+                self.logits(self.engine, self._dummy, torch.ones_like(self._dummy))
+
+    @torch.no_grad()
+    def inference_pass(self, batch: TrainBatch, collective: bool, entropy_den: float | None = None,
+                       routes: list[torch.Tensor] | None = None):
+        """Log-probs at the current weights of every micro-batch of ``batch`` (no gradient).
+
+        Returns ``(micros, log_probs, entropy_sum)``: the micro-batches, their ``[b, w-1]`` float32 log-probs
+        (0 outside the response mask) and, when ``entropy_den`` is given, sum over micro-batches of
+        ``entropy_from_logits(..., num_tokens=entropy_den)``. With ``routes`` (a list) and an MoE model, the
+        experts each micro-batch's tokens were routed to are appended to it (``[layers, b*w, k]`` on the CPU).
+        """
+        slices = micro_slices(len(batch), self.cfg.micro_batch_size)
+        (n_passes,) = self.aligned_counts([len(slices)], collective)
+        micros, lps, ent = [], [], 0.0
+        for k in range(n_passes):
+            if k >= len(slices):
+                self.dummy_pass(with_grad=False)
+                continue
+            mb = MicroBatch(batch, *slices[k], self.device, "response_mask")
+            if routes is not None and self.tap is not None:
+                with self.tap.capture() as record:
+                    logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
+                routes.append(record.used_tensor().cpu())
+            else:
+                logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
+            lp = token_log_probs(logits, mb.targets, self.temperature)
+            if entropy_den is not None:
+                ent += float(entropy_from_logits(logits, mb.mask, temperature=self.temperature, num_tokens=entropy_den))
+            micros.append(mb)
+            lps.append(torch.where(mb.mask, lp, 0.0))
+        return micros, lps, ent
+
+    # -- optimizer ----------------------------------------------------------------------------------------
+    def optimizer_step(self) -> float:
+        """Apply the accumulated gradients (one DeepSpeed step) and return the pre-clip global grad norm."""
+        if self.capture is not None:
+            self._record_gradients()
+        norm = None
+        if self.cfg.zero_stage == 0 and self.cfg.dtype == "float32":
+            # Stage 0 without bf16 clips with torch's clip_grad_norm_ and does not keep the norm: compute it
+            # here, after the boundary all-reduce and before the clip.
+            grads = [p.grad.detach().double() for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(torch.sqrt(sum((g * g).sum() for g in grads))) if grads else 0.0
+        self.engine.step()
+        self.optimizer_steps += 1
+        if norm is None:
+            value = self.engine.get_global_grad_norm()
+            norm = float(value) if value is not None else float("nan")
+        return norm
+
+    def _record_gradients(self) -> None:
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {}
+        for name, p in self.engine.module.named_parameters():
+            g = safe_get_full_grad(p)
+            grads[name] = None if g is None else g.detach().float().cpu().clone()
+        self.capture.setdefault("steps", []).append(grads)
+
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW underneath DeepSpeed's wrappers."""
+        return state.base_optimizer(self.engine)
+
+    # -- exact snapshot / restore (health guard) -----------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """A CPU copy of everything an optimizer step changes on this rank (``learner.state.snapshot``),
+        plus the optimizer-step count and the number of captured gradients."""
+        snap = state.snapshot(self.engine)
+        snap["optimizer_steps"] = self.optimizer_steps
+        snap["captured"] = len((self.capture or {}).get("steps", []))
+        return snap
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back a ``snapshot`` (bit-identical weights, optimizer state and counters). Local."""
+        state.restore(self.engine, snap)
+        self.optimizer_steps = snap["optimizer_steps"]
+        if self.capture is not None and "steps" in self.capture:
+            del self.capture["steps"][snap["captured"] :]

@@ -1,0 +1,160 @@
+"""Training state of one learner rank: full parameters, exact in-memory snapshot and restore, digests.
+
+Everything an optimizer step writes on a rank lives in three places under DeepSpeed: the module's parameters
+(under ZeRO-3 the local partition ``ds_tensor``), DeepSpeed's fp32 master partitions, and the torch optimizer
+underneath its wrappers (moments, step counts, hyperparameters). ``snapshot`` / ``restore`` copy and put back
+all of it bit for bit (the health guard's skipped step); the digests say whether two states are identical.
+
+Functions take the DeepSpeed engine (``deepspeed.initialize``'s first result); those marked collective must be
+called on every rank (ZeRO-3 gathers parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")  # DeepSpeed engine step counters
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch AdamW underneath DeepSpeed's wrappers (ZeRO, bf16)."""
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) or type(opt).__module__.startswith("deepspeed"):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    return opt
+
+
+def full_params(engine, zero3: bool, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Yield ``(name, full tensor on the CPU or None)`` for every parameter and persistent buffer, in module
+    order, with transformers' in-memory names. ``keep=False`` yields None instead of a copy (a rank that only
+    takes part in the gathers). Collective under ZeRO-3: every rank must consume the whole generator."""
+    import deepspeed
+
+    module = engine.module
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None, enabled=zero3):
+            yield name, (p.detach().to("cpu", copy=True) if keep else None)
+    state_keys = set(module.state_dict().keys()) if keep else set()
+    for name, b in module.named_buffers():
+        if name in state_keys:
+            yield name, b.detach().to("cpu", copy=True)
+
+
+def training_state_tensors(engine) -> list[torch.Tensor]:
+    """Every tensor of this rank that an optimizer step writes, each once: the module's parameters (the
+    local partition ``ds_tensor`` under ZeRO-3, plus the full data of parameters currently held gathered,
+    e.g. persistent small ones), DeepSpeed's fp32 master partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``,
+    ZeRO-3 ``fp32_partitioned_groups_flat``, bf16 ``fp32_groups_flat_partition``) and the torch optimizer's
+    parameters. Optimizer state (moments, steps) is handled separately."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+
+    def add(t) -> None:
+        if torch.is_tensor(t) and t.numel() > 0 and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+
+    for p in engine.module.parameters():
+        if hasattr(p, "ds_tensor"):
+            add(p.ds_tensor)
+        add(p.data if p.data.numel() > 0 else None)
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+        for t in getattr(engine.optimizer, attr, None) or []:
+            add(t)
+    for group in base_optimizer(engine).param_groups:
+        for p in group["params"]:
+            add(p)
+    return out
+
+
+def snapshot(engine) -> dict[str, Any]:
+    """A CPU copy of everything an optimizer step changes on this rank (see ``restore``). Local.
+
+    Memory: one CPU copy of this rank's parameters, fp32 master partitions and optimizer state.
+    """
+
+    def keep(v):
+        return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+
+    opt = base_optimizer(engine)
+    return {
+        "tensors": [(t, keep(t)) for t in training_state_tensors(engine)],
+        "opt_state": {key: {name: keep(v) for name, v in st.items()} for key, st in opt.state.items()},
+        "groups": [{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "counters": {a: getattr(engine, a) for a in COUNTERS if hasattr(engine, a)},
+    }
+
+
+@torch.no_grad()
+def restore(engine, snap: dict[str, Any]) -> None:
+    """Put back a ``snapshot``: parameters, fp32 partitions, optimizer state (entries created since are
+    removed, so e.g. Adam re-initialises exactly as it would have), hyperparameters and DeepSpeed's step
+    counters. Local (every rank restores its own copy)."""
+    for live, saved in snap["tensors"]:
+        live.data.copy_(saved.to(live.device))
+    opt = base_optimizer(engine)
+    saved_state = snap["opt_state"]
+    for key in [k for k in opt.state if k not in saved_state]:
+        del opt.state[key]
+    for key, saved in saved_state.items():
+        live = opt.state.setdefault(key, {})
+        for name in [n for n in live if n not in saved]:
+            del live[name]
+        for name, value in saved.items():
+            cur = live.get(name)
+            if torch.is_tensor(value) and torch.is_tensor(cur) and cur.shape == value.shape and cur.dtype == value.dtype:
+                cur.copy_(value.to(cur.device))
+            elif torch.is_tensor(value):
+                live[name] = value.clone()
+            else:
+                live[name] = copy.deepcopy(value)
+    for group, saved in zip(opt.param_groups, snap["groups"]):
+        group.update(saved)
+    for attr, value in snap["counters"].items():
+        setattr(engine, attr, value)
+
+
+def weights_digest(params: Iterator[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of ``(name, tensor bytes)`` pairs in order: equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, t in params:
+        h.update(name.encode())
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_state_digest(engine) -> str:
+    """SHA-256 of this rank's optimizer state (learning rates, moments and step counts of its partition):
+    equal digests before and after a save/load round trip mean the state was restored. Local."""
+    h = hashlib.sha256()
+    opt = base_optimizer(engine)
+    for gi, group in enumerate(opt.param_groups):
+        h.update(f"{gi}:{group['lr']!r}".encode())
+    # ZeRO-3 swaps its flat partitions into param_groups only during step(): walk the state itself.
+    for key, state in opt.state.items():
+        h.update(repr(tuple(key.shape)).encode() if torch.is_tensor(key) else repr(key).encode())
+        for name, value in sorted(state.items()):
+            h.update(name.encode())
+            if torch.is_tensor(value):
+                h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+def local_param_fraction(engine) -> float:
+    """Elements of the parameters held locally (outside any gather) / elements of the full model: 1.0
+    without ZeRO-3, about 1 / world_size with it. Local."""
+    local = full = 0
+    for p in engine.module.parameters():
+        full += int(getattr(p, "ds_numel", p.numel()))
+        local += int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel()
+    return local / max(full, 1)

@@ -1,0 +1,288 @@
+"""The learner's steps: one RL update on a rollout batch (GSPO and the options beside it), one SFT step.
+
+``RolloutBatchStep(replica, ...).run()`` is the RL update, in named phases:
+
+1. ``pre_update_pass``: learner log-probs at the current weights (the behaviour policy for
+   ``old_logprob_source="recompute"``), the train-vs-rollout log-prob difference, the policy's entropy and,
+   on MoE models, the experts every token is routed to (expert load, routing volatility, Routing Replay);
+2. the health guard's pre-update check (``learner.health.GuardDecision``) and, when the guard is on, an
+   exact snapshot of the training state;
+3. ``train``: ``ppo_epochs`` passes over the minibatches, one optimizer step each (micro-batches with the
+   global normalisers, ``learner.objectives.policy_loss``, optional KL to the reference policy);
+4. ``metrics``: every statistic aggregated exactly over micro-batches, minibatches, epochs and ranks;
+5. the guard's verdict: a refused step is undone bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from learner.contracts import SFTBatch, TrainBatch
+from learner.health import GuardDecision
+from learner.logprobs import token_log_probs
+from learner.microbatch import MicroBatch, micro_slices
+from learner.moe import expert_counts, load_metrics, response_positions, topk_set_changes, volatility_metrics
+from learner.objectives import LOG_RATIO_CLAMP, combine_policy_metrics, kl_penalty, policy_loss, sequence_log_ratio
+from learner.replica import Replica
+
+log = logging.getLogger(__name__)
+
+_EMPTY_POLICY_METRICS = {
+    "clip_fraction": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "ratio_mean": 1.0,
+    "ratio_min": 1.0, "ratio_max": 1.0, "log_ratio_abs_max": 0.0, "num_tokens": 0.0,
+}
+
+
+@dataclass
+class _Totals:
+    """This rank's running sums over the optimizer steps of one rollout batch."""
+
+    loss_sum: float = 0.0
+    kl_sum: float = 0.0
+    seq_sum: float = 0.0
+    seq_count: float = 0.0
+    seq_min: float = math.inf
+    seq_max: float = -math.inf
+    grad_norms: list[float] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)  # loss of each optimizer step (this rank's part)
+    parts: list[dict[str, float]] = field(default_factory=list)  # policy_loss metrics of every micro-batch
+    vol_local: list[list[float]] = field(default_factory=list)  # per measured pass: [changed used, changed own, compared]
+    vol_updates: list[int] = field(default_factory=list)  # optimizer steps before each measured pass
+
+
+class RolloutBatchStep:
+    """One RL update on a rollout batch; see ``learner.service.LearnerRank.train_rollout_batch`` for the
+    arguments, the metrics returned and the errors raised. Collective: every rank runs it on its shard."""
+
+    def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
+                 num_tokens: list[int], guard: dict[str, float] | None, clip: tuple[float, float, str]):
+        self.r, self.cfg = replica, replica.cfg
+        self.guard = GuardDecision(guard)
+        replica.check_normalisers(minibatches, num_sequences, num_tokens)
+        self.minibatches, self.num_sequences, self.num_tokens = minibatches, num_sequences, num_tokens
+        self.clip_low, self.clip_high, self.loss_agg = clip
+        self.tap = replica.tap
+        self.moe_diag = self.tap is not None and self.cfg.moe_diagnostics
+        self.t = _Totals()
+        self.pre_lps: list[list[torch.Tensor]] = []
+        self.routes: list[list[torch.Tensor]] = []
+        self.nonfinite = 0.0
+        self._loss_sum_all = 0.0  # all-reduced policy loss sum (set by metrics, read by the verdict)
+
+    def run(self) -> dict[str, Any]:
+        """The phases in order; returns the step's metrics (the same dict on every rank)."""
+        out = self.pre_update_pass()
+        refused = self.guard.refuse_before_update(out, self.nonfinite)
+        counts = self.r.aligned_counts([len(micro_slices(len(mb), self.cfg.micro_batch_size)) for mb in self.minibatches])
+        snapshot = self.r.snapshot() if self.guard.on and not refused else None
+        if not refused:
+            self.train(counts)
+        out.update(self.metrics())
+        if self.guard.on:
+            out.update(self.guard_verdict(out, snapshot))
+        return out
+
+    # -- phase 1 ------------------------------------------------------------------------------------------
+    def pre_update_pass(self) -> dict[str, Any]:
+        """Forward every minibatch at the current weights; returns entropy, log-prob difference and (MoE)
+        expert-load metrics, all-reduced."""
+        tap = self.tap
+        total_tokens = float(sum(int(t) for t in self.num_tokens))
+        n_layers, n_experts = (len(tap.layers), tap.num_experts) if tap is not None else (0, 0)
+        load_counts = torch.zeros((n_layers, n_experts), dtype=torch.float64)
+        diff_sum, diff_count, ent_sum, nonfinite = 0.0, 0.0, 0.0, 0.0
+        for mb in self.minibatches:
+            mb_routes: list[torch.Tensor] | None = [] if tap is not None else None
+            micros, lps, ent = self.r.inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes)
+            ent_sum += ent
+            self.pre_lps.append(lps)
+            self.routes.append(mb_routes or [])
+            for k, (micro, lp) in enumerate(zip(micros, lps)):
+                diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
+                diff_count += float(micro.mask.sum())
+                if self.guard.on:
+                    bad = ~(torch.isfinite(lp) & torch.isfinite(micro.old_log_probs))
+                    nonfinite += float((bad & micro.mask).sum())
+                if self.moe_diag:
+                    load_counts += expert_counts(mb_routes[k], response_positions(micro.mask).cpu(), n_experts)
+        pre = self.r.all_reduce([diff_sum, diff_count, ent_sum, nonfinite] + load_counts.reshape(-1).tolist())
+        diff_sum, diff_count, ent_sum, self.nonfinite = pre[:4]
+        out: dict[str, Any] = {
+            "actor/entropy": ent_sum,
+            "actor/train_rollout_logprob_diff": diff_sum / diff_count if diff_count else 0.0,
+        }
+        if self.moe_diag:
+            counts = torch.tensor(pre[4:], dtype=torch.float64).reshape(load_counts.shape)
+            out.update(load_metrics(counts, tap.layers))
+        return out
+
+    # -- phase 3 ------------------------------------------------------------------------------------------
+    def train(self, counts: list[int]) -> None:
+        """``ppo_epochs`` passes over the minibatches, one optimizer step each; stops early when the guard says."""
+        for _epoch in range(self.cfg.ppo_epochs):
+            for m, batch in enumerate(self.minibatches):
+                if self.train_minibatch(m, batch, counts[m]):
+                    return
+
+    def train_minibatch(self, m: int, batch: TrainBatch, n_passes: int) -> bool:
+        """Accumulate the gradient of minibatch ``m`` over ``n_passes`` micro-batch passes (zero-weighted
+        passes beyond this rank's share) and take one optimizer step. Returns True when the guard stops."""
+        engine, t = self.r.engine, self.t
+        slices = micro_slices(len(batch), self.cfg.micro_batch_size)
+        updates = len(t.grad_norms)  # optimizer steps applied in this call so far
+        measure = self.moe_diag and updates >= 1
+        vol = [0.0, 0.0, 0.0]
+        bad_loss, step_loss = False, 0.0
+        for k in range(n_passes):
+            engine.set_gradient_accumulation_boundary(k == n_passes - 1)
+            if k >= len(slices):
+                self.r.dummy_pass(with_grad=True)
+                continue
+            mb = MicroBatch(batch, *slices[k], self.r.device, "response_mask")
+            loss, finite = self.micro_batch_backward(m, k, mb, measure, vol)
+            step_loss += loss
+            bad_loss = bad_loss or not finite
+        norm = self.r.optimizer_step()
+        t.grad_norms.append(norm)
+        t.step_losses.append(step_loss)
+        if measure:
+            t.vol_local.append(vol)
+            t.vol_updates.append(updates)
+        return self.guard.stop_after_optimizer_step(bad_loss, norm, self.r.all_reduce)
+
+    def micro_batch_backward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> tuple[float, bool]:
+        """Forward, loss and backward of micro-batch ``k`` of minibatch ``m``. Returns (the policy loss, whether
+        the total loss is finite)."""
+        cfg, t = self.cfg, self.t
+        old = self.pre_lps[m][k] if cfg.old_logprob_source == "recompute" else mb.old_log_probs
+        logits = self.forward(m, k, mb, measure, vol)
+        lp = token_log_probs(logits, mb.targets, self.r.temperature)
+        norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
+        loss, metrics = policy_loss(lp, old, mb.advantages, mb.mask, algorithm=cfg.algorithm, clip_low=self.clip_low,
+                                    clip_high=self.clip_high, loss_agg=self.loss_agg, **norms)
+        value = float(loss.detach())
+        t.loss_sum += value
+        if self.r.ref_model is not None:
+            with torch.no_grad():
+                ref_lp = token_log_probs(self.r.logits(self.r.ref_model, mb.input_ids, mb.attention_mask),
+                                         mb.targets, self.r.temperature)
+            kl = kl_penalty(lp, ref_lp, mb.mask, cfg.kl_estimator, loss_agg=self.loss_agg, **norms)
+            t.kl_sum += float(kl.detach())
+            loss = loss + cfg.kl_coef * kl
+        finite = math.isfinite(float(loss.detach()))
+        # DeepSpeed averages gradients over the ranks: x world_size turns that into the sum.
+        self.r.engine.backward(loss * self.r.world_size, scale_wrt_gas=False)
+        t.parts.append(metrics)
+        self.sequence_ratio_stats(lp.detach(), old, mb.mask)
+        return value, finite
+
+    def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
+        """Training forward of micro-batch ``k`` of minibatch ``m`` (with Routing Replay when configured);
+        adds the routing changes against the pre-update pass to ``vol`` when ``measure``."""
+        r, tap = self.r, self.tap
+        if tap is None:
+            return r.logits(r.engine, mb.input_ids, mb.attention_mask)
+        before = self.routes[m][k]
+        with tap.capture(replay=before if self.cfg.routing_replay else None) as record:
+            logits = r.logits(r.engine, mb.input_ids, mb.attention_mask)
+        if measure:
+            sel = response_positions(mb.mask).cpu()
+            used, _ = topk_set_changes(record.used_tensor().cpu(), before, sel)
+            own, compared = topk_set_changes(record.router_tensor().cpu(), before, sel)
+            vol[0], vol[1], vol[2] = vol[0] + used, vol[1] + own, vol[2] + compared
+        return logits
+
+    @torch.no_grad()
+    def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
+        """Accumulate GSPO's sequence ratio ``s_i`` (Eq. 7) of the sequences with response tokens."""
+        has = mask.any(-1)
+        if not bool(has.any()):
+            return
+        s = torch.exp(sequence_log_ratio(lp, old, mask).double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[has]
+        t = self.t
+        t.seq_sum += float(s.sum())
+        t.seq_count += float(s.numel())
+        t.seq_min = min(t.seq_min, float(s.min()))
+        t.seq_max = max(t.seq_max, float(s.max()))
+
+    # -- phase 4 ------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """The step's statistics, aggregated exactly over ranks. Collective."""
+        r, t, cfg = self.r, self.t, self.cfg
+        steps = len(t.grad_norms)
+        step_losses = r.all_reduce(t.step_losses) if t.step_losses else []
+        sums = r.all_reduce([t.loss_sum, t.kl_sum, t.seq_sum, t.seq_count] + [v for row in t.vol_local for v in row])
+        loss_sum, kl_sum, seq_sum, seq_count = sums[:4]
+        vol_tot = [sums[4 + 3 * i : 7 + 3 * i] for i in range(len(t.vol_local))]
+        seq_min = r.all_reduce([t.seq_min], "min")[0]
+        seq_max = r.all_reduce([t.seq_max], "max")[0]
+        all_parts = [p for rank_parts in r.all_gather_objects(t.parts) for p in rank_parts]
+        pm = combine_policy_metrics(all_parts) if all_parts else _EMPTY_POLICY_METRICS
+        out: dict[str, Any] = {
+            "loss/policy": loss_sum / max(steps, 1),
+            "loss/policy_minibatches": [float(x) for x in step_losses],  # per optimizer step, summed over ranks
+            **{f"actor/{k}": pm[k] for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
+                                             "ratio_mean", "ratio_min", "ratio_max", "log_ratio_abs_max")},
+            "actor/seq_ratio_mean": seq_sum / seq_count if seq_count else 1.0,
+            "actor/seq_ratio_min": seq_min if seq_count else 1.0,
+            "actor/seq_ratio_max": seq_max if seq_count else 1.0,
+            "actor/grad_norm": sum(t.grad_norms) / len(t.grad_norms) if t.grad_norms else 0.0,
+            "actor/grad_norm_max": max(t.grad_norms) if t.grad_norms else 0.0,
+            "actor/lr": float(r.base_optimizer().param_groups[0]["lr"]),
+            "actor/num_optimizer_steps": float(steps),
+            "actor/num_response_tokens": float(pm["num_tokens"]) / max(cfg.ppo_epochs, 1),
+        }
+        self._loss_sum_all = loss_sum
+        if r.ref_model is not None:
+            out["loss/kl"] = kl_sum / max(steps, 1)
+        if self.moe_diag:
+            out.update(volatility_metrics(vol_tot, t.vol_updates))
+        return out
+
+    # -- phase 5 ------------------------------------------------------------------------------------------
+    def guard_verdict(self, out: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, Any]:
+        """Apply the guard's verdict: a refused step's optimizer steps are undone from ``snapshot``."""
+        steps = len(self.t.grad_norms)
+        skip, health = self.guard.verdict(out, self._loss_sum_all, self.t.grad_norms, snapshot is not None,
+                                          self.r.all_reduce)
+        if skip and snapshot is not None:
+            self.r.restore(snapshot)
+        if skip:
+            out["actor/num_optimizer_steps"] = 0.0
+            log.warning("health guard: step skipped (%s)", health["health/reasons"])
+        return {
+            "health/skipped": health["health/skipped"],
+            "health/steps_undone": float(steps) if skip else 0.0,
+            "health/failed_checks": health["health/failed_checks"],
+            "health/reasons": health["health/reasons"],
+            "health/nonfinite_log_probs": float(self.nonfinite),
+        }
+
+
+def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
+    """One optimizer step of token-mean cross-entropy; see ``LearnerRank.sft_step``. Collective."""
+    (tot,) = r.all_reduce([float(batch.loss_mask.sum())])
+    if int(tot) != int(num_tokens):
+        raise ValueError(f"num_tokens={num_tokens!r} but the ranks' SFT shards hold {int(tot)} loss tokens")
+    den = max(float(num_tokens), 1.0)
+    slices = micro_slices(len(batch), r.cfg.micro_batch_size)
+    (n_passes,) = r.aligned_counts([len(slices)])
+    loss_sum = 0.0
+    for k in range(n_passes):
+        r.engine.set_gradient_accumulation_boundary(k == n_passes - 1)
+        if k >= len(slices):
+            r.dummy_pass(with_grad=True)
+            continue
+        mb = MicroBatch(batch, *slices[k], r.device, "loss_mask")
+        lp = token_log_probs(r.logits(r.engine, mb.input_ids, mb.attention_mask), mb.targets, 1.0)
+        loss = -torch.where(mb.mask, lp, 0.0).sum() / den
+        loss_sum += float(loss.detach())
+        r.engine.backward(loss * r.world_size, scale_wrt_gas=False)
+    norm = r.optimizer_step()
+    (loss_total,) = r.all_reduce([loss_sum])
+    return {"loss/sft": loss_total, "grad_norm": norm, "lr": float(r.base_optimizer().param_groups[0]["lr"])}

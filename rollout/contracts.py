@@ -1,0 +1,67 @@
+"""Contracts of the rollout service: the prompt it is given and the completion it returns.
+
+Plain dataclasses of Python values; they cross Ray actor calls (pickled through the object store) and import
+nothing from Ray, vLLM or DeepSpeed. Flow of one step::
+
+    PromptRow --(rollout)--> Completion --(reward: reward.contracts)--> RewardResult
+        --(driver: group advantages, padding)--> TrainBatch (learner.contracts) --(learner)--> metrics dict
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PromptRow:
+    """One dataset row, ready for rollout and verification.
+
+    Attributes:
+        uid: stable identifier of the row (unique within its dataset split), used to check that every prompt
+            of a step is trained on exactly once.
+        prompt: the prompt text given to the model (already formatted).
+        prompt_token_ids: token ids of ``prompt`` (no padding), as the rollout engine receives them.
+        answer: the reference answer the verifier compares against (text).
+        verifier: name of the verifier that scores this row (for example ``"exact"``, ``"math"``, ``"code"``).
+        meta: any extra fields of the row the verifier needs (for example unit tests for ``code``).
+    """
+
+    uid: str
+    prompt: str
+    prompt_token_ids: list[int]
+    answer: str
+    verifier: str = "exact"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt, produced by a rollout engine.
+
+    Attributes:
+        prompt_uid: ``PromptRow.uid`` of the prompt.
+        sample_index: index of this completion within its group, in ``[0, group_size)``.
+        prompt_token_ids: the prompt's token ids (length P).
+        response_token_ids: the sampled token ids (length R, R >= 0; includes the EOS token when the
+            response stopped on it).
+        response_logprobs: behaviour-policy log-probabilities of each sampled token, float, length R, in
+            post-temperature form: ``log softmax(logits / temperature)[token]`` (natural log, nats).
+        response_text: the decoded response (special tokens removed).
+        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (cut at the response limit).
+        weight_version: version of the weights that generated it (0 = initial weights, +1 per sync).
+    """
+
+    prompt_uid: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    finish_reason: str
+    weight_version: int
+
+    @property
+    def truncated(self) -> bool:
+        """True when the response was cut at the length limit."""
+        return self.finish_reason == "length"
