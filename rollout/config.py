@@ -2,9 +2,14 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.schema_base import Section
+
+class Section(BaseModel):
+    """Base of the rollout config sections: unknown keys are refused and values are validated on assignment
+    (tests/test_config.py checks that every section of the composed schema is strict)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
 
 class RolloutConfig(Section):
