@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from learner import audit
+from tests.conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 # ----------------------------------------------------------------------------------------------- the math
@@ -190,19 +190,12 @@ def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo
     return step
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from cluster.tiny_model import build_tiny_moe
-
-    return build_tiny_moe(tmp_path_factory.mktemp("audit_model") / "tiny_moe", seed=3)
-
-
 def _by_name(result):
     return {c.name: c for c in result.checks}
 
 
-def test_synthetic_step_clean_then_planted_defects(tiny_model, tmp_path):
-    step = _write_synthetic_step(tmp_path / "run", tiny_model)
+def test_synthetic_step_clean_then_planted_defects(tiny_moe, tmp_path):
+    step = _write_synthetic_step(tmp_path / "run", tiny_moe)
     model = audit.load_model(step / "model")
     result = audit.run_audit(step, 1e-4, model=model)
     checks = _by_name(result)
@@ -247,7 +240,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     from cluster.config import load_config
     from cluster.trainer import Trainer
 
-    cfg = load_config(REPO / "configs" / "tiny_moe.yaml", [
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit", "trainer.total_steps=1",
         "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0",
         "trainer.plots=false", "trainer.audit_steps=[1]", "learner.micro_batch_size=2", "learner.num_minibatches=2",
@@ -276,7 +269,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     assert load_file(str(step_dir / "batch.safetensors"))["advantages"][first_rows].abs().sum() > 0
 
     cmd = [sys.executable, "-m", "learner.audit", str(run_dir), "--step", "1", "--json", str(tmp_path / "clean.json")]
-    clean = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    clean = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     report = json.loads((tmp_path / "clean.json").read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
@@ -296,7 +289,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     assert first >= 1
     mask[row, first - 1], mask[row, last] = True, False
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(step_dir / "batch.safetensors"))
-    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "bad.json")], capture_output=True, text=True, cwd=REPO,
+    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "bad.json")], capture_output=True, text=True, cwd=REPO_ROOT,
                          timeout=600)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     failed = json.loads((tmp_path / "bad.json").read_text())["failed"]

@@ -9,9 +9,9 @@ import pytest
 
 from cluster import compare
 from cluster.config import load_config
+from tests.conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "tiny_moe.yaml")
+CONFIG = str(REPO_ROOT / "configs" / "tiny_moe.yaml")
 
 
 def _resolved(cfg):

@@ -3,7 +3,6 @@ minibatch/rank split with its global normalisers, and atomic checkpoints."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +11,9 @@ from cluster import checkpoint
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from rollout.contracts import Completion
 from cluster.data import DataError, PromptStream, arithmetic_rows, gsm8k_rows
+from tests.conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-GSM8K_TEST = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def tok(text):

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.conftest import REPO_ROOT
+
 pytestmark = pytest.mark.slow
 
 BASE = [
@@ -24,7 +26,8 @@ def _trainer(out, name, extra):
     from cluster.config import load_config
     from cluster.trainer import Trainer
 
-    return Trainer(load_config("configs/tiny_moe.yaml", [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]))
+    overrides = [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]
+    return Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", overrides))
 
 
 def _kill(pid):

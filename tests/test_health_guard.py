@@ -10,27 +10,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from learner.contracts import TrainBatch  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
-from learner.health import GUARD_CHECKS, failed_checks, validate_guard  # noqa: E402
-from learner.objectives import loss_normalisers  # noqa: E402
-from tests.test_learner_service import (  # noqa: E402
+from learner.contracts import TrainBatch
+from learner.config import LearnerConfig
+from learner.health import GUARD_CHECKS, failed_checks, validate_guard
+from learner.objectives import loss_normalisers
+from tests.test_learner_service import (
     TEMPERATURE,
     _free_port,
     _start_ranks,
     _stop,
     make_batch,
-    ray_cluster,  # noqa: F401  (fixture)
 )
-from tests.test_moe_diagnostics import reference_expert_load  # noqa: E402
+from tests.test_moe_diagnostics import reference_expert_load
 
 LOOSE = {"max_grad_norm": 1e3, "max_clip_fraction": 1.0, "max_logprob_diff": 1.0, "min_entropy": 0.0,
          "max_load_imbalance": 8.0}
@@ -68,13 +63,6 @@ def test_failed_checks_by_phase_and_nan():
 
 # ------------------------------------------------------------------------------------------------------------
 # one DeepSpeed rank in this process
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    from cluster.tiny_model import build_tiny_moe
-
-    return str(build_tiny_moe(tmp_path_factory.mktemp("guard") / "tiny_moe", seed=0))
 
 
 def _rank(model_path, cfg):
@@ -222,7 +210,7 @@ def _split(batches: list[TrainBatch]) -> list[list[TrainBatch]]:
 
 
 @pytest.mark.slow
-def test_two_ranks_zero2_refuse_together_and_restore_exactly(model_path, ray_cluster, tmp_path):  # noqa: F811
+def test_two_ranks_zero2_refuse_together_and_restore_exactly(model_path, ray_cluster, tmp_path):
     """A fault on ONE rank's shard makes both ranks skip (the decision is collective); each rank's weights and
     optimizer partition are restored bit for bit; the next good step equals the same step taken from a
     checkpoint saved before the bad one; the MoE metrics agree on both ranks and with a full-batch reference."""

@@ -12,14 +12,11 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from learner.contracts import SFTBatch, TrainBatch  # noqa: E402
-from cluster.common import free_port  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
-from learner.logprobs import token_log_probs  # noqa: E402
-from learner.objectives import loss_normalisers, policy_loss  # noqa: E402
+from learner.contracts import SFTBatch, TrainBatch
+from cluster.common import free_port
+from learner.config import LearnerConfig
+from learner.logprobs import token_log_probs
+from learner.objectives import loss_normalisers, policy_loss
 
 TEMPERATURE = 0.7
 GRAD_RTOL = 1e-5
@@ -27,13 +24,6 @@ GRAD_RTOL = 1e-5
 
 def _free_port() -> int:
     return free_port("127.0.0.1")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    from cluster.tiny_model import build_tiny_moe
-
-    return str(build_tiny_moe(tmp_path_factory.mktemp("learner") / "tiny_moe", seed=0))
 
 
 def _ref_model(path: str):
@@ -403,20 +393,6 @@ def test_checkpoint_round_trip_single_rank(model_path, port, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------------
 # slow tests: 2 ranks as Ray actors
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": repo}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": env}, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 def _start_ranks(ray, model_path: str, cfg: LearnerConfig, world_size: int = 2) -> list:

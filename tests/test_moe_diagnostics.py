@@ -7,16 +7,11 @@ metrics against an independent plain-transformers computation.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from learner.config import LearnerConfig  # noqa: E402
-from learner.moe import (  # noqa: E402
+from learner.config import LearnerConfig
+from learner.moe import (
     RouterTap,
     expert_counts,
     find_routers,
@@ -24,8 +19,8 @@ from learner.moe import (  # noqa: E402
     response_positions,
     topk_set_changes,
 )
-from learner.objectives import loss_normalisers  # noqa: E402
-from tests.test_learner_service import TEMPERATURE, _free_port, _ref_model, make_batch  # noqa: E402
+from learner.objectives import loss_normalisers
+from tests.test_learner_service import TEMPERATURE, _free_port, _ref_model, make_batch
 
 # ------------------------------------------------------------------------------------------------------------
 # pure statistics
@@ -74,13 +69,6 @@ def test_dense_model_has_no_router():
 
 # ------------------------------------------------------------------------------------------------------------
 # router hooks on the tiny Qwen3-MoE (plain transformers)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    from cluster.tiny_model import build_tiny_moe
-
-    return str(build_tiny_moe(tmp_path_factory.mktemp("moe") / "tiny_moe", seed=0))
 
 
 def _experts_inputs(model) -> tuple[list, list]:

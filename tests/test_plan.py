@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from cluster.config import load_config
 from cluster.plan import PlanError, learner_memory_gib, plan, rollout_weights_gib
+from tests.conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 GPU_CONFIGS = {
     "configs/qwen3_30b_a3b_gsm8k.yaml": {"nodes": 2, "group_size": 16},
     "configs/qwen3_1p7b_dense_gsm8k.yaml": {"nodes": 1, "group_size": 8},
@@ -23,9 +22,9 @@ GIB = 2**30
 
 
 def dry_run(config: str, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "cluster.train", config, *overrides, "--dry-run"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 # ---------------------------------------------------------------------------------------- the formula
@@ -95,7 +94,7 @@ def test_gpu_config_dry_run_fits(config):
 def test_qwen3_30b_numbers_by_hand():
     """30.5 B parameters, bfloat16, ZeRO-3 over 8 ranks: (2 + 2 + 12) x 30.5e9 / 8 bytes + 4 GiB overhead;
     vLLM holds 2 x 30.5e9 / 2 bytes per GPU of a tensor-parallel-2 engine."""
-    p = plan(load_config(REPO / "configs/qwen3_30b_a3b_gsm8k.yaml"))
+    p = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml"))
     learner = 16 * 30.5e9 / 8 / GIB + 4
     assert p["memory"]["learner_per_rank_gib"]["total"] == round(learner, 2) == 60.81
     assert p["memory"]["rollout_per_gpu_gib"]["weights"] == round(2 * 30.5e9 / 2 / GIB, 2) == 28.41
@@ -116,7 +115,7 @@ def test_over_budget_variant_fails_with_the_numbers():
 
 def test_gpu_memory_is_a_parameter():
     """ZeRO-2: 56.8 + 7.1 + 42.6 + 4 = 110.5 GiB per rank: over an H100 (80 GiB), within an H200 (141 GiB)."""
-    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"])
+    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"])
     with pytest.raises(PlanError, match=r"110\.5 GiB needed > 80 GiB"):
         plan(cfg)
     h200 = plan(cfg, gpu_memory_gib=141.0)["memory"]
@@ -128,14 +127,14 @@ def test_gpu_memory_is_a_parameter():
 
 
 def test_rollout_weights_over_vllm_share():
-    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gsm8k.yaml",
+    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml",
                       ["rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.5"])
     with pytest.raises(PlanError, match=r"weights 56\.8 GiB per GPU .*rollout.tensor_parallel_size=1.* 40\.0 GiB"):
         plan(cfg)
 
 
 def test_learner_group_must_fit_one_node():
-    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gsm8k.yaml",
+    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml",
                       ["learner.world_size=16", "trainer.prompts_per_step=128"])
     with pytest.raises(PlanError, match="learner.world_size=16 .* one node of 8 GPUs: .*STRICT_PACK"):
         plan(cfg)
@@ -145,26 +144,26 @@ def test_learner_group_must_fit_one_node():
 def test_fractional_gpus_share_a_device():
     """Half-GPU requests pack two actors on one device; the device must hold both claims."""
     base = ["learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_engine=0.5"]
-    cfg = load_config(REPO / "configs/qwen3_1p7b_dense_gsm8k.yaml", base)
+    cfg = load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", base)
     with pytest.raises(PlanError, match=r"rollout engine 0: 68\.0 GiB, rollout engine 1: 68\.0 GiB"):
         plan(cfg)
-    ok = plan(load_config(REPO / "configs/qwen3_1p7b_dense_gsm8k.yaml", base + ["rollout.gpu_memory_utilization=0.4"]))
+    ok = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", base + ["rollout.gpu_memory_utilization=0.4"]))
     gpus = ok["nodes"][0]["gpus"]
     assert gpus[0] == ["learner rank 0", "learner rank 1"] and gpus[2] == ["rollout engine 0", "rollout engine 1"]
     assert ok["memory"]["fullest_gpu"]["claimed_gib"] == 64.0
     with pytest.raises(PlanError, match="tensor_parallel_size=2 needs a whole GPU"):
-        plan(load_config(REPO / "configs/qwen3_1p7b_dense_gsm8k.yaml", base + ["rollout.tensor_parallel_size=2"]))
+        plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", base + ["rollout.tensor_parallel_size=2"]))
 
 
 def test_cpu_config_plan_has_no_gpu_check():
-    p = plan(load_config(REPO / "configs/tiny_moe.yaml"))
+    p = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml"))
     assert p["gpus_total"] == 0 and p["logical_cpus"] == 1.75
     assert len(p["nodes"]) == 1 and "gpus" not in p["nodes"][0] and "memory" not in p
     assert p["placement"]["learner"]["strategy"] == "PACK"
 
 
 def test_missing_param_count_is_reported_not_guessed():
-    p = plan(load_config(REPO / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["model.num_params_b=null"]))
+    p = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["model.num_params_b=null"]))
     assert p["memory"] == {"checked": False, "why": "model.num_params_b is not set"}
 
 
@@ -174,8 +173,8 @@ def test_dry_run_reads_the_cluster_section():
     import sys
 
     cmd = [sys.executable, "-m", "cluster.train", "configs/qwen3_30b_a3b_gsm8k.yaml", "--dry-run"]
-    ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    ok = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    small = subprocess.run([*cmd, "cluster.gpu_memory_gib=40"], cwd=REPO, capture_output=True, text=True)
+    small = subprocess.run([*cmd, "cluster.gpu_memory_gib=40"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert small.returncode == 2
     assert "over budget" in small.stderr and "40 GiB per GPU" in small.stderr and "Traceback" not in small.stderr

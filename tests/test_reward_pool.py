@@ -16,20 +16,9 @@ from rollout.contracts import PromptRow
 from reward.config import RewardConfig
 from tests.test_reward_verifiers import gsm8k_rows, needs_gsm8k, right_and_wrong_forms
 
-REPO = Path(__file__).resolve().parents[1]
 SLOW = "tests.test_reward_userfns:slow_exact"
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _rows(n: int, tmp: Path, delay_s: float) -> list[RewardRequest]:
@@ -43,7 +32,7 @@ def _rows(n: int, tmp: Path, delay_s: float) -> list[RewardRequest]:
 
 
 @pytest.mark.timeout(300)
-def test_pool_scores_in_order_resizes_and_survives_a_killed_worker(ray_session, tmp_path):
+def test_pool_scores_in_order_resizes_and_survives_a_killed_worker(ray_cluster, tmp_path):
     from reward.pool import RewardPool
 
     cfg = RewardConfig(num_workers=2, num_cpus_per_worker=0.25, timeout_s=10.0, preload=["tests.test_reward_userfns"])
@@ -97,7 +86,7 @@ def test_pool_scores_in_order_resizes_and_survives_a_killed_worker(ray_session, 
 
 @needs_gsm8k
 @pytest.mark.timeout(300)
-def test_pool_on_gsm8k_rows(ray_session):
+def test_pool_on_gsm8k_rows(ray_cluster):
     from reward.pool import RewardPool
 
     reqs, want = [], []

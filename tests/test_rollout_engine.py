@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from rollout.contracts import PromptRow
-from cluster.tiny_model import build_tiny_moe
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine, RolloutWorkerExtension, to_checkpoint_format
 
@@ -20,42 +19,28 @@ LONG_PROMPT = "".join(f"{i} + {i + 3} = {2 * i + 3}\n" for i in range(12))[:150]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("model") / "tiny_moe", seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny):
+def tokenizer(tiny_moe):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny)
+    return AutoTokenizer.from_pretrained(tiny_moe)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_model(tiny):
+def base_model(tiny_moe):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
 
 
 _current: dict = {}  # "model": the transformers model whose weights the shared engine holds; "version"
 
 
 @pytest.fixture(scope="module")
-def mp_engine(ray_cluster, tiny, tmp_path_factory):
+def mp_engine(ray_cluster, tiny_moe, tmp_path_factory):
     """An engine in vLLM's multi-process mode; created before ``engine`` so the two start in parallel."""
     cfg = RolloutConfig(in_process=False, max_model_len=64, max_response_tokens=6, seed=5)
     actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
-        str(tiny), cfg, cache_dir=str(tmp_path_factory.mktemp("vllm_cache_mp"))
+        str(tiny_moe), cfg, cache_dir=str(tmp_path_factory.mktemp("vllm_cache_mp"))
     )
     yield actor
     ray_cluster.get(actor.shutdown.remote())
@@ -63,10 +48,10 @@ def mp_engine(ray_cluster, tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(ray_cluster, tiny, base_model, tmp_path_factory, mp_engine):
+def engine(ray_cluster, tiny_moe, base_model, tmp_path_factory, mp_engine):
     cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=TEMPERATURE, seed=7)
     actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
-        str(tiny), cfg, engine_index=0, cache_dir=str(tmp_path_factory.mktemp("vllm_cache"))
+        str(tiny_moe), cfg, engine_index=0, cache_dir=str(tmp_path_factory.mktemp("vllm_cache"))
     )
     _current.update(model=base_model, version=0)
     yield actor
@@ -123,10 +108,10 @@ def split_buckets(state_dict, parts=3):
 # ---------------------------------------------------------------------------------------------- fast, no vLLM
 
 
-def test_fused_experts_split_into_checkpoint_names(base_model, tiny):
+def test_fused_experts_split_into_checkpoint_names(base_model, tiny_moe):
     from safetensors.torch import load_file
 
-    on_disk = load_file(tiny / "model.safetensors")
+    on_disk = load_file(tiny_moe / "model.safetensors")
     converted = to_checkpoint_format(base_model.state_dict(), set(on_disk))
     assert converted.keys() == on_disk.keys()
     assert all(torch.equal(converted[k], on_disk[k]) for k in on_disk)

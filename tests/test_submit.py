@@ -21,13 +21,13 @@ import pytest
 from cluster import submit
 from cluster.config import ConfigError
 from cluster.submit import LocalHead, head_processes, stop_head_processes
+from tests.conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
                RAY_USAGE_STATS_ENABLED="0")
     for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
@@ -35,7 +35,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float = 600):
+def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT, timeout: float = 600):
     return subprocess.run([PY, "-m", "cluster.submit", *args], cwd=cwd, env=env or _env(), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -48,34 +48,34 @@ def _private_temp() -> Path:
 
 
 def test_entrypoint_and_config_path():
-    ep = submit.train_entrypoint(str(REPO / "configs/tiny_moe.yaml"), ["trainer.run_name=a b"], "python")
+    ep = submit.train_entrypoint(str(REPO_ROOT / "configs/tiny_moe.yaml"), ["trainer.run_name=a b"], "python")
     assert shlex.split(ep) == ["python", "-m", "cluster.train", "configs/tiny_moe.yaml", "trainer.run_name=a b"]
     with pytest.raises(ConfigError, match="outside the repository"):
         submit.train_entrypoint("/etc/hostname", [])
     with pytest.raises(ConfigError, match="not shipped"):
-        submit.train_entrypoint(str(REPO / "outputs/x.yaml"), [])
+        submit.train_entrypoint(str(REPO_ROOT / "outputs/x.yaml"), [])
 
 
 def test_path_overrides_make_relative_paths_absolute(tmp_path):
-    got = submit.path_overrides(str(REPO / "configs/gsm8k_tiny.yaml"), ["trainer.output_dir=runs"], cwd=tmp_path)
+    got = submit.path_overrides(str(REPO_ROOT / "configs/gsm8k_tiny.yaml"), ["trainer.output_dir=runs"], cwd=tmp_path)
     assert f"trainer.output_dir={tmp_path / 'runs'}" in got
     # data paths resolve as cluster.data does: from the repository root when not found from cwd
-    shared = (REPO / "../shared/data/gsm8k").resolve()
+    shared = (REPO_ROOT / "../shared/data/gsm8k").resolve()
     assert f"data.train_path={shared / 'train.jsonl'}" in got and f"data.test_path={shared / 'test.jsonl'}" in got
     assert not any(o.startswith("model.path=") for o in got)  # builtin:tiny_moe stays
     # absolute paths are left alone; a relative model folder becomes absolute
-    got = submit.path_overrides(str(REPO / "configs/tiny_moe.yaml"),
+    got = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"),
                                 ["trainer.output_dir=/abs/out", "model.path=models/m"], cwd=tmp_path)
     assert got == [f"model.path={tmp_path / 'models/m'}"]
     with pytest.raises(ConfigError, match="trainer.total_steps"):
-        submit.path_overrides(str(REPO / "configs/tiny_moe.yaml"), ["trainer.total_steps=-1"])
+        submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"), ["trainer.total_steps=-1"])
 
 
 def test_runtime_env(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("WANDB_API_KEY", "secret-not-forwarded")
     rt = submit.job_runtime_env({"A": "1"}, {"env_vars": {"B": "2"}, "excludes": ["data/"], "pip": ["x"]})
-    assert rt["working_dir"] == str(REPO)
+    assert rt["working_dir"] == str(REPO_ROOT)
     for pattern in (".venv/", ".git/", "outputs/", "__pycache__/", "data/"):
         assert pattern in rt["excludes"]
     env = rt["env_vars"]
@@ -203,7 +203,7 @@ def test_submit_tiny_moe_two_steps(tmp_path):
                  "learner.micro_batch_size=2", "data.num_eval=16", "wandb.mode=disabled", "trainer.output_dir=runs",
                  "trainer.run_name=submitted", "trainer.plots=false"]
     try:
-        r = _cli(str(REPO / "configs/tiny_moe.yaml"), *overrides, "--temp-dir", str(temp), cwd=tmp_path,
+        r = _cli(str(REPO_ROOT / "configs/tiny_moe.yaml"), *overrides, "--temp-dir", str(temp), cwd=tmp_path,
                  timeout=1700)
         assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
         assert "job raysubmit_" in r.stderr and "SUCCEEDED" in r.stderr

@@ -15,15 +15,10 @@ from cluster.tiny_model import (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("m") / "tiny", seed=3)
-
-
-def test_same_seed_bit_identical_other_seed_differs(tiny, tmp_path):
-    again = build_tiny_moe(tmp_path / "again", seed=3)
-    other = build_tiny_moe(tmp_path / "other", seed=4)
-    a, b, c = (load_file(p / "model.safetensors") for p in (tiny, again, other))
+def test_same_seed_bit_identical_other_seed_differs(tiny_moe, tmp_path):
+    again = build_tiny_moe(tmp_path / "again", seed=0)  # tiny_moe's seed (tests/conftest.py)
+    other = build_tiny_moe(tmp_path / "other", seed=1)
+    a, b, c = (load_file(p / "model.safetensors") for p in (tiny_moe, again, other))
     assert a.keys() == b.keys() == c.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a if a[k].numel() > 1000)
@@ -78,20 +73,20 @@ def test_kernel_constraints_are_checked(tmp_path, kwargs, match):
     "text",
     ["12 + 7 = 19", "  two  spaces\nand a newline\n", "0123456789", "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~", ""],
 )
-def test_tokenizer_round_trip_one_token_per_char(tiny, text):
+def test_tokenizer_round_trip_one_token_per_char(tiny_moe, text):
     from transformers import AutoTokenizer
 
-    for tok in (AutoTokenizer.from_pretrained(tiny), build_char_tokenizer()):
+    for tok in (AutoTokenizer.from_pretrained(tiny_moe), build_char_tokenizer()):
         ids = tok(text, add_special_tokens=True)["input_ids"]
         assert len(ids) == len(text)
         assert tok.decode(ids) == text
         assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
 
 
-def test_tokenizer_specials_and_unknown(tiny):
+def test_tokenizer_specials_and_unknown(tiny_moe):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny)
+    tok = AutoTokenizer.from_pretrained(tiny_moe)
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
     assert len(tok) == VOCAB_SIZE == 100
     a, b = tok.convert_tokens_to_ids(["a", "b"])
@@ -99,26 +94,26 @@ def test_tokenizer_specials_and_unknown(tiny):
     assert len(set(tok.convert_tokens_to_ids(list("az09 \n")))) == 6
 
 
-def test_transformers_loads_config_and_runs(tiny):
+def test_transformers_loads_config_and_runs(tiny_moe):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe)
     cfg = model.config
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.dtype == torch.float32
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == (128, 2, 8, 2)
     assert (cfg.moe_intermediate_size, cfg.head_dim, cfg.vocab_size) == (128, 32, VOCAB_SIZE)
     assert (cfg.eos_token_id, cfg.pad_token_id) == (2, 0)
-    assert GenerationConfig.from_pretrained(tiny).eos_token_id == 2
+    assert GenerationConfig.from_pretrained(tiny_moe).eos_token_id == 2
     with torch.no_grad():
         logits = model(torch.tensor([[5, 6, 7, 8]])).logits
     assert logits.shape == (1, 4, VOCAB_SIZE) and torch.isfinite(logits).all()
 
 
-def test_ensure_model(tmp_path, tiny):
+def test_ensure_model(tmp_path, tiny_moe):
     built = ensure_model("builtin:tiny_moe", tmp_path, seed=3, num_layers=1)
     assert built == tmp_path / "tiny_moe" and (built / "config.json").is_file()
     assert json.loads((built / BUILD_INFO_FILE).read_text())["num_layers"] == 1
-    assert ensure_model(str(tiny), tmp_path / "unused") == tiny
+    assert ensure_model(str(tiny_moe), tmp_path / "unused") == tiny_moe
     with pytest.raises(FileNotFoundError, match="model.path='/nonexistent/x'"):
         ensure_model("/nonexistent/x", tmp_path)
     (tmp_path / "empty").mkdir()
