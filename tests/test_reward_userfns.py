@@ -1,6 +1,9 @@
 """User verifiers for the reward tests, referred to by name (``tests.test_reward_userfns:fn``) and imported
-into the verifier fork server: a light module on purpose (no torch), so that importing it is quick.
-Holds no tests itself."""
+into the verifier fork server: a light module on purpose (no torch, and no pytest at import), so that
+importing it is quick. Its own tests (at the end) check what the other reward tests rely on: every function
+here resolves through ``reward.verifiers.get_verifier("module:function")`` to itself, travels to a child
+process by reference, has the verifier signature ``(response, row)``, and importing the module pulls in no
+heavy package."""
 
 from __future__ import annotations
 
@@ -99,3 +102,73 @@ def forks_and_returns(response: str, row: dict) -> float:
     """Forks, and both processes return (the copy must never report a second result)."""
     os.fork()
     return 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tests of this module's contract (imports inside the functions keep the module light)
+
+MODULE = "tests.test_reward_userfns"
+HEAVY = ("torch", "ray", "vllm", "deepspeed", "transformers", "pytest")
+
+
+def _user_verifiers() -> dict:
+    """The verifier functions defined here: public, not tests."""
+    import inspect
+    import sys
+
+    module = sys.modules[MODULE]
+    return {name: fn for name, fn in vars(module).items()
+            if inspect.isfunction(fn) and fn.__module__ == MODULE and not name.startswith(("_", "test_"))}
+
+
+def test_every_user_verifier_resolves_by_name_to_itself_and_pickles_by_reference():
+    import inspect
+    import pickle
+
+    from reward.config import RewardConfig
+    from reward.verifiers import get_verifier
+
+    fns = _user_verifiers()
+    assert {"raises", "dies", "slow_exact", "exact_with_pid", "hang_in_c", "forks_and_returns"} <= set(fns)
+    for name, fn in fns.items():
+        assert get_verifier(f"{MODULE}:{name}") is fn, name
+        assert get_verifier(f"{MODULE}:{name}", RewardConfig()) is fn, name  # options bind built-ins only
+        assert pickle.loads(pickle.dumps(fn)) is fn, name  # the runner ships it to the fork server by name
+        assert list(inspect.signature(fn).parameters) == ["response", "row"], name
+
+
+def test_in_process_results_of_the_simple_user_verifiers():
+    """What the runner and worker tests expect these to return or raise when called directly."""
+    import math
+
+    import pytest
+
+    assert half_with_extra("anything", {}) == {"score": 0.5, "correct": True, "why": "partial"}
+    assert math.isnan(returns_junk("nan", {})) and returns_junk("none", {}) is None
+    with pytest.raises(KeyError, match="no such field"):
+        raises("", {})
+
+
+def test_importing_the_module_pulls_in_no_heavy_package():
+    """The fork server preloads this module (``preload=[...]``); resolving all its verifiers by name must not
+    import torch, Ray, vLLM, DeepSpeed, transformers or pytest (each would add seconds to a worker's start)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    code = (
+        "import sys\n"
+        "from reward.verifiers import get_verifier\n"
+        f"import {MODULE} as m\n"
+        "for name in m._user_verifiers():\n"
+        f"    get_verifier('{MODULE}:' + name)\n"
+        f"print(len(m._user_verifiers()), sorted(h for h in {HEAVY!r} if h in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, heavy = out.stdout.split(" ", 1)
+    assert int(count) == len(_user_verifiers()) and heavy.strip() == "[]", out.stdout
