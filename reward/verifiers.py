@@ -10,7 +10,8 @@ through ``reward.runner`` (a killed process group with a wall-clock timeout), ne
 Built-ins:
     ``exact``   normalised string equality (procedural tasks).
     ``math``    final-answer extraction + math-verify equivalence (GSM8K and similar).
-    ``code``    the response's Python code against the row's tests, inside ``reward.sandbox``.
+    ``code``    the response's Python code against the row's tests; the code runs inside ``reward.sandbox``,
+                the verdict is reached outside it.
     ``format``  1.0 when the response matches a regex (config ``reward.format_regex``), else 0.0.
 User verifiers are named ``"module.path:function"``.
 """
@@ -126,16 +127,19 @@ def extract_code(response: str) -> str:
 def code_verifier(response: str, row: dict, *, sandbox: Any = None, all_or_nothing: bool = False) -> dict:
     """Run the response's code against ``row["meta"]["tests"]`` inside the sandbox.
 
-    Tests are either Python snippets (``"assert f(2) == 4"``), run after the solution in the same sandboxed
-    interpreter, or ``{"input": str, "output": str}`` pairs, each a separate run fed ``input`` on stdin and
-    judged by comparing stripped stdout in this process.
+    Tests are either Python snippets (``"assert f(2) == 4"``), run here against the solution's functions,
+    which run in the sandbox and answer with plain data only (``reward.sandbox.run_python_tests``; the
+    solution cannot forge a verdict: see ``reward/README.md``), or ``{"input": str, "output": str}`` pairs,
+    each a separate run fed ``input`` on stdin and judged by comparing stripped stdout in this process.
 
     Returns:
         ``{"score": passed/total (or 1/0 with all_or_nothing), "correct": all passed, "passed": int,
-        "total": int, "sandbox": status of the (last failing) run, "backend": "bwrap" | "plain"}``.
+        "total": int, "sandbox": status of the first run that ended badly (else "ok"), "backend": "bwrap" |
+        "plain", "stderr": a short tail of the solution's output, ...}``.
 
     Raises:
-        ValueError: the row has no ``meta.tests`` list.
+        ValueError: the row has no ``meta.tests`` list, or a test is neither a string nor an input/output dict.
+        reward.sandbox.SandboxUnavailable: bubblewrap is required but missing.
     """
     from reward.config import SandboxConfig
     from reward.sandbox import run_python_tests
