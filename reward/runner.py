@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from reward._forkserver import read_frame, write_frame
 
-DEFAULT_PRELOAD = ("reward.verifiers", "reward.sandbox", "reward._warm")
+DEFAULT_PRELOAD = ("reward.verifiers", "reward.sandbox", "reward.judge", "reward._warm")
 START_TIMEOUT_S = 300.0  # fork server start-up (imports, math-verify warm-up) on a busy machine
 
 

@@ -128,7 +128,7 @@ def code_verifier(response: str, row: dict, *, sandbox: Any = None, all_or_nothi
     """Run the response's code against ``row["meta"]["tests"]`` inside the sandbox.
 
     Tests are either Python snippets (``"assert f(2) == 4"``), run here against the solution's functions,
-    which run in the sandbox and answer with plain data only (``reward.sandbox.run_python_tests``; the
+    which run in the sandbox and answer with plain data only (``reward.judge.run_python_tests``; the
     solution cannot forge a verdict: see ``reward/README.md``), or ``{"input": str, "output": str}`` pairs,
     each a separate run fed ``input`` on stdin and judged by comparing stripped stdout in this process.
 
@@ -142,7 +142,7 @@ def code_verifier(response: str, row: dict, *, sandbox: Any = None, all_or_nothi
         reward.sandbox.SandboxUnavailable: bubblewrap is required but missing.
     """
     from reward.config import SandboxConfig
-    from reward.sandbox import run_python_tests
+    from reward.judge import run_python_tests
 
     row = as_row_dict(row)
     tests = (row.get("meta") or {}).get("tests")

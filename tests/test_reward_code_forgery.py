@@ -17,15 +17,8 @@ import textwrap
 import pytest
 
 from reward.config import SandboxConfig
-from reward.sandbox import (
-    ENV_OWNER,
-    _uid_processes,
-    bwrap_available,
-    find_run_processes,
-    run_python_tests,
-    sandbox_python,
-    sandbox_uid,
-)
+from reward.judge import run_python_tests
+from reward.sandbox import ENV_OWNER, _uid_processes, bwrap_available, find_run_processes, sandbox_python, sandbox_uid
 from reward.verifiers import code_verifier
 
 HAVE_BWRAP = bwrap_available(sandbox_python(SandboxConfig()))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from reward.config import SandboxConfig
+from reward.judge import run_python_tests
 from reward.sandbox import (
     ENV_RUN,
     _uid_processes,
@@ -24,7 +25,6 @@ from reward.sandbox import (
     choose_backend,
     find_run_processes,
     run_python,
-    run_python_tests,
     sandbox_python,
     sandbox_uid,
     SandboxUnavailable,
