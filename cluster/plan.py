@@ -217,23 +217,15 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
     if gpu_memory_gib <= 0 or gpus_per_node < 1:
         raise ValueError(f"gpu_memory_gib={gpu_memory_gib!r} must be > 0 and gpus_per_node={gpus_per_node!r} >= 1")
     lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
-    groups = {
-        "learner": {"bundles": [{"CPU": lc.num_cpus_per_rank, "GPU": lc.num_gpus_per_rank} for _ in range(lc.world_size)],
-                    "strategy": "STRICT_PACK" if lc.num_gpus_per_rank else "PACK"},
-        "rollout": {"bundles_per_engine": {"CPU": rc.num_cpus_per_engine, "GPU": rc.num_gpus_per_engine * rc.tensor_parallel_size},
-                    "engines": rc.num_engines, "tensor_parallel_size": rc.tensor_parallel_size,
-                    "strategy": "STRICT_PACK (one group per engine)"},
-        "reward": {"bundles_per_worker": {"CPU": wc.num_cpus_per_worker}, "workers": wc.num_workers},
-    }
     uses_gpus = bool(lc.num_gpus_per_rank or rc.num_gpus_per_engine)
     out: dict[str, Any] = {
-        "placement": groups,
+        "placement": _placement_groups(cfg),
         "logical_cpus": lc.world_size * lc.num_cpus_per_rank + rc.num_engines * rc.num_cpus_per_engine
         + wc.num_workers * wc.num_cpus_per_worker,
         "gpus_total": lc.world_size * lc.num_gpus_per_rank
         + rc.num_engines * rc.num_gpus_per_engine * rc.tensor_parallel_size,
     }
-    nodes, where = _place(cfg, gpus_per_node if uses_gpus else 0)
+    nodes, _ = _place(cfg, gpus_per_node if uses_gpus else 0)
     out["nodes"] = [
         {"node": n.index, "cpus": n.cpus, "actors": n.actors,
          **({"gpus": {g: users for g, users in enumerate(n.gpu_users) if users}} if uses_gpus else {})}
@@ -246,7 +238,31 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
         if uses_gpus:
             out["memory"] = {"checked": False, "why": "model.num_params_b is not set"}
         return out
+    out["memory"] = _memory(cfg, nodes, gpu_memory_gib if uses_gpus else None)
+    return out
 
+
+def _placement_groups(cfg: Config) -> dict[str, Any]:
+    """The placement groups as ``cluster/services.py`` requests them (bundles and strategy per service)."""
+    lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
+    return {
+        "learner": {"bundles": [{"CPU": lc.num_cpus_per_rank, "GPU": lc.num_gpus_per_rank} for _ in range(lc.world_size)],
+                    "strategy": "STRICT_PACK" if lc.num_gpus_per_rank else "PACK"},
+        "rollout": {"bundles_per_engine": {"CPU": rc.num_cpus_per_engine, "GPU": rc.num_gpus_per_engine * rc.tensor_parallel_size},
+                    "engines": rc.num_engines, "tensor_parallel_size": rc.tensor_parallel_size,
+                    "strategy": "STRICT_PACK (one group per engine)"},
+        "reward": {"bundles_per_worker": {"CPU": wc.num_cpus_per_worker}, "workers": wc.num_workers},
+    }
+
+
+def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> dict[str, Any]:
+    """The plan's ``memory`` section: the learner's breakdown per rank and, when GPUs are requested
+    (``gpu_memory_gib`` given), every GPU's claims against its memory and the headroom warnings.
+
+    Raises:
+        PlanError: a rollout engine's weights exceed vLLM's share, or some GPU's claims exceed its memory.
+    """
+    lc, rc = cfg.learner, cfg.rollout
     p = cfg.model.num_params_b * 1e9
     lm = learner_memory_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
                             reference_model=lc.kl_coef > 0)
@@ -256,11 +272,10 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
         "learner_formula": f"ZeRO-{lc.zero_stage}, {lc.dtype}, AdamW, N={lc.world_size}"
         + (", + reference model" if lc.kl_coef > 0 else ""),
     }
-    if not uses_gpus:
+    if gpu_memory_gib is None:
         mem["checked"] = False
         mem["why"] = "no GPUs requested (host memory is not checked)"
-        out["memory"] = mem
-        return out
+        return mem
 
     g = gpu_memory_gib
     mem["gpu_memory_gib"] = g
@@ -268,51 +283,11 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
     if lc.num_gpus_per_rank:
         claims["learner"] = lm["total"]  # a rank computes on one device; extra devices get the same claim
     if rc.num_gpus_per_engine:
-        wts = rollout_weights_gib(p, dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
-        vllm = rc.gpu_memory_utilization * g
-        kv = vllm - wts - ROLLOUT_OVERHEAD_GIB
-        mem["rollout_per_gpu_gib"] = {"claimed_by_vllm": round(vllm, 2), "weights": round(wts, 2),
-                                      "overhead": ROLLOUT_OVERHEAD_GIB, "kv_cache": round(kv, 2)}
-        if kv <= 0:
-            raise PlanError(
-                f"rollout engine over budget: weights {wts:.1f} GiB per GPU (model.num_params_b="
-                f"{cfg.model.num_params_b} x {_BYTES[rc.dtype]} bytes / rollout.tensor_parallel_size="
-                f"{rc.tensor_parallel_size}) + {ROLLOUT_OVERHEAD_GIB:.1f} GiB overhead exceed vLLM's share "
-                f"rollout.gpu_memory_utilization={rc.gpu_memory_utilization} x {g:.0f} GiB = {vllm:.1f} GiB: "
-                "raise tensor_parallel_size or gpu_memory_utilization, or use GPUs with more memory"
-            )
-        claims["rollout"] = vllm
-
-    # Sum the claims on every GPU (fractional requests may share a device).
-    worst = (0.0, "", [])
-    for n in nodes:
-        for i, users in enumerate(n.gpu_users):
-            total = sum(claims["learner" if u.startswith("learner") else "rollout"] for u in users)
-            if total > worst[0]:
-                worst = (total, f"node {n.index} GPU {i}", users)
-    used, name, users = worst
+        claims["rollout"], mem["rollout_per_gpu_gib"] = _rollout_gpu_budget(cfg, g)
+    used, name, users = _fullest_gpu(nodes, claims)
     mem["fullest_gpu"] = {"gpu": name, "holds": list(users), "claimed_gib": round(used, 2)}
     if used > g:
-        detail = ", ".join(
-            f"{u}: {claims['learner' if u.startswith('learner') else 'rollout']:.1f} GiB" for u in users)
-        hint = (f"learner per rank = weights {lm['weights']:.1f} + gradients {lm['gradients']:.1f} + optimizer "
-                f"{lm['optimizer']:.1f} + reference {lm['reference']:.1f} + overhead {lm['overhead']:.1f} GiB "
-                f"(model.num_params_b={cfg.model.num_params_b}, learner.zero_stage={lc.zero_stage}, "
-                f"learner.dtype={lc.dtype}, learner.world_size={lc.world_size})")
-        fixes = []
-        if lc.zero_stage < 3:
-            fixes.append(f"raise learner.zero_stage (now {lc.zero_stage})")
-        fixes.append("raise learner.world_size")
-        if lc.dtype == "float32":
-            fixes.append("train in learner.dtype=bfloat16")
-        if len(users) > 1:
-            fixes.append("give each service whole GPUs (num_gpus_per_rank / num_gpus_per_engine = 1)")
-        fixes.append("use GPUs with more memory")
-        hint_fix = "To fit: " + ", ".join(fixes) + "."
-        raise PlanError(
-            f"GPU memory over budget on {name}: {used:.1f} GiB needed > {g:.0f} GiB per GPU ({detail}); {hint}. "
-            + hint_fix
-        )
+        raise PlanError(_over_budget_message(cfg, lm, claims, used, name, users, g))
     warnings = []
     if "learner" in claims:
         headroom = g * min(1.0, lc.num_gpus_per_rank) - claims["learner"]
@@ -329,10 +304,67 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
         )
     mem["checked"] = True
     mem["warnings"] = warnings
-    out["memory"] = mem
-    return out
+    return mem
 
 
+def _rollout_gpu_budget(cfg: Config, g: float) -> tuple[float, dict[str, float]]:
+    """One engine GPU of ``g`` GiB: ``(vLLM's claim, breakdown)``. The claim is ``gpu_memory_utilization`` x
+    ``g``; the breakdown (GiB, rounded to 0.01) holds the claim, the weights, the overhead and the KV cache left.
+
+    Raises:
+        PlanError: the weights and the overhead exceed vLLM's claim.
+    """
+    rc = cfg.rollout
+    wts = rollout_weights_gib(cfg.model.num_params_b * 1e9, dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
+    vllm = rc.gpu_memory_utilization * g
+    kv = vllm - wts - ROLLOUT_OVERHEAD_GIB
+    if kv <= 0:
+        raise PlanError(
+            f"rollout engine over budget: weights {wts:.1f} GiB per GPU (model.num_params_b="
+            f"{cfg.model.num_params_b} x {_BYTES[rc.dtype]} bytes / rollout.tensor_parallel_size="
+            f"{rc.tensor_parallel_size}) + {ROLLOUT_OVERHEAD_GIB:.1f} GiB overhead exceed vLLM's share "
+            f"rollout.gpu_memory_utilization={rc.gpu_memory_utilization} x {g:.0f} GiB = {vllm:.1f} GiB: "
+            "raise tensor_parallel_size or gpu_memory_utilization, or use GPUs with more memory"
+        )
+    return vllm, {"claimed_by_vllm": round(vllm, 2), "weights": round(wts, 2), "overhead": ROLLOUT_OVERHEAD_GIB,
+                  "kv_cache": round(kv, 2)}
+
+
+def _fullest_gpu(nodes: list[_Node], claims: dict[str, float]) -> tuple[float, str, list[str]]:
+    """The GPU whose occupants claim the most (fractional requests may share a device): ``(GiB, "node i GPU j",
+    occupants)``; ``(0.0, "", [])`` when no GPU holds anything."""
+    worst = (0.0, "", [])
+    for n in nodes:
+        for i, users in enumerate(n.gpu_users):
+            total = sum(claims["learner" if u.startswith("learner") else "rollout"] for u in users)
+            if total > worst[0]:
+                worst = (total, f"node {n.index} GPU {i}", users)
+    return worst
+
+
+def _over_budget_message(cfg: Config, lm: dict[str, float], claims: dict[str, float], used: float, name: str,
+                         users: list[str], g: float) -> str:
+    """The ``PlanError`` text for a GPU over budget: its occupants' claims, the learner's breakdown with the
+    fields behind it, and the changes that would make it fit."""
+    lc = cfg.learner
+    detail = ", ".join(
+        f"{u}: {claims['learner' if u.startswith('learner') else 'rollout']:.1f} GiB" for u in users)
+    hint = (f"learner per rank = weights {lm['weights']:.1f} + gradients {lm['gradients']:.1f} + optimizer "
+            f"{lm['optimizer']:.1f} + reference {lm['reference']:.1f} + overhead {lm['overhead']:.1f} GiB "
+            f"(model.num_params_b={cfg.model.num_params_b}, learner.zero_stage={lc.zero_stage}, "
+            f"learner.dtype={lc.dtype}, learner.world_size={lc.world_size})")
+    fixes = []
+    if lc.zero_stage < 3:
+        fixes.append(f"raise learner.zero_stage (now {lc.zero_stage})")
+    fixes.append("raise learner.world_size")
+    if lc.dtype == "float32":
+        fixes.append("train in learner.dtype=bfloat16")
+    if len(users) > 1:
+        fixes.append("give each service whole GPUs (num_gpus_per_rank / num_gpus_per_engine = 1)")
+    fixes.append("use GPUs with more memory")
+    hint_fix = "To fit: " + ", ".join(fixes) + "."
+    return (f"GPU memory over budget on {name}: {used:.1f} GiB needed > {g:.0f} GiB per GPU ({detail}); {hint}. "
+            + hint_fix)
 def fits(cfg: Config, **kwargs: Any) -> bool:
     """True when ``plan(cfg, **kwargs)`` raises no ``PlanError``."""
     try:
