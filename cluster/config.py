@@ -18,6 +18,13 @@ from reward.config import RewardConfig
 from rollout.config import RolloutConfig
 
 
+# vLLM's sampling-temperature range (vllm/sampling_params.py, ``SamplingParams``: ``__post_init__`` raises a
+# temperature in (0, _MAX_TEMP) to _MAX_TEMP = 0.01; ``_verify_args`` refuses one above 2). Copied here so the
+# config loads without importing vLLM; tests/test_config.py reads both from the installed vLLM.
+VLLM_MIN_TEMPERATURE = 0.01
+VLLM_MAX_TEMPERATURE = 2.0
+
+
 class Section(BaseModel):
     """Base of the run-level config sections: unknown keys are refused and values are validated on assignment
     (tests/test_config.py checks that every section of the composed schema is strict)."""
@@ -58,7 +65,11 @@ class DataConfig(Section):
     test_path: str | None = Field(None, description="gsm8k: held-out JSONL (relative paths: from the repo root)")
     num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic) or read at most (gsm8k)")
     num_eval: int = Field(256, ge=1, description="held-out prompts for eval/accuracy (greedy)")
-    max_prompt_tokens: int = Field(64, ge=1, description="longer prompts are counted and skipped")
+    max_prompt_tokens: int = Field(
+        64, ge=1,
+        description="gsm8k: longer prompts are counted and skipped; plus rollout.max_response_tokens at most "
+        "rollout.max_model_len",
+    )
     seed: int = Field(1234, description="arithmetic: seed of the generated train/held-out prompts")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
     demo_slip_rate: float = Field(
@@ -197,12 +208,45 @@ class Config(Section):
             )
         if self.data.task == "gsm8k" and not (self.data.train_path and self.data.test_path):
             raise ValueError("data.task='gsm8k' needs data.train_path and data.test_path")
-        if self.rollout.max_response_tokens >= self.rollout.max_model_len:
-            raise ValueError(
-                f"rollout.max_response_tokens={self.rollout.max_response_tokens} must be below "
-                f"rollout.max_model_len={self.rollout.max_model_len}"
-            )
+        self._check_lengths()
+        self._check_temperature()
         return self
+
+    def _check_lengths(self) -> None:
+        """Every prompt the data admits plus a full-length response fits the engine's context, and DAPO's
+        overlong shaping uses the rollout's length limit as its L_max (set from it when unset)."""
+        ro, rw = self.rollout, self.reward
+        if self.data.max_prompt_tokens + ro.max_response_tokens > ro.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens={self.data.max_prompt_tokens} + rollout.max_response_tokens="
+                f"{ro.max_response_tokens} = {self.data.max_prompt_tokens + ro.max_response_tokens} exceeds "
+                f"rollout.max_model_len={ro.max_model_len}: vLLM would cut long prompts' responses short "
+                "(finish reason 'length') below the response limit"
+            )
+        if rw.max_response_tokens is not None and rw.max_response_tokens != ro.max_response_tokens:
+            raise ValueError(
+                f"reward.max_response_tokens={rw.max_response_tokens} differs from rollout.max_response_tokens="
+                f"{ro.max_response_tokens}: overlong shaping's L_max is the rollout's limit (leave "
+                "reward.max_response_tokens unset; it is set from rollout.max_response_tokens)"
+            )
+        if rw.overlong_buffer_len > ro.max_response_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_len={rw.overlong_buffer_len} must not exceed rollout.max_response_tokens="
+                f"{ro.max_response_tokens} (DAPO's overlong buffer lies inside the response limit)"
+            )
+        if rw.max_response_tokens is None:
+            rw.max_response_tokens = ro.max_response_tokens
+
+    def _check_temperature(self) -> None:
+        """vLLM raises a sampling temperature below its minimum to that minimum (the learner would still divide
+        by the configured one) and refuses one above its maximum (``vllm/sampling_params.py``)."""
+        t = self.rollout.temperature
+        if not VLLM_MIN_TEMPERATURE <= t <= VLLM_MAX_TEMPERATURE:
+            raise ValueError(
+                f"rollout.temperature={t!r} is outside [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}]: vLLM "
+                f"samples below {VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE} (while the learner divides the "
+                f"logits by {t!r}) and refuses above {VLLM_MAX_TEMPERATURE}"
+            )
 
     @property
     def run_dir(self) -> Path:

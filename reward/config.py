@@ -77,7 +77,9 @@ class RewardConfig(Section):
     overlong_buffer_len: int = Field(0, ge=0, description="DAPO overlong shaping buffer L_cache, tokens (0 = off)")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="scale of the overlong penalty (DAPO: 1)")
     max_response_tokens: int | None = Field(
-        None, ge=1, description="L_max for overlong shaping; the driver sets it from rollout.max_response_tokens"
+        None, ge=1,
+        description="L_max for overlong shaping; unset = rollout.max_response_tokens (set by the run config, "
+        "which refuses any other value)",
     )
     mask_truncated: bool = Field(
         False, description="responses cut at the length limit get score NaN (left out of the loss and group stats)"

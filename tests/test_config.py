@@ -188,3 +188,65 @@ def test_config_reference_is_in_sync_with_the_schema():
         assert f"## `{dotted}`" in written
         for name in cls.model_fields:
             assert f"| `{name}` |" in written, f"{dotted}.{name}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# settings of different sections that must agree (issue 15)
+
+
+def test_prompt_and_response_limits_must_fit_the_engine_context():
+    """tiny_moe: max_model_len 32, max_response_tokens 4: prompts of up to 28 tokens fit, 29 do not."""
+    assert load_config(TINY, ["data.max_prompt_tokens=28"]).data.max_prompt_tokens == 28
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["data.max_prompt_tokens=29"])
+    msg = str(err.value)
+    for needle in ("data.max_prompt_tokens=29", "rollout.max_response_tokens=4", "= 33", "rollout.max_model_len=32"):
+        assert needle in msg
+    with pytest.raises(ConfigError, match="rollout.max_response_tokens=8 = 36 exceeds rollout.max_model_len=32"):
+        load_config(TINY, ["rollout.max_response_tokens=8"])
+
+
+def test_overlong_shaping_takes_its_length_limit_from_the_rollout():
+    """reward.max_response_tokens (DAPO's L_max) is set from rollout.max_response_tokens, a different value is
+    refused naming both keys, and a buffer longer than the rollout's limit is refused before any worker starts."""
+    cfg = load_config(TINY, ["reward.overlong_buffer_len=2"])
+    assert cfg.reward.max_response_tokens == cfg.rollout.max_response_tokens == 4
+    assert load_config(TINY, ["reward.max_response_tokens=4"]).reward.max_response_tokens == 4
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["reward.max_response_tokens=20", "reward.overlong_buffer_len=4"])
+    assert "reward.max_response_tokens=20" in str(err.value) and "rollout.max_response_tokens=4" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["reward.overlong_buffer_len=5"])
+    assert "reward.overlong_buffer_len=5" in str(err.value) and "rollout.max_response_tokens=4" in str(err.value)
+    assert load_config(TINY, ["reward.overlong_buffer_len=4"]).reward.overlong_buffer_len == 4
+
+
+@pytest.mark.parametrize("value, ok", [(0.005, False), (0.0099, False), (0.01, True), (1.0, True), (2.0, True),
+                                       (2.5, False)])
+def test_temperatures_vllm_would_change_or_refuse_are_refused(value, ok):
+    if ok:
+        assert load_config(TINY, [f"rollout.temperature={value}"]).rollout.temperature == value
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [f"rollout.temperature={value}"])
+    assert f"rollout.temperature={value}" in str(err.value)
+
+
+def test_temperature_range_is_the_installed_vllms():
+    """The bounds the config enforces are the ones in vllm/sampling_params.py (read from its source, so the
+    test does not import vLLM): ``_MAX_TEMP`` (the minimum it clamps to) and the ``temperature > X`` refusal."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from cluster.config import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
+
+    spec = importlib.util.find_spec("vllm")
+    tree = ast.parse((Path(spec.origin).parent / "sampling_params.py").read_text())
+    consts = {t.id: n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+    assert consts["_MAX_TEMP"] == VLLM_MIN_TEMPERATURE
+    upper = [n.comparators[0].value for n in ast.walk(tree) if isinstance(n, ast.Compare)
+             and isinstance(n.left, ast.Attribute) and n.left.attr == "temperature"
+             and isinstance(n.ops[0], ast.Gt) and isinstance(n.comparators[0], ast.Constant)]
+    assert upper == [VLLM_MAX_TEMPERATURE]
