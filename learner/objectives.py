@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -291,51 +292,76 @@ def policy_loss(
     mask, dtype = _mask_and_dtype(log_probs, old_log_probs, response_mask, ("log_probs", "old_log_probs"))
     adv = _advantages(advantages, mask, algorithm, dtype)
     lengths = mask.sum(-1)
-    has_tokens = lengths > 0
-    n_seq, n_tok = int(has_tokens.sum()), int(lengths.sum())
+    n_seq, n_tok = int((lengths > 0).sum()), int(lengths.sum())
     seq_den = _normaliser(num_sequences, n_seq, "num_sequences")
     tok_den = _normaliser(num_tokens, n_tok, "num_tokens")
-    low, high = 1.0 - clip_low, 1.0 + clip_high
 
     # Sanitise first: nothing at a masked position (NaN, inf) takes part in any later op or gradient.
     lp = torch.where(mask, log_probs.to(dtype), 0.0)
     old = torch.where(mask, old_log_probs.to(dtype), 0.0)
-    token_log_ratio = lp - old
-    c = LOG_RATIO_CLAMP
+    objective = _sequence_level_loss if algorithm in SEQUENCE_LEVEL_ALGORITHMS else _token_level_loss
+    loss, units = objective(algorithm, lp, old, adv, mask, lengths, 1.0 - clip_low, 1.0 + clip_high, loss_agg,
+                            seq_den, tok_den)
 
-    if algorithm in ("gspo", "gspo_token"):
-        seq_lr = token_log_ratio.sum(-1) / lengths.clamp(min=1).to(dtype)  # Eq. 7, log space
-        seq_lr_c = seq_lr.clamp(-c, c)
-        if algorithm == "gspo":
-            ratio = torch.exp(seq_lr_c)  # s_i
-            surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
-            loss = -torch.where(has_tokens, surrogate, 0.0).sum() / seq_den
-            unit_clip_lo = (clip_lo & has_tokens).to(dtype)
-            unit_clip_hi = (clip_hi & has_tokens).to(dtype)
-        else:
-            # s_i,t = sg[s_i] * pi_t / sg[pi_t]: value s_i, gradient s_i * d log pi_t. Outside the clamp band
-            # the token gets no gradient, as the clamped s_i of "gspo" has none.
-            inside = (seq_lr.abs() <= c)[:, None]
-            tok_lr = torch.where(inside, lp - lp.detach(), 0.0) + seq_lr_c.detach()[:, None]
-            ratio_t = torch.exp(tok_lr)
-            surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio_t, adv, low, high)
-            loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
-            len_f = lengths.clamp(min=1).to(dtype)
-            unit_clip_lo = (clip_lo & mask).sum(-1) / len_f
-            unit_clip_hi = (clip_hi & mask).sum(-1) / len_f
-            ratio = torch.exp(seq_lr_c)
-        unit_mask, unit_ratio, unit_abs_lr = has_tokens, ratio, seq_lr.abs()
-    else:
-        ratio = torch.exp(token_log_ratio.clamp(-c, c))  # r_i,t
-        surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
-        loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
-        unit_clip_lo, unit_clip_hi = (clip_lo & mask).to(dtype), (clip_hi & mask).to(dtype)
-        unit_mask, unit_ratio, unit_abs_lr = mask, ratio, token_log_ratio.abs()
-
-    metrics = _ratio_metrics(unit_mask, unit_ratio.detach(), unit_abs_lr.detach(), unit_clip_lo, unit_clip_hi)
+    metrics = _ratio_metrics(units.mask, units.ratio.detach(), units.abs_log_ratio.detach(), units.clip_low,
+                             units.clip_high)
     metrics["num_sequences"] = float(n_seq)
     metrics["num_tokens"] = float(n_tok)
     return loss, metrics
+
+
+class _Units(NamedTuple):
+    """What :func:`policy_loss`'s metrics are taken over: a unit is a sequence (GSPO, GSPO-token, ``[B]``) or a
+    token (GRPO, ``[B, T]``)."""
+
+    mask: Tensor  # bool: the units that count (sequences with a response token, or response tokens)
+    ratio: Tensor  # the importance ratio used, after the clamp
+    abs_log_ratio: Tensor  # |log ratio| before the clamp
+    clip_low: Tensor  # float: 1 where the low side binds (GSPO-token: the share of the sequence's tokens)
+    clip_high: Tensor  # float: likewise for the high side
+
+
+def _sequence_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, lengths: Tensor,
+                         low: float, high: float, loss_agg: str, seq_den: float,
+                         tok_den: float) -> tuple[Tensor, _Units]:
+    """GSPO (Eq. 5) or GSPO-token (section 4.3) on sanitised ``[B, T]`` inputs (0 outside ``mask``), as
+    documented in :func:`policy_loss`; ``lengths`` are ``|y_i|``, ``[low, high]`` the clip range."""
+    dtype, c = lp.dtype, LOG_RATIO_CLAMP
+    has_tokens = lengths > 0
+    seq_lr = (lp - old).sum(-1) / lengths.clamp(min=1).to(dtype)  # Eq. 7, log space
+    seq_lr_c = seq_lr.clamp(-c, c)
+    if algorithm == "gspo":
+        ratio = torch.exp(seq_lr_c)  # s_i
+        surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
+        loss = -torch.where(has_tokens, surrogate, 0.0).sum() / seq_den
+        unit_clip_lo = (clip_lo & has_tokens).to(dtype)
+        unit_clip_hi = (clip_hi & has_tokens).to(dtype)
+    else:
+        # s_i,t = sg[s_i] * pi_t / sg[pi_t]: value s_i, gradient s_i * d log pi_t. Outside the clamp band
+        # the token gets no gradient, as the clamped s_i of "gspo" has none.
+        inside = (seq_lr.abs() <= c)[:, None]
+        tok_lr = torch.where(inside, lp - lp.detach(), 0.0) + seq_lr_c.detach()[:, None]
+        ratio_t = torch.exp(tok_lr)
+        surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio_t, adv, low, high)
+        loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
+        len_f = lengths.clamp(min=1).to(dtype)
+        unit_clip_lo = (clip_lo & mask).sum(-1) / len_f
+        unit_clip_hi = (clip_hi & mask).sum(-1) / len_f
+        ratio = torch.exp(seq_lr_c)
+    return loss, _Units(has_tokens, ratio, seq_lr.abs(), unit_clip_lo, unit_clip_hi)
+
+
+def _token_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, lengths: Tensor,
+                      low: float, high: float, loss_agg: str, seq_den: float, tok_den: float) -> tuple[Tensor, _Units]:
+    """GRPO / DAPO on sanitised ``[B, T]`` inputs, as documented in :func:`policy_loss`: per-token clipped
+    ratios aggregated by ``loss_agg`` (``algorithm`` and ``lengths`` are taken for the common signature)."""
+    dtype = lp.dtype
+    token_log_ratio = lp - old
+    ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # r_i,t
+    surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
+    loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
+    unit_clip_lo, unit_clip_hi = (clip_lo & mask).to(dtype), (clip_hi & mask).to(dtype)
+    return loss, _Units(mask, ratio, token_log_ratio.abs(), unit_clip_lo, unit_clip_hi)
 
 
 @torch.no_grad()
