@@ -38,7 +38,9 @@ class LearnerConfig(Section):
     num_gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs per learner rank (0 on CPU)")
     threads_per_rank: int = Field(1, ge=1, description="torch threads per rank on CPU (1 is fastest here)")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="training dtype; bfloat16 accumulates gradients in fp32 and needs zero_stage >= 1"
+    )
     algorithm: Algorithm = Field(
         "gspo", description="policy objective; clip range and loss_agg default per algorithm (learner/README.md)"
     )
@@ -86,6 +88,12 @@ class LearnerConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
         check_loss_agg(self.algorithm, self.loss_agg, prefix="learner.")
+        if self.dtype == "bfloat16" and self.zero_stage == 0:
+            raise ValueError(
+                "learner.dtype='bfloat16' with learner.zero_stage=0: DeepSpeed accumulates stage-0 bf16 gradients "
+                "in bf16 (fp32 accumulation, data_types.grad_accum_dtype='fp32', needs ZeRO stage 1, 2 or 3); "
+                "use learner.zero_stage >= 1 or learner.dtype='float32'"
+            )
         return self
 
 

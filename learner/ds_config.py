@@ -23,7 +23,10 @@ def build_ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
     Returns:
         A dict for ``deepspeed.initialize(config=...)``: ``train_batch_size = micro_batch_size x 1 x world_size``
         (DeepSpeed refuses any other product), ZeRO stage ``cfg.zero_stage``, bf16 when ``cfg.dtype`` is
-        bfloat16, global-norm gradient clipping ``cfg.grad_clip``, and a client (torch) optimizer allowed.
+        bfloat16, gradients accumulated in fp32 whatever the dtype (``data_types.grad_accum_dtype``; DeepSpeed's
+        default is the model's dtype, and it accumulates bf16 weights' gradients in fp32 at ZeRO stages 1-3
+        only, which ``LearnerConfig`` enforces), global-norm gradient clipping ``cfg.grad_clip``, and a client
+        (torch) optimizer allowed.
 
     Raises:
         ValueError: ``world_size < 1``.
@@ -44,6 +47,7 @@ def build_ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
         "fp16": {"enabled": False},
+        "data_types": {"grad_accum_dtype": "fp32"},  # float32 runs: the same as DeepSpeed's default
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,

@@ -1,0 +1,47 @@
+"""The DeepSpeed config a learner rank is built with: batch arithmetic, ZeRO stage, and fp32 gradient
+accumulation for bf16 weights (``data_types.grad_accum_dtype``; issue 15). The engine-side check (DeepSpeed
+really resolving fp32 accumulation) is ``tests/test_learner_service.py::test_bf16_accumulates_gradients_in_fp32``."""
+
+import pytest
+from pydantic import ValidationError
+
+from learner.config import LearnerConfig
+from learner.ds_config import build_ds_config
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_bf16_accumulates_gradients_in_fp32(zero_stage):
+    ds = build_ds_config(LearnerConfig(zero_stage=zero_stage, dtype="bfloat16", micro_batch_size=4), world_size=2)
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["zero_optimization"]["stage"] == zero_stage
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 1
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_float32_accumulates_in_fp32_too(zero_stage):
+    ds = build_ds_config(LearnerConfig(zero_stage=zero_stage, dtype="float32"), world_size=1)
+    assert ds["bf16"] == {"enabled": False} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+def test_grad_accum_dtype_is_one_deepspeed_accepts():
+    """DeepSpeed reads ``data_types.grad_accum_dtype`` through its DtypeEnum; the value must resolve to fp32."""
+    import torch
+    from deepspeed.runtime.config import DtypeEnum
+
+    value = build_ds_config(LearnerConfig(dtype="bfloat16"), world_size=1)["data_types"]["grad_accum_dtype"]
+    assert DtypeEnum(value).value == torch.float32
+
+
+def test_bf16_without_zero_is_refused_naming_both_keys():
+    """DeepSpeed 0.19 accumulates stage-0 bf16 gradients in bf16 (fp32 accumulation raises NotImplementedError
+    there), so the config refuses the pair before any rank starts."""
+    with pytest.raises(ValidationError) as err:
+        LearnerConfig(zero_stage=0, dtype="bfloat16")
+    assert "learner.dtype='bfloat16'" in str(err.value) and "learner.zero_stage=0" in str(err.value)
+    assert LearnerConfig(zero_stage=0, dtype="float32").zero_stage == 0
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="world_size=0"):
+        build_ds_config(LearnerConfig(), world_size=0)
