@@ -4,7 +4,8 @@
   imports another only for type annotations (under ``if TYPE_CHECKING:``);
 - the algorithm core (``learner/objectives.py``, ``advantages.py``, ``logprobs.py``) imports no Ray, vLLM,
   DeepSpeed or config classes (CONTRIBUTING.md);
-- source files and functions stay small enough to read.
+- source files (600 lines) and functions (100 lines, docstring included) stay small enough to read, save the
+  files named in ``SIZE_EXCEPTIONS`` while their rewrite is under way.
 """
 
 from __future__ import annotations
@@ -139,22 +140,27 @@ def test_algorithm_core_is_pure_torch(name):
 # ------------------------------------------------------------------------------------------------------------
 # sizes
 
-SPLITTING = pytest.mark.xfail(
-    strict=False, reason="issue 10: learner/service.py and the driver are being split; remove when done"
-)
+# Temporary exceptions, by name: the code judge (reward/sandbox.py, the fork server and the harness that runs in
+# the sandbox) is being rewritten and split by its own change, which removes these entries when it lands. Every
+# other file of the packages is held to the limits.
+SIZE_EXCEPTIONS = frozenset({"reward/sandbox.py", "reward/_forkserver.py", "reward/_harness.py"})
 
 
-@SPLITTING
+def _sized_sources() -> list[Path]:
+    files = _sources(PACKAGES)
+    assert len(files) > 20  # the walk found the packages
+    return [p for p in files if _rel(p) not in SIZE_EXCEPTIONS]
+
+
 def test_no_source_file_over_600_lines():
-    long = [f"{_rel(p)}: {n} lines" for p in _sources(PACKAGES)
+    long = [f"{_rel(p)}: {n} lines" for p in _sized_sources()
             if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
     assert not long, "\n".join(long)
 
 
-@SPLITTING
 def test_no_function_over_100_lines():
     long = []
-    for path in _sources(PACKAGES):
+    for path in _sized_sources():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
