@@ -1,14 +1,15 @@
 """Config section ``learner``: the DeepSpeed learner and the RL objective.
 
 The algorithm names, the loss aggregations, the KL estimators and the rule that refuses a length-weighted
-aggregation for GSPO live in the core (``learner/objectives.py``); this schema takes them from there.
+aggregation for GSPO live in the core, in its torch-free module ``learner/objective_names.py`` (re-exported by
+``learner/objectives.py``); this schema takes them from there, so that loading a config imports no torch.
 """
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from learner.objectives import (
+from learner.objective_names import (
     ALGORITHMS,
     GSPO_LOSS_AGG,
     KL_ESTIMATORS,

@@ -28,16 +28,16 @@ import torch
 from torch import Tensor
 
 from learner.logprobs import entropy_from_logits  # noqa: F401  (public here as well, see the issue's contract)
-
-# The names the config schema accepts (learner/config.py takes them from here).
-ALGORITHMS = ("gspo", "gspo_token", "grpo")
-LOSS_AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-# GSPO's objective (Eq. 5) is a mean over sequences of a length-normalised ratio: the sequence-level
-# algorithms accept only this aggregation (see check_loss_agg).
-SEQUENCE_LEVEL_ALGORITHMS = ("gspo", "gspo_token")
-GSPO_LOSS_AGG = "seq_mean_token_mean"
+# The names and the GSPO aggregation rule, torch-free so that the config schema loads without torch; public
+# here as well.
+from learner.objective_names import (  # noqa: F401
+    ALGORITHMS,
+    GSPO_LOSS_AGG,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    SEQUENCE_LEVEL_ALGORITHMS,
+    check_loss_agg,
+)
 
 # |log ratio| band applied before exp: to the sequence mean for GSPO / GSPO-token, to each token for GRPO.
 # exp(20) ~ 4.9e8 is finite in float32 and bfloat16; beyond the band the ratio stops growing and gets no
@@ -96,27 +96,6 @@ def resolve_objective(
         raise ValueError(f"loss_agg={loss_agg!r} is not one of {LOSS_AGGS}")
     check_loss_agg(algorithm, loss_agg)
     return clip_low, clip_high, loss_agg
-
-
-def check_loss_agg(algorithm: str, loss_agg: str | None, prefix: str = "") -> None:
-    """Refuse a loss aggregation that the algorithm's objective does not allow (the one home of this rule:
-    :func:`resolve_objective` and the config schema call it).
-
-    Args:
-        algorithm: one of ``ALGORITHMS``.
-        loss_agg: one of ``LOSS_AGGS``, or None (the algorithm's default, always accepted).
-        prefix: put before the key names in the message, e.g. ``"learner."`` for the config section.
-
-    Raises:
-        ValueError: GSPO or GSPO-token (``SEQUENCE_LEVEL_ALGORITHMS``) with a ``loss_agg`` other than
-            ``"seq_mean_token_mean"``: any other aggregation weights a sequence by its length, which is not
-            GSPO's objective (Eq. 5). The message names both keys and values.
-    """
-    if loss_agg is not None and algorithm in SEQUENCE_LEVEL_ALGORITHMS and loss_agg != GSPO_LOSS_AGG:
-        raise ValueError(
-            f"{prefix}loss_agg={loss_agg!r} is refused with {prefix}algorithm={algorithm!r}: GSPO's objective "
-            f"(Eq. 5) is a mean over sequences of a length-normalised ratio, i.e. loss_agg={GSPO_LOSS_AGG!r}"
-        )
 
 
 def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:

@@ -2,8 +2,10 @@
 
 - the services (``learner/``, ``rollout/``, ``reward/``) import nothing from ``cluster/``, and one service
   imports another only for type annotations (under ``if TYPE_CHECKING:``);
-- the algorithm core (``learner/objectives.py``, ``advantages.py``, ``logprobs.py``) imports no Ray, vLLM,
-  DeepSpeed or config classes (CONTRIBUTING.md);
+- the algorithm core (``learner/objectives.py``, ``objective_names.py``, ``advantages.py``, ``logprobs.py``)
+  imports no Ray, vLLM, DeepSpeed or config classes (CONTRIBUTING.md);
+- loading the config (``cluster.config``, what ``--dry-run`` and ``cluster.submit`` do) does not import torch
+  (checked in a fresh interpreter: the one exception to "nothing imported");
 - source files (600 lines) and functions (100 lines, docstring included) stay small enough to read, save the
   files named in ``SIZE_EXCEPTIONS`` while their rewrite is under way.
 """
@@ -11,6 +13,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ from tests.conftest import REPO_ROOT
 
 SERVICES = ("learner", "rollout", "reward")
 PACKAGES = (*SERVICES, "cluster")
-CORE = ("learner/objectives.py", "learner/advantages.py", "learner/logprobs.py")
+CORE = ("learner/objectives.py", "learner/objective_names.py", "learner/advantages.py", "learner/logprobs.py")
 CORE_FORBIDDEN = ("ray", "vllm", "deepspeed", "pydantic", "cluster", "learner.config", "rollout", "reward")
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 100
@@ -135,6 +140,28 @@ def test_algorithm_core_is_pure_torch(name):
     bad = [f"{name}:{line} imports {module}" for module, line, _ in imported_modules(REPO_ROOT / name)
            if _within(module, CORE_FORBIDDEN)]
     assert not bad, "\n".join(bad)
+
+
+# Modules that make `import cluster.config` slow and that the config does not need.
+HEAVY_FOR_CONFIG = ("torch", "ray", "vllm", "deepspeed", "transformers")
+
+
+@pytest.mark.parametrize("module", ["cluster.config", "cluster.submit"])
+def test_config_loads_without_torch(module):
+    """``import cluster.config`` (and ``cluster.submit``, which loads configs before it submits) in a fresh
+    interpreter, run from another directory, leaves torch and the other heavy packages out of ``sys.modules``:
+    the names of the objectives come from ``learner/objective_names.py``, not ``learner/objectives.py``."""
+    code = (
+        f"import sys; import {module}; "
+        f"print(','.join(m for m in {HEAVY_FOR_CONFIG!r} if m in sys.modules)); "
+        "print('learner.objective_names' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded, names = out.stdout.splitlines()
+    assert loaded == "", f"import {module} loads {loaded}"
+    assert names == "True"  # the check looked at the import that matters
 
 
 # ------------------------------------------------------------------------------------------------------------
