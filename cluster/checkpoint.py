@@ -4,6 +4,7 @@ the latest and is removed on the next save."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -11,6 +12,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+from cluster.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +84,161 @@ def read_state(ckpt: Path) -> dict[str, Any]:
         return json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint state {str(ckpt / STATE_FILE)!r} is unreadable: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------ resume checks
+
+# Keys a resumed run may change: how much hardware runs the services, where and how often it logs, evaluates
+# and saves, how far it goes, the health guard's thresholds (the way out of a health stop), and the warm start
+# (it runs only before the first checkpoint). A dotted key, or a section prefix ending in ".". Changes are logged.
+RESUME_FREE = (
+    "rollout.num_engines", "rollout.num_cpus_per_engine", "rollout.num_gpus_per_engine",
+    "rollout.tensor_parallel_size", "rollout.threads_per_engine", "rollout.gpu_memory_utilization",
+    "rollout.kv_cache_gb", "rollout.enforce_eager", "rollout.in_process",
+    "reward.num_workers", "reward.num_cpus_per_worker", "reward.parallel_calls", "reward.calls_per_child",
+    "reward.isolated_verifiers", "reward.preload", "reward.sandbox.backend", "reward.sandbox.require_bwrap",
+    "reward.sandbox.tmp_root",
+    "learner.num_cpus_per_rank", "learner.num_gpus_per_rank", "learner.threads_per_rank", "learner.cpu_shm_allreduce",
+    "learner.dist_timeout_s", "learner.moe_diagnostics",
+    "trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
+    "trainer.audit_steps", "trainer.output_dir", "trainer.run_name", "trainer.resume", "trainer.ray_address",
+    "trainer.bind_host", "trainer.plots",
+    "model.num_params_b", "warm_start.", "sync.", "health.", "cluster.", "wandb.",
+)
+# Keys that act only from the first RL step on (the objective, the rollout batch and its sampling, the reward):
+# free to change on a checkpoint written before any RL step (a warm start: cluster/compare.py resumes every
+# algorithm from one), refused on a later one.
+RESUME_RL_ONLY = (
+    "learner.algorithm", "learner.clip_low", "learner.clip_high", "learner.loss_agg", "learner.num_minibatches",
+    "learner.ppo_epochs", "learner.lr", "learner.kl_coef", "learner.kl_estimator", "learner.normalize_adv_std",
+    "learner.old_logprob_source", "learner.routing_replay",
+    "trainer.prompts_per_step", "trainer.group_size", "trainer.dynamic_sampling", "trainer.max_sampling_rounds",
+    "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_response_tokens", "rollout.max_model_len",
+    "rollout.dtype", "rollout.seed", "reward.",
+)
+# Every other key is refused when it differs: the model, the learner's partitioning, dtype, batch split and
+# optimizer (the restored state was built with them), trainer.seed (the restored stream position indexes the
+# old seed's prompt order) and the data, which is compared by its fingerprint (data_fingerprint).
+
+
+class ResumeMismatch(ConfigError):
+    """The new config differs from the checkpoint's where resuming could not continue the same run; the
+    message names every such key with both values."""
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def data_fingerprint(rows: list[Any]) -> dict[str, Any]:
+    """A fingerprint of the training rows in order: their count and the SHA-256 of each row's uid, prompt,
+    prompt token ids, answer, verifier and meta.
+
+    The rows' content rather than the files' paths, sizes and mtimes: it catches what changes the prompt stream
+    (an edited or other file, ``data.num_train``, ``data.max_prompt_tokens``, the tokenizer, the arithmetic
+    seed) and ignores what does not (a file copied or moved, a touched mtime). Uids alone would not do: GSM8K
+    rows are numbered by line.
+
+    Args:
+        rows: the training ``PromptRow`` list the run's ``PromptStream`` is built from.
+    """
+    h = hashlib.sha256()
+    for r in rows:
+        rec = [r.uid, r.prompt, list(r.prompt_token_ids), r.answer, r.verifier, r.meta]
+        h.update(json.dumps(rec, sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return {"rows": len(rows), "sha256": h.hexdigest()}
+
+
+def read_learner_state(ckpt: Path) -> dict[str, Any] | None:
+    """``learner/learner_state.json`` of a checkpoint (world size, ZeRO stage, optimizer steps), or None."""
+    from learner.checkpoint import STATE_FILE as LEARNER_STATE
+
+    try:
+        return json.loads((ckpt / "learner" / LEARNER_STATE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def check_resume(saved: dict[str, Any], cfg: Config, fingerprint: dict[str, Any] | None,
+                 learner_state: dict[str, Any] | None = None) -> list[str]:
+    """Compare a checkpoint's driver state with the config of the run that resumes from it.
+
+    Refused: a different learner world size or ZeRO stage (``learner_state.json``, else the saved config),
+    trainer.seed, training data (``data_fingerprint``; the ``data.*`` keys themselves only when the checkpoint
+    has no fingerprint), model, learner dtype, micro-batch size or optimizer settings; after the first RL step
+    also the algorithm and its objective, the rollout batch, sampling and reward (``RESUME_RL_ONLY``). Free,
+    with a log line: resources, logging, schedule length, health guard (``RESUME_FREE``).
+
+    Args:
+        saved: ``read_state`` of the checkpoint (``step``, ``config``, ``data_fingerprint``).
+        cfg: the new run's config.
+        fingerprint: ``data_fingerprint`` of the new run's training rows (None: not compared).
+        learner_state: ``read_learner_state`` of the checkpoint, or None.
+
+    Returns:
+        One line per allowed change (also logged), for example ``"rollout.num_engines: 1 -> 2 (free)"``.
+
+    Raises:
+        ResumeMismatch: names every refused key with the checkpoint's and the config's value.
+    """
+    step = int(saved.get("step", 0))
+    old = _flatten(saved.get("config") or {})
+    new = _flatten(cfg.model_dump(mode="json"))
+    if old.get("reward.max_response_tokens") is None and "rollout.max_response_tokens" in old:
+        old["reward.max_response_tokens"] = old["rollout.max_response_tokens"]  # unset meant the rollout's
+    refused: dict[str, str] = {}
+    notes: list[str] = []
+    if not old:
+        notes.append("checkpoint holds no config: settings not compared")
+    for key, why in (("world_size", "the ranks' optimizer partitions and minibatch split"),
+                     ("zero_stage", "the layout of the saved optimizer state")):
+        if learner_state and key in learner_state and learner_state[key] != getattr(cfg.learner, key):
+            refused[f"learner.{key}"] = (f"checkpoint {learner_state[key]!r} (learner_state.json), config "
+                                         f"{getattr(cfg.learner, key)!r}: {why}")
+    same_data = None
+    saved_fp = saved.get("data_fingerprint")
+    if saved_fp and fingerprint:
+        same_data = saved_fp == fingerprint
+        if not same_data:
+            changed = [f"data.{k.split('.', 1)[1]}={new[k]!r} (checkpoint {old[k]!r})" for k in sorted(new)
+                       if k.startswith("data.") and k in old and old[k] != new[k]]
+            refused["data"] = (f"checkpoint {saved_fp['rows']} training rows sha256 {saved_fp['sha256'][:12]}, "
+                               f"config {fingerprint['rows']} rows sha256 {fingerprint['sha256'][:12]}"
+                               + (f" ({', '.join(changed)})" if changed else " (same data keys: the files changed)"))
+    elif old:
+        notes.append(f"{'checkpoint' if not saved_fp else 'config'} has no data fingerprint: data compared by its "
+                     "data.* keys only")
+    for key in sorted(set(old) | set(new)):
+        if key not in old or key not in new:
+            notes.append(f"{key}: only in the {'config' if key in new else 'checkpoint'}, not compared")
+            continue
+        if old[key] == new[key] or key in refused:
+            continue
+        change = f"{key}: {old[key]!r} -> {new[key]!r}"
+        if _matches(key, RESUME_FREE) or (key.startswith("data.") and same_data):
+            notes.append(f"{change} (free to change on resume)")
+        elif _matches(key, RESUME_RL_ONLY) and step == 0:
+            notes.append(f"{change} (the checkpoint is from before the first RL step)")
+        elif not key.startswith("data.") or same_data is None:
+            refused[key] = f"checkpoint {old[key]!r}, config {new[key]!r}"
+    for line in notes:
+        log.info("resume: %s", line)
+    if refused:
+        lines = "\n".join(f"  {k}: {v}" for k, v in refused.items())
+        raise ResumeMismatch(
+            f"cannot resume from the step-{step} checkpoint: the config differs where the resumed run could not "
+            f"continue the same run:\n{lines}\nUse the checkpoint's values, or start a new run (another "
+            "trainer.run_name, or trainer.resume=false)."
+        )
+    return notes

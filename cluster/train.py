@@ -2,7 +2,8 @@
 
 Validates the config, then either prints the resolved config and placement plan (``--dry-run``) or runs the
 job (``cluster.trainer.Trainer``: services up, warm start, RL steps, checkpoints). Exit codes: 0 done, 2 bad
-config or plan, 3 a learner rank died (resume from the last checkpoint), 4 the health guard stopped the run.
+config or plan (or a config the checkpoint to resume from refuses), 3 a learner rank died (resume from the
+last checkpoint), 4 the health guard stopped the run.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except HealthStop as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except ConfigError as e:  # found at start-up: e.g. a resume the checkpoint refuses (cluster.checkpoint)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:
         if isinstance(e, ray.exceptions.RayActorError) and is_learner_error(e):
             ck = latest_checkpoint(trainer.run_dir)

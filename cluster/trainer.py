@@ -149,6 +149,9 @@ class Trainer:
 
         resume_from = checkpoint.latest_checkpoint(self.run_dir) if cfg.trainer.resume else None
         state = checkpoint.read_state(resume_from) if resume_from else None
+        self.data_fingerprint = checkpoint.data_fingerprint(self.train_rows)
+        if state:  # before any actor starts: a config that cannot continue this run is refused here
+            checkpoint.check_resume(state, cfg, self.data_fingerprint, checkpoint.read_learner_state(resume_from))
         self.stream = data.PromptStream(self.train_rows, seed=cfg.trainer.seed,
                                         position=state["stream_position"] if state else 0)
         self.sft_rng = random.Random(cfg.trainer.seed + 1)
@@ -421,6 +424,7 @@ class Trainer:
             "stream_position": self.stream.position,
             "sft_rng": self.sft_rng.getstate(),
             "config": self.cfg.model_dump(mode="json"),
+            "data_fingerprint": self.data_fingerprint,
         }
         final = checkpoint.finalize(self.run_dir, tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
         log.info("checkpoint written: %s", final)

@@ -124,6 +124,16 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
     # Simulate a crash while step 4's checkpoint was being written: only a temp folder of it remains.
     os.rename(run / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004.tmp")
     (run / "checkpoints" / "step_00000004.tmp" / "COMPLETE").unlink()
+    state = json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["data_fingerprint"]["rows"] == 16
+    # another seed would reorder the prompts under the restored position: refused before any actor starts
+    from cluster.checkpoint import ResumeMismatch
+
+    reseeded = _trainer(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=true",
+                                           "trainer.seed=1"])
+    with pytest.raises(ResumeMismatch, match="trainer.seed: checkpoint 0, config 1"):
+        reseeded.start()
+    assert reseeded.learners is None and getattr(reseeded, "fleet", None) is None
     resumed = _trainer(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=true"])
     resumed.start()
     try:
