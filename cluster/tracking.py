@@ -7,10 +7,35 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+WANDB_ID_FILE = "wandb_run_id"  # in the run folder: the wandb run a resumed run continues
+
+
+def wandb_run_id(run_dir: Path, resuming: bool) -> tuple[str, bool]:
+    """The wandb run id of this run folder and whether it continues an earlier one.
+
+    A resumed run reuses the id stored in ``run_dir/wandb_run_id``; a fresh run (or a resumed one whose folder
+    holds no id, e.g. one logged with wandb disabled) gets a new id, which is stored there.
+
+    Returns:
+        ``(id, continued)``.
+    """
+    path = run_dir / WANDB_ID_FILE
+    if resuming and path.is_file():
+        stored = path.read_text().strip()
+        if stored:
+            return stored, True
+        log.warning("%s is empty: the resumed run opens a new wandb run", path)
+    elif resuming:
+        log.info("no %s in the run folder: the resumed run opens a new wandb run", WANDB_ID_FILE)
+    new = uuid.uuid4().hex[:16]  # wandb ids: letters and digits, unique within the project
+    path.write_text(new + "\n")
+    return new, False
 
 
 def _clean(v: Any) -> Any:
@@ -28,7 +53,9 @@ class MetricsLogger:
         wandb_mode: ``offline``, ``online``, ``disabled`` or ``auto`` (online if WANDB_API_KEY is set).
         project: wandb project name.
         resume_from_step: when resuming, lines for steps after this one (written after the checkpoint) are
-            dropped so the file again holds one line per step.
+            dropped so the file again holds one line per step, and the wandb run of the run folder is continued
+            (same id, ``resume="allow"``: online it appends to that run, or creates it when it never reached
+            the server; offline it writes another folder of the same id, which ``wandb sync`` uploads to it).
     """
 
     def __init__(
@@ -64,14 +91,19 @@ class MetricsLogger:
                 import wandb
 
                 os.environ.setdefault("WANDB_SILENT", "true")
+                run_id, continued = wandb_run_id(run_dir, resuming=resume_from_step is not None)
                 self._wandb = wandb.init(
                     project=project,
                     name=run_dir.name,
                     dir=str(run_dir),
                     mode=mode,
                     config=config,
+                    id=run_id,
+                    resume="allow" if continued else None,
                     reinit="finish_previous",
                 )
+                if continued:
+                    log.info("wandb: continuing run %s after step %d", run_id, resume_from_step)
             except Exception as e:  # wandb is a mirror: never let it stop training
                 log.warning("wandb disabled: %s", e)
                 self._wandb = None
