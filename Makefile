@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-fast bench soak submit compare clean
+.PHONY: setup train test test-fast bench bench-trl soak submit compare clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ test-fast: setup
 bench: setup
 	$(BIN)/python bench/step.py $(ARGS)
 	$(BIN)/python bench/reward.py
+
+# Our step time against TRL's GRPOTrainer set up as GSPO, same model, prompts and settings (ARGS="--workload
+# both --steps 4"). Installs the optional `bench` extra (TRL) into .venv; `make setup` does not.
+bench-trl: setup
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python bench/trl_compare.py $(ARGS)
 
 # Kill a random engine or reward worker every few steps; reports restarts and lost/duplicated prompts.
 soak: setup
