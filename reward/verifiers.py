@@ -12,7 +12,8 @@ Built-ins:
     ``math``    final-answer extraction + math-verify equivalence (GSM8K and similar).
     ``code``    the response's Python code against the row's tests; the code runs inside ``reward.sandbox``,
                 the verdict is reached outside it.
-    ``format``  1.0 when the response matches a regex (config ``reward.format_regex``), else 0.0.
+    ``format``  1.0 when the response matches a regex (config ``reward.format_regex``) and the answer it
+                marks parses as one answer (``reward.answers.is_answer``), else 0.0.
 User verifiers are named ``"module.path:function"``.
 """
 
@@ -24,10 +25,28 @@ import importlib
 import re
 from typing import Any, Callable
 
+from reward.answers import (
+    MAX_CANDIDATES,
+    after_hashes,
+    answer_spans,
+    candidates,
+    is_answer,
+    is_collection,
+    parse_boxed,
+    parse_candidate,
+    parse_reference,
+    too_large,
+)
+
 Verifier = Callable[[str, dict], "float | dict"]
 
+# The config's default ``reward.format_regex``: ``\s*`` runs across newlines, so a response of blank lines
+# makes ``re`` backtrack quadratically (10k blank lines: 0.5 s; 40k: 6 s). Its line-bounded equivalent:
+LEGACY_FORMAT_REGEX = r"(?m)^\s*####\s*\S+"
+DEFAULT_FORMAT_REGEX = r"(?m)^[ \t]*####[ \t]*(?P<answer>\S[^\n]*)"
+
 _WS = re.compile(r"\s+")
-_ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is\s*:?\s*(.+)", re.IGNORECASE)
+_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9_-]{0,30}>")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -49,69 +68,114 @@ def normalise(text: str) -> str:
     return _WS.sub(" ", text).strip()
 
 
-def after_hashes(text: str) -> str:
-    """The text after the last ``####`` marker (up to the end of that line), or ``text`` when there is none."""
-    if "####" not in text:
-        return text
-    tail = text.rsplit("####", 1)[1]
-    return tail.strip().split("\n", 1)[0]
-
-
 def exact_verifier(response: str, row: dict) -> float:
     """1.0 when the final answer equals the reference after normalisation, else 0.0.
 
     The final answer is the text after the last ``####`` line if there is one, else the whole response; both
     sides are stripped and have whitespace runs collapsed (the reference also loses a ``####`` prefix).
+
+    Raises:
+        ValueError: the row has no ``answer``.
     """
     row = as_row_dict(row)
     got = normalise(after_hashes(response))
-    want = normalise(after_hashes(str(row["answer"])))
+    want = normalise(after_hashes(str(_reference(row, "exact"))))
     return 1.0 if got == want and want != "" else 0.0
 
 
-def extract_final_answer(response: str) -> str | None:
-    """The final-answer text of a worked solution, or None when no answer can be found.
+def _reference(row: dict, verifier: str) -> Any:
+    ref = row.get("answer")
+    if ref is None or isinstance(ref, bool) or not isinstance(ref, (str, int, float)):
+        raise ValueError(f"{verifier} row {row.get('uid')!r}: answer must be a string or a number, got {ref!r}"[:300])
+    return ref
 
-    Order: the text after the last ``####``; else the whole response when it contains ``\\boxed`` (math-verify
-    picks the box); else what follows the last "the answer is"; else the last non-empty line.
-    """
-    if "####" in response:
-        return after_hashes(response)
-    if "\\boxed" in response or "\\fbox" in response:
-        return response
-    hits = _ANSWER_IS.findall(response)
-    if hits:
-        return hits[-1].strip()
-    lines = [ln for ln in response.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else None
+
+def extract_final_answer(response: str) -> str | None:
+    """The final-answer text of a worked solution, or None when there is none: the line after the last
+    ``####``; else the last ``\boxed{}`` content; else what follows the last "answer is" / "answer:" up to
+    the end of its sentence; else the last sentence of the last non-empty line (``reward.answers``)."""
+    _, spans = answer_spans(response)
+    return spans[-1].strip() if spans else None
 
 
 def math_verifier(response: str, row: dict) -> float:
     """1.0 when the response's final answer is mathematically equal to the reference (math-verify), else 0.0.
 
-    The reference is ``row["answer"]``; for raw GSM8K answers (worked solutions) the text after ``####`` is
-    used. Numbers, fractions and LaTeX forms compare by value: ``18``, ``18.0``, ``$18``, ``\\frac{36}{2}``
-    are all right for 18. math-verify's own signal-based timeouts are off: the runner enforces the limit.
+    The reference is ``row["answer"]`` (for a raw GSM8K worked solution, the text after ``####``), parsed by
+    ``reward.answers.parse_reference``: ``1,234`` is a number, ``3,5,7`` a set, ``(0,1)`` an interval,
+    ``2\\pi`` and ``\\sqrt{2}`` LaTeX. The response's candidate answers come from
+    ``reward.answers.candidates`` (``####`` line, boxes, "answer is", last sentence; remarks and explanations
+    dropped); it scores 1.0 only when there is at least one and every one verifies against the reference, so
+    a hedge like "17 or 18" scores 0. Numbers, fractions and LaTeX forms compare by value (``18``, ``18.0``,
+    ``$18``, ``\\frac{36}{2}``, ``18 apples`` are right for 18). math-verify's own signal-based timeouts are
+    off: the runner enforces the limit; every step is bounded in the response's length (see
+    ``reward.answers``).
+
+    Raises:
+        ValueError: the row has no string or number ``answer``, or the reference does not parse as math
+            (the message names the row and the reference).
     """
-    from math_verify import parse, verify
+    from math_verify import verify
 
     row = as_row_dict(row)
-    gold_text = after_hashes(str(row["answer"])).replace(",", "")
-    pred_text = extract_final_answer(response)
-    if pred_text is None or not gold_text.strip():
+    ref = str(_reference(row, "math"))
+    gold = parse_reference(ref)
+    if all(isinstance(g, str) for g in gold):  # nothing but math-verify's string fallback
+        raise ValueError(f"math row {row.get('uid')!r}: reference answer {ref[:100]!r} does not parse as math")
+    several = is_collection(gold)
+    how, found = candidates(response, several)
+    if not found or len(found) > MAX_CANDIDATES:
         return 0.0
-    gold = parse(gold_text, parsing_timeout=None)
-    pred = parse(pred_text, parsing_timeout=None)
-    if not gold or not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+    for text in found:
+        forms = parse_boxed(text) if how == "boxed" else parse_candidate(text, several)
+        forms = [f for f in forms if not too_large(f)]
+        if not forms or not verify(gold, forms, timeout_seconds=None):
+            return 0.0
+    return 1.0
 
 
-def format_verifier(response: str, row: dict, *, pattern: str = r"(?m)^\s*####\s*\S+") -> float:
-    """1.0 when ``pattern`` (or ``row["meta"]["format_regex"]``) is found in the response, else 0.0."""
+def format_verifier(response: str, row: dict, *, pattern: str = DEFAULT_FORMAT_REGEX) -> float:
+    """1.0 when ``pattern`` (or ``row["meta"]["format_regex"]``) is found in the response and the answer it
+    marks parses as an answer (``reward.answers.is_answer``: one value that math-verify parses, not a hedge
+    and not junk like ``#### ?``), else 0.0.
+
+    The marked answer of the last match is its group ``answer`` if the pattern names one, else its first
+    group if it has groups, else the match without XML-like tags (``<answer>3</answer>`` marks ``3``) and
+    without what precedes a ``####`` in it. A pure format term (any text counts) is not offered: a format
+    reward that pays for ``#### ?`` teaches the policy to emit markers, not answers.
+    The old default pattern ``(?m)^\\s*####\\s*\\S+`` (quadratic on blank lines: ``\\s*`` runs across them) is
+    replaced by its line-bounded equivalent ``DEFAULT_FORMAT_REGEX``.
+
+    Raises:
+        ValueError: the pattern is not a valid regular expression (the message names it).
+    """
     row = as_row_dict(row)
     pat = (row.get("meta") or {}).get("format_regex", pattern)
-    return 1.0 if re.search(pat, response) else 0.0
+    if pat == LEGACY_FORMAT_REGEX:
+        pat = DEFAULT_FORMAT_REGEX
+    try:
+        rx = _compiled(pat)
+    except (re.error, TypeError) as err:
+        raise ValueError(f"format regex {pat!r} is not a valid regular expression: {err}") from None
+    last = None
+    for last in rx.finditer(response):
+        pass
+    if last is None:
+        return 0.0
+    if "answer" in rx.groupindex:
+        marked = last.group("answer")
+    elif rx.groups:
+        marked = last.group(1)
+    else:
+        marked = _TAG.sub(" ", last.group())
+        if "####" in marked:
+            marked = marked.rsplit("####", 1)[1]
+    return 1.0 if marked is not None and is_answer(marked) else 0.0
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern)
 
 
 def extract_code(response: str) -> str:

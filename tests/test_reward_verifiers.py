@@ -75,7 +75,8 @@ def test_math_forms_of_eighteen():
 
 def test_extract_final_answer_order():
     assert extract_final_answer("a\n#### 5\nignored") == "5"
-    assert extract_final_answer("The answer is 3. Then \\boxed{4}") == "The answer is 3. Then \\boxed{4}"
+    assert extract_final_answer("The answer is 3. Then \\boxed{4}") == "4"  # a box beats an anchor
+    assert extract_final_answer("The answer is 18. Then 5 more.") == "18"  # up to the end of its sentence
     assert extract_final_answer("so the answer is: 12 apples") == "12 apples"
     assert extract_final_answer("x\n\n  7 \n\n").strip() == "7"
     assert extract_final_answer("   ") is None
@@ -99,7 +100,11 @@ def test_format_verifier_pattern_from_option_and_row():
     assert format_verifier("work\n#### 12", {"meta": {}}) == 1.0
     assert format_verifier("12", {"meta": {}}) == 0.0
     assert format_verifier("<answer>3</answer>", {"meta": {}}, pattern=r"<answer>.+</answer>") == 1.0
+    assert format_verifier("<answer>?</answer>", {"meta": {}}, pattern=r"<answer>.+</answer>") == 0.0
+    assert format_verifier("<a>x</a><b>7</b>", {"meta": {}}, pattern=r"<a>(.+)</a><b>(?P<answer>.+)</b>") == 1.0
     assert format_verifier("<answer>3</answer>", {"meta": {"format_regex": r"^\d+$"}}) == 0.0
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        format_verifier("x", {"meta": {"format_regex": "(unclosed"}})
 
 
 def _user_verifier(response: str, row: dict) -> dict:
@@ -112,8 +117,9 @@ def test_registry_builtins_users_and_errors():
     assert get_verifier("tests.test_reward_verifiers:_user_verifier")("x", {})["score"] == 0.5
     from reward.config import RewardConfig
 
-    fmt = get_verifier("format", RewardConfig(format_regex=r"^ok$"))
-    assert fmt("ok", {"meta": {}}) == 1.0 and fmt("#### 1", {"meta": {}}) == 0.0
+    fmt = get_verifier("format", RewardConfig(format_regex=r"^=(\S+)$"))
+    assert fmt("=12", {"meta": {}}) == 1.0 and fmt("#### 1", {"meta": {}}) == 0.0
+    assert fmt("=ok", {"meta": {}}) == 0.0  # the marked text is not an answer
     with pytest.raises(ValueError, match="unknown verifier 'nope'"):
         get_verifier("nope")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
