@@ -133,9 +133,7 @@ def _objective_settings(cfg: Any) -> dict[str, Any]:
 def _save_behaviour_weights(trainer: Any, out: Path) -> None:
     """Full weights from the learner ranks (collective: every rank exports, rank 0 returns them) in Hugging
     Face checkpoint format, plus the run model folder's config and tokenizer files."""
-    state: dict[str, Any] = {}
-    for bucket in trainer.learners.export_weights(trainer.cfg.sync.bucket_mb, as_refs=False):
-        state.update(bucket)
+    state = trainer.learners.call("checkpoint_state_dict")[0]
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
@@ -149,7 +147,7 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
     """Save what step ``step`` trains on and the weights that generated it; returns the step's audit folder.
 
     Must run before the learner trains on ``batch`` (its weights are then the behaviour weights the rollout
-    engines sampled with). Collective on the learner ranks (``compute_log_probs`` and ``export_weights`` are
+    engines sampled with). Collective on the learner ranks (``compute_log_probs`` and ``checkpoint_state_dict`` are
     called on all of them).
 
     Args:

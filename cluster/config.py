@@ -81,7 +81,12 @@ class DataConfig(Section):
 class SyncConfig(Section):
     """Weight sync learner -> rollout engines through the Ray object store."""
 
-    bucket_mb: float = Field(64.0, gt=0, description="size of one object-store bucket of weights, MiB")
+    bucket_mb: float = Field(
+        64.0, gt=0, description="weights per object-store bucket, MiB: consecutive layers are merged up to this "
+        "size (a larger layer is a bucket of its own)")
+    max_buckets_in_flight: int = Field(
+        2, ge=1, description="buckets put but not yet loaded by every engine, at most (bounds the object store's "
+        "share of a sync; 2 lets the export of one overlap the engines' loading of the other)")
 
 
 def _threshold(key: str, what: str) -> str:

@@ -113,9 +113,10 @@ class LearnerGroup:
                   for lo in range(0, per * len(self.actors), per)]
         return self.call_sharded("sft_step", shards)[0]
 
-    def export_weights(self, bucket_mb: float, **kwargs) -> list[Any]:
-        """Every rank takes part (ZeRO-3 gathers); rank 0's buckets (object refs) are returned."""
-        return self.call("export_weights", bucket_mb, **kwargs)[0]
+    def sync_weights(self, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int) -> dict[str, Any]:
+        """Stream the weights to ``engines`` as ``version`` (every rank takes part: ZeRO-3 gathers); rank 0's
+        report (``learner.weight_sync.sync_weights``)."""
+        return self.call("sync_weights", engines, version, bucket_mb, max_in_flight)[0]
 
     def save_checkpoint(self, path: str) -> None:
         self.call("save_checkpoint", path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -100,7 +101,9 @@ class EngineFleet:
         self.weight_version = 0
         self.max_retries = 3
         self.restarts = 0  # engines replaced after dying (for fault/rollout_restarts)
-        self.last_refs: list[Any] | None = None  # the current weights' buckets (None: the model folder's)
+        # Streams the current weights to a list of engines as a version: ``(engines, version) -> sync report``
+        # (``cluster.learner_group.LearnerGroup.sync_weights`` bound to the sync settings). None: nothing synced yet.
+        self.weight_source: Callable[[list[Any], int], dict[str, Any]] | None = None
 
     def _start_one(self) -> tuple[Any, Any]:
         from rollout.engine import RolloutEngine
@@ -134,12 +137,24 @@ class EngineFleet:
             env["TORCH_COMPILE_DISABLE"] = "1"
         return env
 
+    def _load_current(self, engines: list[Any]) -> None:
+        """Give new engines the current weights (they start with the model folder's, version 0).
+
+        Raises:
+            RuntimeError: an engine failed to load them.
+        """
+        if self.weight_version == 0 or self.weight_source is None or not engines:
+            return
+        report = self.weight_source(engines, self.weight_version)
+        if report.get("failed_engines"):
+            raise RuntimeError(f"new rollout engines could not load weight version {self.weight_version}: "
+                               f"{report['failed_engines']}")
+
     def start(self, count: int) -> None:
         """Start ``count`` more engines; once weights were synced, new engines load the current ones."""
         new = [self._start_one() for _ in range(count)]
         ray.get([a.pid.remote() for a, _ in new])
-        if self.last_refs is not None:
-            ray.get([a.update_weights.remote(self.last_refs, self.weight_version) for a, _ in new])
+        self._load_current([a for a, _ in new])
         for a, pg in new:
             self.engines.append(a)
             self.groups.append(pg)
@@ -163,8 +178,7 @@ class EngineFleet:
         remove_placement_group(pg)
         actor, new_pg = self._start_one()
         ray.get(actor.pid.remote())
-        if self.last_refs is not None:
-            ray.get(actor.update_weights.remote(self.last_refs, self.weight_version))
+        self._load_current([actor])
         self.engines[slot], self.groups[slot] = actor, new_pg
         self.restarts += 1
         log.warning("rollout engine %d died and was replaced (weight version %d)", slot, self.weight_version)
@@ -230,25 +244,27 @@ class EngineFleet:
             out.extend(results[slot])
         return out
 
-    def sync(self, refs: list[Any], version: int) -> float:
-        """Load the bucketed weights (object refs) into every engine at once; an engine that died is replaced
-        by one that loads the same refs. Returns the slowest engine's load time in seconds.
+    def sync(self, version: int) -> dict[str, Any]:
+        """Stream the current weights (``weight_source``) into every engine as ``version``; an engine that
+        died or failed during the sync is replaced by one that loads the same version.
+
+        Returns:
+            the sync report (``bytes``, ``seconds``, ``buckets``, ``failed_engines``).
 
         Raises:
-            RuntimeError: an engine reports another version afterwards.
+            RuntimeError: no weight source, or an engine reports another version afterwards.
         """
-        self.last_refs, self.weight_version = refs, version
-        calls = {slot: e.update_weights.remote(refs, version) for slot, e in enumerate(self.engines)}
-        times = []
-        for slot, ref in calls.items():
-            try:
-                times.append(ray.get(ref))
-            except ray.exceptions.RayActorError:
-                self.replace(slot)  # loads self.last_refs
+        if self.weight_source is None:
+            raise RuntimeError("EngineFleet.sync: no weight_source set")
+        report = self.weight_source(list(self.engines), version)
+        self.weight_version = version
+        for slot, why in sorted(report.get("failed_engines", {}).items()):
+            log.warning("rollout engine %d failed during weight sync (%s)", slot, why)
+            self.replace(slot)  # loads version
         versions = ray.get([e.weight_version.remote() for e in self.engines])
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")
-        return max(times) if times else 0.0
+        return report
 
 
 class RewardGroups:

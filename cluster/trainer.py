@@ -132,6 +132,7 @@ class Trainer:
         self.rollbacks_in_a_row = 0  # rollbacks with no good step between them
         self.health_log: list[dict[str, Any]] = []
         self.learners: LearnerGroup | None = None
+        self.last_sync: dict[str, float] = {}  # sync/* metrics of the last weight sync
 
     # -- start-up -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,6 +175,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
+        sc = cfg.sync
+        self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
+            engines, version, sc.bucket_mb, sc.max_buckets_in_flight)
         self.fleet.start(cfg.rollout.num_engines)
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
@@ -183,11 +187,16 @@ class Trainer:
 
     # -- pieces of a step ---------------------------------------------------------------------------------
     def _sync_weights(self, version: int) -> float:
+        """Stream the learner's weights into every engine as ``version``; keeps the sync's bytes and seconds
+        for the step's metrics (``sync/*``). Returns the wall time."""
         t = time.perf_counter()
-        refs = self.learners.export_weights(self.cfg.sync.bucket_mb)
-        self.fleet.sync(refs, version)  # the fleet keeps the refs: replacement engines load them
+        report = self.fleet.sync(version)
         self.weight_version = version
-        return time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        self.last_sync = {"sync/bytes": float(report.get("bytes", 0)), "sync/seconds": seconds,
+                          "sync/gb_per_s": report.get("bytes", 0) / seconds / 1e9 if seconds > 0 else 0.0,
+                          "sync/buckets": float(report.get("buckets", 0))}
+        return seconds
 
     def _score(self, rows_by_uid: dict[str, PromptRow], completions: list[Completion]) -> list[RewardResult]:
         reqs = [
@@ -311,6 +320,8 @@ class Trainer:
         if c.prompts:
             learner_m, learner_s, sync_s = self.train_and_sync(c, rewards)
             m.update(learner_m)
+            if sync_s:
+                m.update(self.last_sync)
         else:
             log.warning("step %d: no informative group; no update", self.step + 1)
         self.step += 1

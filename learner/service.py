@@ -312,14 +312,18 @@ class LearnerRank:
             out[lo:hi, : mb.width - 1] = lp.float().cpu()
         return out
 
-    def export_weights(self, bucket_mb: float, as_refs: bool = True, checkpoint_format: bool = True) -> list:
-        """The full weights for the rollout engines in buckets (``learner.weight_sync.export_weights``).
-        Collective; rank 0 returns the buckets (object refs), the others ``[]``.
+    def sync_weights(self, engines: list, version: int, bucket_mb: float = 64.0, max_in_flight: int = 2) -> dict:
+        """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``). Collective;
+        rank 0 returns the sync's bytes, seconds, buckets and failed engines, the others ``{}``.
 
         Raises:
-            ValueError: ``bucket_mb`` not > 0.
+            ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.
         """
-        return weight_sync.export_weights(self, bucket_mb, as_refs=as_refs, checkpoint_format=checkpoint_format)
+        return weight_sync.sync_weights(self, engines, version, bucket_mb, max_in_flight)
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights in checkpoint names (CPU copies) on rank 0, ``{}`` on the others. Collective."""
+        return weight_sync.checkpoint_state_dict(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every full parameter and persistent buffer (transformers names, CPU copies). Collective."""

@@ -1,27 +1,45 @@
-"""Weight sync, learner side: the full weights in checkpoint names, cut into buckets for the rollout engines.
+"""Weight sync, learner side: stream the weights, layer by layer, through the Ray object store to the engines.
 
 The engines (``rollout.weight_sync``) load tensors by the names of the Hugging Face checkpoint files, which
 differ from transformers' in-memory names where transformers converts at load time (for example one fused
 ``experts.gate_up_proj [E, 2I, H]`` in memory, one ``experts.{e}.gate_proj.weight`` per expert on disk). The
 conversion back is transformers' own ``revert_weight_conversion``: the one place names are translated.
+
+How a sync moves the bytes (``sync_weights``; collective over the learner ranks, rank 0 sends):
+
+1. the parameters are walked in vLLM's layer-wise groups (``layerwise_groups``: embeddings, one group per
+   decoder layer, final norm and ``lm_head``), consecutive groups merged up to ``bucket_mb``; under ZeRO-3
+   only one bucket's parameters are gathered at a time;
+2. rank 0 converts the bucket to checkpoint names and ``ray.put``s it as a list of uint8 numpy arrays, one per
+   tensor: the single copy on the sending side, exactly the tensor bytes (a per-expert view pickles its own
+   bytes only, not its fused storage's);
+3. every engine loads the bucket (one ``update_weights`` call each; the object ref is resolved zero-copy on
+   the engine's node) while rank 0 gathers and puts the next one; at most ``max_in_flight`` buckets exist at
+   once, and each is released when every engine has loaded it;
+4. ``finish_weight_update(version)`` on every engine.
+
+An engine that fails during a sync (process death or an error) is reported, not raised: the driver replaces it.
 """
 
 from __future__ import annotations
 
-import torch
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
 
-from learner.state import full_params
+import torch
 
 
 def to_checkpoint_format(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers in-memory names -> checkpoint names and layout (reverses its load-time conversions).
 
     Args:
-        module: the transformers model the state dict belongs to (its class decides the conversion).
-        state: in-memory name -> tensor.
+        module: the transformers model the tensors belong to (its class decides the conversion).
+        state: in-memory name -> tensor (any subset of the model, e.g. one layer).
 
     Returns:
-        checkpoint name -> contiguous tensor.
+        checkpoint name -> contiguous tensor (possibly a view of an input tensor's storage).
     """
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -29,59 +47,129 @@ def to_checkpoint_format(module: torch.nn.Module, state: dict[str, torch.Tensor]
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def bucketize(state: dict[str, torch.Tensor], bucket_mb: float) -> list[dict[str, torch.Tensor]]:
-    """Cut ``state`` into consecutive buckets of about ``bucket_mb`` MiB (a larger tensor gets its own).
+def weight_buckets(module: torch.nn.Module, bucket_mb: float) -> list[list[str]]:
+    """In-memory names of the parameters and persistent buffers in vLLM's layer-wise groups (embeddings,
+    each decoder layer, the rest), consecutive groups merged while they stay within ``bucket_mb`` MiB; a
+    group larger than that is a bucket of its own (a layer is never split).
 
     Raises:
         ValueError: ``bucket_mb`` not > 0.
     """
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
     if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be > 0")
+        raise ValueError(f"sync.bucket_mb={bucket_mb!r} must be > 0")
+    sizes = {n: int(getattr(p, "ds_numel", p.numel())) * p.element_size() for n, p in module.named_parameters()}
+    state_keys = set(module.state_dict().keys())
+    sizes.update({n: b.numel() * b.element_size() for n, b in module.named_buffers() if n in state_keys})
     limit = bucket_mb * (1 << 20)
-    buckets: list[dict[str, torch.Tensor]] = []
-    current: dict[str, torch.Tensor] = {}
+    buckets: list[list[str]] = []
     size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > limit:
-            buckets.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    if current:
-        buckets.append(current)
+    for group in layerwise_groups(list(sizes)):
+        g = sum(sizes[n] for n in group)
+        if buckets and size + g <= limit:
+            buckets[-1].extend(group)
+            size += g
+        else:
+            buckets.append(list(group))
+            size = g
     return buckets
 
 
-def export_weights(rank, bucket_mb: float, as_refs: bool = True, checkpoint_format: bool = True) -> list:
-    """The full weights for the rollout engines, in buckets of about ``bucket_mb`` MiB. Collective.
+def checkpoint_buckets(rank, bucket_mb: float, keep: bool) -> Iterator[dict[str, torch.Tensor] | None]:
+    """Yield each bucket in checkpoint names (``keep``) or None (a rank that only takes part in the gathers),
+    while its parameters are gathered: consume the tensors before asking for the next bucket. Collective
+    under ZeRO-3: every rank must consume the whole generator."""
+    import deepspeed
 
-    Args:
-        rank: the ``learner.service.LearnerRank``.
-        bucket_mb: target bucket size in MiB (> 0).
-        as_refs: True: each bucket goes into the Ray object store (``ray.put`` on rank 0, which owns the
-            objects: fetch them before the actor dies); False: the bucket dicts themselves.
-        checkpoint_format: True: checkpoint names and layout (``to_checkpoint_format``); False: transformers'
-            in-memory names.
+    module = rank.engine.module
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    for names in weight_buckets(module, bucket_mb):
+        group = [params[n] for n in names if n in params]
+        with deepspeed.zero.GatheredParameters(group, modifier_rank=None, enabled=rank.zero3):
+            if not keep:
+                yield None
+                continue
+            tensors = {n: (params[n] if n in params else buffers[n]).detach() for n in names}
+            yield to_checkpoint_format(module, tensors)
+
+
+def pack_bucket(bucket: dict[str, torch.Tensor]) -> tuple[dict[str, list], list[Any], int]:
+    """``(meta, buffers, nbytes)`` of a bucket: meta ``{"names", "dtype_names", "shapes"}``, one uint8 numpy
+    view per tensor (no copy here; ``ray.put`` copies exactly these bytes), and the bytes in all."""
+    meta = {"names": list(bucket), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
+            "shapes": [list(t.shape) for t in bucket.values()]}
+    buffers = [t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy() for t in bucket.values()]
+    return meta, buffers, sum(b.nbytes for b in buffers)
+
+
+class _Fanout:
+    """Rank 0's side of one sync: calls on the engines, failures recorded per engine instead of raised."""
+
+    def __init__(self, engines: list[Any]):
+        import ray
+
+        self.ray = ray
+        self.engines = dict(enumerate(engines))
+        self.failed: dict[int, str] = {}
+
+    def call(self, method: str, *args) -> dict[int, Any]:
+        return {i: getattr(e, method).remote(*args) for i, e in self.engines.items() if i not in self.failed}
+
+    def wait(self, calls: dict[int, Any]) -> None:
+        for i, ref in calls.items():
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
+                self.failed.setdefault(i, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+
+
+def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int = 2) -> dict[str, Any]:
+    """Stream the current weights to ``engines`` (Ray actor handles of ``rollout.engine.RolloutEngine``) as
+    weight version ``version``. Collective over the learner ranks; only rank 0 talks to the engines.
 
     Returns:
-        On rank 0 a list of ``ray.ObjectRef`` (or of ``dict[str, Tensor]`` on the CPU), in parameter order,
-        together holding every weight once; ``[]`` on the other ranks.
+        On rank 0: ``{"bytes": weight bytes sent x engines reached, "seconds": wall time, "buckets": count,
+        "failed_engines": {index in engines: error text}}``; ``{}`` on the other ranks.
 
     Raises:
-        ValueError: ``bucket_mb`` not > 0.
+        ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.
     """
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be > 0")
+    if max_in_flight < 1:
+        raise ValueError(f"sync.max_buckets_in_flight={max_in_flight!r} must be >= 1")
+    t0 = time.perf_counter()
     keep = rank.rank == 0
-    state = {n: t for n, t in full_params(rank.engine, rank.zero3, keep) if t is not None}
+    fan = _Fanout(engines) if keep else None
+    if keep:
+        fan.wait(fan.call("start_weight_update"))
+    inflight: deque = deque()
+    sent = buckets = 0
+    for bucket in checkpoint_buckets(rank, bucket_mb, keep):
+        if not keep:
+            continue
+        meta, buffers, nbytes = pack_bucket(bucket)
+        ref = fan.ray.put(buffers)
+        calls = fan.call("update_weights", meta, ref)
+        sent += nbytes * len(calls)
+        buckets += 1
+        inflight.append(calls)
+        del ref, buffers, bucket  # the object lives while an engine's call holds it
+        if len(inflight) >= max_in_flight:
+            fan.wait(inflight.popleft())
     if not keep:
-        return []
-    if checkpoint_format:
-        state = to_checkpoint_format(rank.engine.module, state)
-    buckets = bucketize(state, bucket_mb)
-    if not as_refs:
-        return buckets
-    import ray
+        return {}
+    while inflight:
+        fan.wait(inflight.popleft())
+    fan.wait(fan.call("finish_weight_update", int(version)))
+    return {"bytes": sent, "seconds": time.perf_counter() - t0, "buckets": buckets, "failed_engines": fan.failed}
 
-    return [ray.put(b) for b in buckets]
+
+def checkpoint_state_dict(rank, bucket_mb: float = 64.0) -> dict[str, torch.Tensor]:
+    """The full weights in checkpoint names as CPU copies, on rank 0 (``{}`` elsewhere). Collective."""
+    keep = rank.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    for bucket in checkpoint_buckets(rank, bucket_mb, keep):
+        if keep:
+            out.update({k: v.detach().to("cpu", copy=True) for k, v in bucket.items()})
+    return out

@@ -6,12 +6,11 @@
 
 * log-probs are requested in vLLM's ``processed_logprobs`` mode, i.e. ``log softmax(logits / temperature)``
   of the sampled token, the distribution the learner recomputes;
-* weight updates go through the worker's ``reload_weights`` (``model.load_weights`` fails in 0.32), after
-  dropping every MoE layer's cached kernel so the CPU expert repacking runs again (vLLM 0.32 skips it on
-  reload and every later forward is silently wrong), and are followed by ``reset_prefix_cache()`` (or KV
-  computed with the old weights is reused);
-* in the multi-process mode tensors cannot cross ``collective_rpc``, so each bucket travels as a safetensors
-  byte blob; in-process the tensors are passed as they are.
+* weight updates go through vLLM's own weight-transfer protocol with the ``"ray_object"`` backend of
+  ``rollout.weight_sync`` (buckets from the Ray object store, layer-wise reload, the CPU repairs there), and
+  are followed by ``reset_prefix_cache()`` (or KV computed with the old weights is reused);
+* in the multi-process mode numpy arrays do not survive vLLM's msgpack hop to the engine core, so each
+  tensor's bytes are copied into ``bytes`` there; in-process the object store's memory is used as it is.
 """
 
 from __future__ import annotations
@@ -19,68 +18,15 @@ from __future__ import annotations
 import gc
 import json
 import os
-import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollout.contracts import Completion, PromptRow
 from rollout.config import RolloutConfig
-
-_FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.experts)\.gate_up_proj$")
-_FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.experts)\.down_proj$")
-
-
-class RolloutWorkerExtension:
-    """Methods mixed into vLLM's worker (``worker_extension_cls``); they run in the worker process and are
-    called through ``LLM.collective_rpc(name, args=...)``."""
-
-    def rollout_stage_weights(self, payload: bytes | dict[str, torch.Tensor]) -> int:
-        """Keep one bucket of checkpoint-format weights until ``rollout_commit_weights``.
-
-        Args:
-            payload: a safetensors byte blob (multi-process mode) or a dict name -> tensor (in-process).
-
-        Returns:
-            the number of tensors staged so far.
-        """
-        if isinstance(payload, (bytes, bytearray, memoryview)):
-            from safetensors.torch import load as load_safetensors
-
-            payload = load_safetensors(bytes(payload))
-        staged = getattr(self, "_rollout_staged", None)
-        if staged is None:
-            staged = self._rollout_staged = []
-        staged.extend(payload.items())
-        return len(staged)
-
-    def rollout_commit_weights(self) -> int:
-        """Load all staged tensors in place, then clear them. Returns the number of tensors loaded.
-
-        Drops each MoE layer's cached kernel first (``quant_method.moe_kernel = None``) so that
-        ``process_weights_after_loading`` repacks the new expert weights, as it does at the first load.
-        """
-        staged = getattr(self, "_rollout_staged", None) or []
-        self._rollout_staged = []
-        if not staged:
-            return 0
-        model = self.model_runner.get_model()
-        for module in model.modules():
-            method = getattr(module, "quant_method", None)
-            if method is not None and getattr(method, "moe_kernel", None) is not None:
-                method.moe_kernel = None
-        self.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
-        return len(staged)
-
-    def rollout_discard_staged(self) -> int:
-        """Drop staged tensors without loading them (after a failed update). Returns how many were dropped."""
-        staged = getattr(self, "_rollout_staged", None) or []
-        self._rollout_staged = []
-        return len(staged)
-
+from rollout.contracts import Completion, PromptRow
 
 def checkpoint_weight_names(model_path: str | os.PathLike) -> set[str] | None:
     """Tensor names of a Hugging Face folder's safetensors checkpoint, or None when it has none.
@@ -98,52 +44,6 @@ def checkpoint_weight_names(model_path: str | os.PathLike) -> set[str] | None:
         with safe_open(str(single), framework="pt") as f:
             return set(f.keys())
     return None
-
-
-def to_checkpoint_format(weights: Mapping[str, torch.Tensor], names: set[str] | None) -> dict[str, torch.Tensor]:
-    """Rename a transformers state dict into the checkpoint's tensor names.
-
-    transformers 5 keeps each MoE layer's experts fused: ``...experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
-    first, then up) and ``...experts.down_proj`` ``[E, H, I]``, while the saved checkpoint (and vLLM's loader)
-    use one ``...experts.{e}.{gate,up,down}_proj.weight`` per expert. Fused tensors are split into views
-    when the checkpoint uses per-expert names; every other tensor passes through unchanged.
-
-    Args:
-        weights: name -> tensor (any dtype, CPU).
-        names: the checkpoint's tensor names, or None to split fused experts unconditionally.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if names is not None and name in names:
-            out[name] = tensor
-            continue
-        gate_up, down = _FUSED_GATE_UP.match(name), _FUSED_DOWN.match(name)
-        if gate_up and tensor.dim() == 3:
-            half = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{gate_up['prefix']}.{e}.gate_proj.weight"] = tensor[e, :half]
-                out[f"{gate_up['prefix']}.{e}.up_proj.weight"] = tensor[e, half:]
-        elif down and tensor.dim() == 3:
-            for e in range(tensor.shape[0]):
-                out[f"{down['prefix']}.{e}.down_proj.weight"] = tensor[e]
-        else:
-            out[name] = tensor
-    return out
-
-
-def _resolve_bucket(bucket: Any) -> Mapping[str, torch.Tensor]:
-    if isinstance(bucket, Mapping):
-        return bucket
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
-        ray = None
-    if ray is not None and isinstance(bucket, ray.ObjectRef):
-        value = ray.get(bucket)
-        if isinstance(value, Mapping):
-            return value
-        raise TypeError(f"weight bucket ObjectRef holds {type(value).__name__}, expected dict[str, torch.Tensor]")
-    raise TypeError(f"weight bucket is {type(bucket).__name__}, expected dict[str, torch.Tensor] or a Ray ObjectRef")
 
 
 class RolloutEngine:
@@ -175,6 +75,9 @@ class RolloutEngine:
         self._set_environment(cache_dir)
 
         from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        from rollout import weight_sync
 
         self._checkpoint_names = checkpoint_weight_names(self.model_path)
         self._llm = LLM(
@@ -188,11 +91,14 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=cfg.tensor_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            worker_extension_cls=f"{__name__}.RolloutWorkerExtension",
+            worker_extension_cls="rollout.weight_sync.RolloutWorkerExtension",
+            weight_transfer_config=WeightTransferConfig(backend=weight_sync.BACKEND),
             disable_log_stats=True,
         )
+        self._llm.init_weight_transfer_engine({"init_info": {}})
         hf_config = self._llm.llm_engine.model_config.hf_config
         self._tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._syncing = False  # between start_weight_update and a successful finish: no sampling
 
     def _set_environment(self, cache_dir: str | None) -> None:
         cfg = self.cfg
@@ -231,6 +137,8 @@ class RolloutEngine:
         return inputs
 
     def _sample(self, prompts: list[PromptRow], params: list[Any], n: int) -> list[Completion]:
+        if self._syncing:
+            raise RuntimeError("engine is between weight versions (a weight sync did not finish): no sampling")
         if not prompts:
             return []
         outputs = self._llm.generate(self._prompt_inputs(prompts), params, use_tqdm=False)
@@ -364,67 +272,92 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ weight sync
 
-    def update_weights(self, buckets: Iterable[Any], version: int) -> float:
-        """Load new weights in place, reset the prefix cache and set the weight version.
+    def start_weight_update(self) -> None:
+        """Open a weight-sync session (vLLM's ``start_weight_update``): sampling is refused until
+        ``finish_weight_update`` succeeds."""
+        self._syncing = True
+        self._llm.start_weight_update()
+
+    def update_weights(self, meta: Mapping[str, list], buffers: list[Any]) -> float:
+        """Load one bucket of checkpoint-format tensors (layer-wise: a layer is processed once complete).
 
         Args:
-            buckets: items that are ``dict[str, torch.Tensor]`` (Hugging Face parameter names, full tensors;
-                transformers' fused expert tensors are accepted and split) or Ray ObjectRefs to such dicts.
-                Together they must hold every tensor of the checkpoint.
-            version: the new weight version (reported in every later ``Completion``).
+            meta: ``{"names": [...], "dtype_names": [...], "shapes": [...]}`` (see
+                ``rollout.weight_sync.ObjectRefUpdateInfo``), names as in the model folder's checkpoint.
+            buffers: one uint8 numpy array per tensor (Ray resolves the bucket's object ref into them, zero-copy).
 
         Returns:
-            seconds taken (wall clock), fetching the buckets included.
+            seconds taken.
 
         Raises:
-            ValueError: names that are not in the model's checkpoint, or checkpoint tensors missing from the
-                buckets (nothing is loaded then).
-            TypeError: a bucket that is neither a dict nor an ObjectRef to one.
+            RuntimeError: no session is open.
+            ValueError: names not in the model's checkpoint, or a buffer that does not match its metadata.
         """
         t0 = time.perf_counter()
-        resolved = [to_checkpoint_format(_resolve_bucket(b), self._checkpoint_names) for b in buckets]
-        self._check_names(resolved)
+        if not self._syncing:
+            raise RuntimeError("update_weights called outside a weight-sync session (start_weight_update first)")
+        unknown = set(meta["names"]) - self._known_names()
+        if self._checkpoint_names is not None and unknown:
+            self._close_session()
+            fused = [n for n in unknown if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+            hint = (" (transformers' in-memory names sent in place of fused experts' checkpoint names: convert with "
+                    "learner.weight_sync.to_checkpoint_format)") if fused else ""
+            raise ValueError(f"weight bucket for {self.model_path!r} holds names not in its checkpoint: "
+                             f"{sorted(unknown)[:5]}{hint}")
+        if not self.cfg.in_process:
+            buffers = [bytes(memoryview(b)) for b in buffers]  # msgpack to the engine core keeps bytes, not arrays
         try:
-            for bucket in resolved:
-                if self._tied_embeddings:
-                    bucket = {k: v for k, v in bucket.items() if k != "lm_head.weight"}
-                self._llm.collective_rpc("rollout_stage_weights", args=(self._encode(bucket),))
-            self._llm.collective_rpc("rollout_commit_weights")
+            self._llm.update_weights({"update_info": {**meta, "buffers": list(buffers)}})
         except BaseException:
-            self._llm.collective_rpc("rollout_discard_staged")
+            self._close_session()
             raise
+        return time.perf_counter() - t0
+
+    def finish_weight_update(self, version: int) -> int:
+        """Close the session: finalize the layer-wise reload, check that every checkpoint tensor arrived,
+        reset the prefix cache and take ``version``. Returns the number of tensors loaded.
+
+        Raises:
+            ValueError: checkpoint tensors missing from the session (the engine stays refused for sampling).
+            RuntimeError: vLLM refused to reset the prefix cache.
+        """
+        self._llm.finish_weight_update()
+        received = set(self._llm.collective_rpc("rollout_received_names")[0])
+        missing = self._known_names() - received - ({"lm_head.weight"} if self._tied_embeddings else set())
+        if self._checkpoint_names is not None and missing:
+            raise ValueError(f"weight sync for {self.model_path!r} left {len(missing)} checkpoint tensors unloaded: "
+                             f"{sorted(missing)[:5]}")
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
         self._version = int(version)
+        self._syncing = False
+        return len(received)
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int, bucket_tensors: int = 16) -> float:
+        """Load checkpoint-format ``state`` through the same session calls, in buckets of ``bucket_tensors``
+        tensors (for tests and tools; the learner streams its own buckets). Returns seconds taken."""
+        t0 = time.perf_counter()
+        names = list(state)
+        self.start_weight_update()
+        for i in range(0, len(names), bucket_tensors):
+            chunk = [(n, state[n].detach().contiguous()) for n in names[i : i + bucket_tensors]]
+            meta = {"names": [n for n, _ in chunk], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+                    "shapes": [list(t.shape) for _, t in chunk]}
+            self.update_weights(meta, [t.reshape(-1).view(torch.uint8).numpy() for _, t in chunk])
+        self.finish_weight_update(version)
         return time.perf_counter() - t0
 
-    def _check_names(self, buckets: list[dict[str, torch.Tensor]]) -> None:
-        given: set[str] = set()
-        for bucket in buckets:
-            dup = given.intersection(bucket)
-            if dup:
-                raise ValueError(f"weight buckets repeat tensors: {sorted(dup)[:5]}")
-            given.update(bucket)
-        expected = self._checkpoint_names
-        if expected is None:
-            return
-        optional = {"lm_head.weight"} if self._tied_embeddings else set()
-        unknown = given - expected - optional
-        missing = expected - given
-        if unknown or missing:
-            raise ValueError(
-                f"weight update for {self.model_path!r} does not match its checkpoint: "
-                f"{len(unknown)} unknown names {sorted(unknown)[:5]}, {len(missing)} missing {sorted(missing)[:5]}"
-            )
+    def _close_session(self) -> None:
+        """End a session that failed half-way (vLLM has no abort): the engine keeps refusing to sample until a
+        whole sync succeeds."""
+        try:
+            self._llm.finish_weight_update()
+        except Exception:  # noqa: BLE001 - the session may already be closed by vLLM after its own error
+            pass
 
-    def _encode(self, bucket: dict[str, torch.Tensor]) -> bytes | dict[str, torch.Tensor]:
-        if self.cfg.in_process:
-            return bucket
-        from safetensors.torch import save as save_safetensors
-
-        # clone: split expert views share storage, which safetensors refuses
-        blob = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in bucket.items()}
-        return save_safetensors(blob)
+    def _known_names(self) -> set[str]:
+        names = set(self._checkpoint_names or ())
+        return names | {"lm_head.weight"} if self._tied_embeddings else names
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -259,20 +259,23 @@ def test_compute_log_probs_export_and_checksum(model_path, port):
     from safetensors.torch import load_file
 
     state = _ref_model(model_path).state_dict()
-    buckets = learner.export_weights(0.05, as_refs=False, checkpoint_format=False)
-    assert len(buckets) > 1 and all(isinstance(b, dict) for b in buckets)
-    merged = {k: v for b in buckets for k, v in b.items()}
-    assert sum(len(b) for b in buckets) == len(merged) == len(state)
+    from learner.weight_sync import weight_buckets
+
+    buckets = weight_buckets(learner.engine.module, 0.05)  # layer-wise groups, none merged at 0.05 MiB
+    assert len(buckets) > 2 and sorted(n for b in buckets for n in b) == sorted(learner.full_state_dict())
+    merged = learner.full_state_dict()
+    assert merged.keys() == state.keys()
     for k, v in state.items():
         assert torch.equal(merged[k], v), k
     on_disk = load_file(os.path.join(model_path, "model.safetensors"))
-    merged = {k: v for b in learner.export_weights(0.05, as_refs=False) for k, v in b.items()}
+    merged = learner.checkpoint_state_dict()
     assert set(merged) == set(on_disk)
     for k, v in on_disk.items():
         assert torch.equal(merged[k], v), k
     assert learner.state_checksum() == pytest.approx(sum(float(v.double().sum()) for v in state.values()), rel=1e-12)
+    assert len(weight_buckets(learner.engine.module, 1024)) == 1  # everything fits one bucket
     with pytest.raises(ValueError, match="bucket_mb"):
-        learner.export_weights(0, as_refs=False)
+        weight_buckets(learner.engine.module, 0)
 
 
 def test_sft_step_lr_and_reset(model_path, port):
@@ -358,8 +361,7 @@ def test_bf16_training_runs(model_path, port):
     assert all(torch.isfinite(torch.tensor(v)).all() for k, v in out.items() if k != "moe/layers")
     assert out["actor/grad_norm"] > 0
     assert learner.state_checksum() != before
-    buckets = learner.export_weights(64, as_refs=False)
-    assert all(v.dtype == torch.bfloat16 for bucket in buckets for v in bucket.values())
+    assert all(v.dtype == torch.bfloat16 for v in learner.checkpoint_state_dict().values())
     assert learner.compute_log_probs(b).dtype == torch.float32
 
 
@@ -468,10 +470,9 @@ def test_two_ranks_equal_single_process_full_batch(model_path, ray_cluster, algo
         assert outs[0]["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
         digests = ray.get([a.state_digest.remote() for a in actors])
         assert digests[0] == digests[1]
-        exported = ray.get([a.export_weights.remote(1.0, as_refs=False, checkpoint_format=False) for a in actors])
-        assert exported[1] == []
-        params = {k: v for b in exported[0] for k, v in b.items()}
-        assert_params_close(params, ref_params, cfg.lr, ref_grads)
+        exported = ray.get([a.full_state_dict.remote() for a in actors])
+        assert all(torch.equal(v, exported[1][k]) for k, v in exported[0].items())
+        assert_params_close(exported[0], ref_params, cfg.lr, ref_grads)
     finally:
         _stop(ray, actors)
 
@@ -481,7 +482,7 @@ def test_two_ranks_zero3_equivalence_export_and_checkpoint(model_path, ray_clust
     """ZeRO-3 with every parameter partitioned (persistence threshold 0), 2 ranks, uneven shards (the short
     rank runs zero-weighted passes so that the gathers stay in step):
     - the gradient and update equal the plain-torch full-batch step (GSPO);
-    - export_weights through the object store equals the full state dict in checkpoint names, as
+    - the checkpoint-format weights (gathered bucket by bucket) equal the full state dict in checkpoint names, as
       save_pretrained writes them, and the HF folder loads in transformers with the same weights;
     - save -> train -> load restores the weights, each rank's optimizer partition and the RNG."""
     from safetensors.torch import load_file
@@ -503,13 +504,12 @@ def test_two_ranks_zero3_equivalence_export_and_checkpoint(model_path, ray_clust
         assert outs[0] == outs[1]
         for g in grads:
             assert_grads_close(g[0], ref_grads)
-        mem = ray.get([a.export_weights.remote(1.0, as_refs=False, checkpoint_format=False) for a in actors])
-        assert mem[1] == []
-        assert_params_close({k: v for b in mem[0] for k, v in b.items()}, ref_params, cfg.lr, ref_grads)
+        mem = ray.get([a.full_state_dict.remote() for a in actors])
+        assert_params_close(mem[0], ref_params, cfg.lr, ref_grads)
 
-        refs_per_rank = ray.get([a.export_weights.remote(0.25) for a in actors])
-        assert refs_per_rank[1] == [] and len(refs_per_rank[0]) > 1
-        exported = {k: v for b in ray.get(refs_per_rank[0]) for k, v in b.items()}
+        per_rank = ray.get([a.checkpoint_state_dict.remote() for a in actors])  # gathered bucket by bucket
+        assert per_rank[1] == {} and len(per_rank[0]) > 1
+        exported = per_rank[0]
         weights = ray.get([a.state_digest.remote() for a in actors])
         assert weights[0] == weights[1]
         opt_states = ray.get([a.optimizer_state_digest.remote() for a in actors])

@@ -10,7 +10,9 @@ import torch
 
 from rollout.contracts import PromptRow
 from rollout.config import RolloutConfig
-from rollout.engine import RolloutEngine, RolloutWorkerExtension, to_checkpoint_format
+from learner.weight_sync import to_checkpoint_format
+from rollout.engine import RolloutEngine
+from rollout.weight_sync import ObjectRefUpdateInfo, bucket_tensors
 
 TOL = 1e-4
 TEMPERATURE = 0.7
@@ -98,11 +100,31 @@ def perturbed(model, seed, scale=0.05):
     return out
 
 
-def split_buckets(state_dict, parts=3):
-    """The state dict in ``parts`` dicts (a layer's tensors may land in two buckets)."""
-    names = list(state_dict)
+def checkpoint_state(model):
+    """The model's weights in checkpoint names (one tensor per expert), as the learner sends them."""
+    return to_checkpoint_format(model, model.state_dict())
+
+
+def put_buckets(ray, state, parts=3):
+    """``(meta, object ref)`` per bucket, ``parts`` buckets in reverse order (so layers arrive out of order and
+    a layer's tensors may land in two buckets), each a list of uint8 numpy arrays in the object store."""
+    names = list(state)[::-1]
     size = -(-len(names) // parts)
-    return [{k: state_dict[k] for k in names[i : i + size]} for i in range(0, len(names), size)]
+    out = []
+    for i in range(0, len(names), size):
+        chunk = names[i : i + size]
+        meta = {"names": chunk, "dtype_names": [str(state[n].dtype).removeprefix("torch.") for n in chunk],
+                "shapes": [list(state[n].shape) for n in chunk]}
+        out.append((meta, ray.put([state[n].contiguous().reshape(-1).view(torch.uint8).numpy() for n in chunk])))
+    return out
+
+
+def sync(ray, engine, state, version, parts=3):
+    """One weight-sync session through the engine's actor calls (what the learner's sync_weights does)."""
+    ray.get(engine.start_weight_update.remote())
+    for meta, ref in put_buckets(ray, state, parts):
+        ray.get(engine.update_weights.remote(meta, ref))
+    return ray.get(engine.finish_weight_update.remote(version))
 
 
 # ---------------------------------------------------------------------------------------------- fast, no vLLM
@@ -112,21 +134,21 @@ def test_fused_experts_split_into_checkpoint_names(base_model, tiny_moe):
     from safetensors.torch import load_file
 
     on_disk = load_file(tiny_moe / "model.safetensors")
-    converted = to_checkpoint_format(base_model.state_dict(), set(on_disk))
+    converted = checkpoint_state(base_model)
     assert converted.keys() == on_disk.keys()
     assert all(torch.equal(converted[k], on_disk[k]) for k in on_disk)
 
 
-def test_worker_extension_stages_byte_blobs_and_dicts():
-    from safetensors.torch import save
-
-    ext = RolloutWorkerExtension()
-    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4)
-    assert ext.rollout_stage_weights(save({"a": a})) == 1
-    assert ext.rollout_stage_weights({"b": b}) == 2
-    staged = dict(ext._rollout_staged)
-    assert torch.equal(staged["a"], a) and torch.equal(staged["b"], b)
-    assert ext.rollout_discard_staged() == 2 and ext.rollout_commit_weights() == 0
+def test_bucket_tensors_are_views_of_arrays_and_bytes():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.bfloat16)
+    info = ObjectRefUpdateInfo(names=["a", "b"], dtype_names=["float32", "bfloat16"], shapes=[[2, 3], [4]],
+                               buffers=[a.reshape(-1).view(torch.uint8).numpy(), bytes(b.view(torch.uint8).numpy())])
+    (na, ta), (nb, tb) = bucket_tensors(info)
+    assert (na, nb) == ("a", "b") and torch.equal(ta, a) and torch.equal(tb, b) and tb.dtype == torch.bfloat16
+    assert ta.data_ptr() == info.buffers[0].ctypes.data  # no copy of the array
+    bad = ObjectRefUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[3, 3]], buffers=info.buffers[:1])
+    with pytest.raises(ValueError, match="'a' has 24 bytes"):
+        bucket_tensors(bad)
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM
@@ -191,9 +213,9 @@ def test_update_weights_moe_reload_and_prefix_cache_reset(ray_cluster, engine, t
     assert max_diff(old, before, TEMPERATURE) < TOL
 
     new = perturbed(old, seed=1)
-    seconds = ray_cluster.get(engine.update_weights.remote(split_buckets(new.state_dict()), 1))
+    loaded = sync(ray_cluster, engine, checkpoint_state(new), 1)
     _current.update(model=new, version=1)
-    assert seconds > 0
+    assert loaded == len(checkpoint_state(new))
     assert ray_cluster.get(engine.weight_version.remote()) == 1
 
     after = ray_cluster.get(engine.generate.remote(long_rows, 2, max_tokens=6, seed=3))
@@ -208,15 +230,18 @@ def test_update_weights_moe_reload_and_prefix_cache_reset(ray_cluster, engine, t
 @pytest.mark.slow
 def test_update_weights_from_object_refs_and_bad_buckets(ray_cluster, engine, tokenizer):
     new = perturbed(_current["model"], seed=2)
-    state = new.state_dict()
-    with pytest.raises(ValueError, match="missing"):
-        ray_cluster.get(engine.update_weights.remote([{k: v for k, v in state.items() if "norm" not in k}], 9))
-    with pytest.raises(ValueError, match="unknown"):
-        ray_cluster.get(engine.update_weights.remote([{**state, "model.extra.weight": torch.zeros(1)}], 9))
+    state = checkpoint_state(new)
+    with pytest.raises(ValueError, match="unloaded"):  # a sync that leaves tensors out is refused at finish
+        sync(ray_cluster, engine, {k: v for k, v in state.items() if "norm" not in k}, 9)
+    with pytest.raises(RuntimeError, match="between weight versions"):  # and the engine samples nothing
+        ray_cluster.get(engine.generate.remote(rows(tokenizer, ["7 - 5 = "]), 2, seed=4))
+    with pytest.raises(ValueError, match="not in its checkpoint"):
+        sync(ray_cluster, engine, {**state, "model.extra.weight": torch.zeros(1)}, 9)
+    with pytest.raises(ValueError, match="in place of fused"):  # transformers' in-memory names are refused
+        sync(ray_cluster, engine, new.state_dict(), 9)
     assert ray_cluster.get(engine.weight_version.remote()) == _current["version"]
 
-    refs = [ray_cluster.put(b) for b in split_buckets(state, parts=2)]
-    ray_cluster.get(engine.update_weights.remote(refs, 2))  # refs nested in a list reach the actor unresolved
+    sync(ray_cluster, engine, state, 2, parts=2)
     _current.update(model=new, version=2)
     out = ray_cluster.get(engine.generate.remote(rows(tokenizer, ["7 - 5 = "]), 3, seed=4))
     assert all(c.weight_version == 2 for c in out)
@@ -226,10 +251,10 @@ def test_update_weights_from_object_refs_and_bad_buckets(ray_cluster, engine, to
 
 @pytest.mark.slow
 def test_multiprocess_mode_update_through_byte_blobs(ray_cluster, mp_engine, base_model, tokenizer):
-    """vLLM's default mode (EngineCore and Worker subprocesses): tensors cannot cross collective_rpc, so the
-    buckets travel as safetensors blobs; the reloaded engine must match the perturbed model."""
+    """vLLM's default mode (EngineCore and Worker subprocesses): numpy arrays do not survive the msgpack hop
+    to the engine core, so each tensor's bytes travel as ``bytes``; the reloaded engine must match."""
     new = perturbed(base_model, seed=3)
-    ray_cluster.get(mp_engine.update_weights.remote(split_buckets(new.state_dict()), 1))
+    sync(ray_cluster, mp_engine, checkpoint_state(new), 1)
     out = ray_cluster.get(mp_engine.generate.remote(rows(tokenizer, ["1 + 1 = "]), 2, temperature=1.0, seed=1))
     assert [c.weight_version for c in out] == [1, 1]
     assert max_diff(new, out, 1.0) < TOL
