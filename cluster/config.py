@@ -155,6 +155,11 @@ class TrainerConfig(Section):
         False, description="DAPO: drop groups whose rewards are all equal and sample more prompts to refill"
     )
     max_sampling_rounds: int = Field(3, ge=0, description="dynamic sampling: extra rollout rounds per step, at most")
+    max_staleness: int = Field(
+        0, ge=0, le=1,
+        description="0: on-policy steps, one phase after another (deterministic); 1: one-step off-policy, the "
+        "rollout of step k+1 runs while the learner trains on step k, so a sample is at most 1 weight version old "
+        "(GSPO's ratio is taken against the sampling engine's log-probs; needs learner.old_logprob_source=rollout)")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
@@ -213,6 +218,11 @@ class Config(Section):
             )
         if self.data.task == "gsm8k" and not (self.data.train_path and self.data.test_path):
             raise ValueError("data.task='gsm8k' needs data.train_path and data.test_path")
+        if t.max_staleness and lr.old_logprob_source != "rollout":
+            raise ValueError(
+                f"trainer.max_staleness={t.max_staleness} needs learner.old_logprob_source='rollout' (got "
+                f"{lr.old_logprob_source!r}): a recompute at the learner's weights is not the policy that sampled"
+            )
         self._check_lengths()
         self._check_temperature()
         return self

@@ -8,6 +8,7 @@ one dead rank stops the driver at once instead of after a peer's timeout.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import ray
@@ -43,6 +44,9 @@ class LearnerGroup:
         from learner.service import LearnerRank
 
         lc = cfg.learner
+        # The driver may call from two threads (the overlapped rollout replaces a dead engine, which syncs it):
+        # submissions to the ranks are serialised so that no rank sees two collective calls in another order.
+        self._submit = threading.Lock()
         bundle = {"CPU": lc.num_cpus_per_rank}
         if lc.num_gpus_per_rank:
             bundle["GPU"] = lc.num_gpus_per_rank
@@ -86,13 +90,17 @@ class LearnerGroup:
     # -- calls on every rank ------------------------------------------------------------------------------
     def call(self, method: str, *args, **kwargs) -> list[Any]:
         """``method(*args, **kwargs)`` on every rank; the results in rank order. Fails fast."""
-        return get_fail_fast([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        with self._submit:  # every rank receives the driver's calls in the same order (collectives)
+            refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return get_fail_fast(refs)
 
     def call_sharded(self, method: str, per_rank: list[tuple], **kwargs) -> list[Any]:
         """``method(*per_rank[r], **kwargs)`` on rank ``r``; the results in rank order. Fails fast."""
         if len(per_rank) != len(self.actors):
             raise ValueError(f"{len(per_rank)} argument tuples for {len(self.actors)} learner ranks")
-        return get_fail_fast([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)])
+        with self._submit:
+            refs = [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)]
+        return get_fail_fast(refs)
 
     def wait_ready(self) -> None:
         """Block until every rank finished its constructor (raises the rank's error if one failed)."""

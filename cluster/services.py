@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -216,33 +216,62 @@ class EngineFleet:
     def generate(self, prompts: list[PromptRow], n: int, *, greedy: bool = False, seed: int | None = None) -> list[Completion]:
         """``n`` completions per prompt, prompts spread over the engines in contiguous chunks; results come
         back in prompt order (group i = completions ``i*n .. i*n+n-1``)."""
-        chunks = self._chunks(prompts, len(self.engines))
+        out: list[Completion | None] = [None] * (len(prompts) * n)
+        for lo, comps in self.generate_stream(prompts, n, greedy=greedy, seed=seed, pieces_per_engine=1):
+            out[lo * n : lo * n + len(comps)] = comps
+        return out  # type: ignore[return-value]
 
-        def call(slot: int):
-            engine, chunk = self.engines[slot], chunks[slot]
+    def generate_stream(self, prompts: list[PromptRow], n: int, *, greedy: bool = False, seed: int | None = None,
+                        pieces_per_engine: int = 1) -> Iterator[tuple[int, list[Completion]]]:
+        """Like ``generate``, but yields ``(index of the piece's first prompt, its completions)`` as each piece
+        finishes: every engine's contiguous share is cut into ``pieces_per_engine`` calls queued on it in order,
+        so the caller can score one piece while the engines generate the next. The samples do not depend on
+        the cut (``prompt_offset`` keeps each prompt's seed). A piece whose engine died is generated again on
+        the engine that replaces it.
+
+        Raises:
+            RuntimeError: an engine slot died more than ``max_retries`` times in one call.
+        """
+        tasks: dict[Any, tuple[int, int, int, list[PromptRow]]] = {}  # ref -> (slot, offset in share, global lo, rows)
+        attempts: dict[int, int] = {}
+
+        def submit(slot: int, offset: int, lo: int, rows: list[PromptRow]) -> None:
+            engine = self.engines[slot]
             if greedy:
-                return engine.generate_greedy.remote(chunk)
-            return engine.generate.remote(chunk, n, seed=None if seed is None else seed + 7919 * slot)
+                ref = engine.generate_greedy.remote(rows)
+            else:
+                ref = engine.generate.remote(rows, n, seed=None if seed is None else seed + 7919 * slot,
+                                             prompt_offset=offset)
+            tasks[ref] = (slot, offset, lo, rows)
 
-        pending = {slot: call(slot) for slot in range(len(chunks)) if chunks[slot]}
-        results: dict[int, list[Completion]] = {}
-        attempts = {slot: 0 for slot in pending}
-        while pending:
-            for slot, ref in list(pending.items()):
-                try:
-                    results[slot] = ray.get(ref)
-                    del pending[slot]
-                except ray.exceptions.RayActorError as err:
-                    # The engine process died: its prompts are generated again on a new engine.
-                    attempts[slot] += 1
-                    if attempts[slot] > self.max_retries:
-                        raise RuntimeError(f"rollout engine {slot} died {attempts[slot]} times in one step") from err
-                    self.replace(slot)
-                    pending[slot] = call(slot)
-        out: list[Completion] = []
-        for slot in sorted(results):
-            out.extend(results[slot])
-        return out
+        start = 0
+        for slot, share in enumerate(self._chunks(prompts, len(self.engines))):
+            for offset, piece in zip(*self._pieces(share, pieces_per_engine)):
+                submit(slot, offset, start + offset, piece)
+            start += len(share)
+        while tasks:
+            ready, _ = ray.wait(list(tasks), num_returns=1)
+            slot, offset, lo, rows = tasks.pop(ready[0])
+            try:
+                yield lo, ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:
+                # The engine process died: its pieces are generated again on a new engine.
+                attempts[slot] = attempts.get(slot, 0) + 1
+                if attempts[slot] > self.max_retries:
+                    raise RuntimeError(f"rollout engine {slot} died {attempts[slot]} times in one step") from err
+                lost = [(o, l, r) for ref, (s, o, l, r) in list(tasks.items()) if s == slot]
+                for ref in [ref for ref, t in tasks.items() if t[0] == slot]:
+                    del tasks[ref]
+                self.replace(slot)
+                for o, l, r in [(offset, lo, rows)] + lost:
+                    submit(slot, o, l, r)
+
+    @staticmethod
+    def _pieces(share: list[PromptRow], k: int) -> tuple[list[int], list[list[PromptRow]]]:
+        """``share`` cut into at most ``k`` contiguous non-empty pieces: (offsets, pieces)."""
+        size = max(1, -(-len(share) // max(1, k)))
+        offsets = list(range(0, len(share), size))
+        return offsets, [share[o : o + size] for o in offsets]
 
     def sync(self, version: int) -> dict[str, Any]:
         """Stream the current weights (``weight_source``) into every engine as ``version``; an engine that

@@ -9,33 +9,34 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+import pickle
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cluster import audit_dump, checkpoint, data, services
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
+from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
 from cluster.config import Config, ConfigError
 from cluster.learner_group import LearnerGroup
 from cluster.tiny_model import ensure_model
 from cluster.tracking import MetricsLogger, plot_curves, progress_line
 from learner.advantages import group_advantages
-from reward.contracts import RewardRequest, RewardResult
 from reward.pool import RewardPool
-from rollout.contracts import Completion, PromptRow
+from rollout.contracts import PromptRow
 
 log = logging.getLogger("cluster.train")
+
+PENDING_FILE = "pending_rollout.pkl"  # in a checkpoint: the rollout collected ahead of the learner (max_staleness=1)
 
 
 class HealthStop(RuntimeError):
@@ -88,32 +89,11 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
     return train, test
 
 
-def all_equal(scores: list[float]) -> bool:
-    """True when the group's valid (non-NaN) rewards are all equal (or fewer than two are valid)."""
-    valid = [x for x in scores if not math.isnan(x)]
-    return len(valid) < 2 or max(valid) == min(valid)
-
-
 def _tuple_state(state: Any) -> Any:
     """random.Random state from JSON (lists back to tuples)."""
     if isinstance(state, list):
         return tuple(_tuple_state(x) for x in state)
     return state
-
-
-@dataclass
-class Collected:
-    """What one step's rollout and scoring produced: the groups to train on and how they were obtained."""
-
-    prompts: list[PromptRow] = field(default_factory=list)
-    completions: list[Completion] = field(default_factory=list)
-    results: list[RewardResult] = field(default_factory=list)
-    rollout_s: float = 0.0
-    reward_s: float = 0.0
-    rounds: int = 0
-    dropped: int = 0
-    generated_tokens: int = 0
-    reward_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
@@ -133,6 +113,8 @@ class Trainer:
         self.health_log: list[dict[str, Any]] = []
         self.learners: LearnerGroup | None = None
         self.last_sync: dict[str, float] = {}  # sync/* metrics of the last weight sync
+        self.pending: Collected | None = None  # the next step's rollout, collected while the learner trained
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collect")  # the overlapped rollout
 
     # -- start-up -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -161,7 +143,11 @@ class Trainer:
             self.weight_version = state["weight_version"]
             self.warm_start_done = state["warm_start_done"]
             self.sft_rng.setstate(_tuple_state(state["sft_rng"]))
+            pending = resume_from / PENDING_FILE
+            if pending.is_file():  # the rollout collected ahead (overlapped mode): trained next, as it would have been
+                self.pending = pickle.loads(pending.read_bytes())
         self._start_services()
+        self.collector = Collector(cfg, self.stream, self.fleet, self.rewards)
         if resume_from:
             self.learners.load_checkpoint(str(resume_from / "learner"))
             self._sync_weights(self.weight_version)
@@ -198,19 +184,11 @@ class Trainer:
                           "sync/buckets": float(report.get("buckets", 0))}
         return seconds
 
-    def _score(self, rows_by_uid: dict[str, PromptRow], completions: list[Completion]) -> list[RewardResult]:
-        reqs = [
-            RewardRequest(response=c.response_text, row=rows_by_uid[c.prompt_uid],
-                          num_response_tokens=len(c.response_token_ids), truncated=c.truncated)
-            for c in completions
-        ]
-        return self.rewards.score(reqs)
-
     def evaluate(self) -> dict[str, float]:
         """Greedy decoding on the held-out prompts; accuracy = share judged correct by the verifier."""
         t = time.perf_counter()
         comps = self.fleet.generate(self.eval_rows, 1, greedy=True)
-        results = self._score({r.uid: r for r in self.eval_rows}, comps)
+        results = score(self.rewards, {r.uid: r for r in self.eval_rows}, comps)
         self.rewards.metrics()  # eval's counters are not the step's
         return {
             "eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]),
@@ -246,50 +224,9 @@ class Trainer:
         return {"warm_start/loss_final": losses[-1] if losses else float("nan"),
                 "warm_start/steps": float(ws.steps), "timing/warm_start_s": time.perf_counter() - t}
 
-    def collect(self) -> Collected:
-        """Rollout and scoring of one step's prompts. With dynamic sampling (DAPO), groups whose valid
-        rewards are all equal carry no signal: they are dropped and more prompts are sampled, at most
-        ``trainer.max_sampling_rounds`` extra rounds; the groups kept are cut to a multiple of
-        ``num_minibatches x world_size``."""
-        cfg, tc = self.cfg, self.cfg.trainer
-        G, P = tc.group_size, tc.prompts_per_step
-        c = Collected()
-        want = P
-        while want > 0:
-            batch_prompts = self.stream.take(want)
-            t = time.perf_counter()
-            new = self.fleet.generate(batch_prompts, G, seed=cfg.rollout.seed + 1_000_003 * self.step + 7_919 * c.rounds)
-            c.rollout_s += time.perf_counter() - t
-            c.generated_tokens += sum(len(x.response_token_ids) for x in new)
-            if len(new) != len(batch_prompts) * G:
-                raise RuntimeError(f"rollout returned {len(new)} completions for {len(batch_prompts)} prompts x G={G}")
-            t = time.perf_counter()
-            scored = self._score({r.uid: r for r in batch_prompts}, new)
-            c.reward_s += time.perf_counter() - t
-            for k, v in self.rewards.metrics().items():
-                c.reward_metrics[k] = c.reward_metrics.get(k, 0.0) + v
-            for i, row in enumerate(batch_prompts):
-                group = scored[i * G : (i + 1) * G]
-                if tc.dynamic_sampling and all_equal([r.score for r in group]):
-                    c.dropped += 1
-                    continue
-                if len(c.prompts) < P:
-                    c.prompts.append(row)
-                    c.completions.extend(new[i * G : (i + 1) * G])
-                    c.results.extend(group)
-            c.rounds += 1
-            want = P - len(c.prompts) if tc.dynamic_sampling and c.rounds <= tc.max_sampling_rounds else 0
-        unit = cfg.learner.num_minibatches * cfg.learner.world_size
-        usable = len(c.prompts) - len(c.prompts) % unit
-        if usable < len(c.prompts):
-            log.warning("dynamic sampling: %d informative groups after %d rounds (bound reached); training on %d",
-                        len(c.prompts), c.rounds, usable)
-            c.prompts, c.completions, c.results = c.prompts[:usable], c.completions[: usable * G], c.results[: usable * G]
-        return c
-
-    def train_and_sync(self, c: Collected, rewards: torch.Tensor) -> tuple[dict[str, Any], float, float]:
-        """Prepare (group advantages, padded batch, split per rank and minibatch), train, then sync the new
-        weights, or count a refused step. Returns (learner metrics, learner seconds, sync seconds)."""
+    def train(self, c: Collected, rewards: torch.Tensor) -> tuple[dict[str, Any], float]:
+        """Prepare (group advantages, padded batch, split per rank and minibatch) and train on ``c``.
+        Returns (learner metrics, learner seconds)."""
         cfg, tc = self.cfg, self.cfg.trainer
         advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.normalize_adv_std)
         batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
@@ -300,35 +237,68 @@ class Trainer:
         learner_s = time.perf_counter() - t
         if audit_dir is not None:
             audit_dump.save_outputs(self, audit_dir, m)
+        return m, learner_s
+
+    def after_train(self, m: dict[str, Any]) -> float:
+        """Sync the new weights, or count a refused step (the engines keep their weights; a rollback throws
+        away a rollout collected ahead). Returns the sync seconds."""
         if m.get("health/skipped"):
-            self._health_failure(m)  # weights unchanged: the engines keep the current version
-            return m, learner_s, 0.0
+            rollbacks = self.rollbacks
+            self._health_failure(m)
+            if self.rollbacks != rollbacks and self.pending is not None:
+                self.stream.position = self.pending.start_position  # collected with weights rolled back over
+                self.pending = None
+            return 0.0
         self.health_failures = 0
         self.rollbacks_in_a_row = 0
-        return m, learner_s, self._sync_weights(self.weight_version + 1)
+        return self._sync_weights(self.weight_version + 1)
 
     def rl_step(self) -> dict[str, Any]:
-        """One RL step: scale if asked (``control.yaml``), collect and score, train, sync, and the step's
-        metrics (see README for their names)."""
+        """One RL step: scale if asked (``control.yaml``), collect and score (or take the rollout collected
+        during the previous step), train (meanwhile collecting the next step's rollout when
+        ``trainer.max_staleness=1``), sync, and the step's metrics (see README for their names)."""
         t_step = time.perf_counter()
         self._apply_control()
         restarts = self.fleet.restarts
-        c = self.collect()
+        c, self.pending = self.pending or self.collector.collect(self.step), None
+        ahead = None
+        if self.cfg.trainer.max_staleness and self.step + 1 < self.cfg.trainer.total_steps:
+            ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
-        m: dict[str, Any] = {"step": self.step + 1}
-        learner_s = sync_s = 0.0
+        m: dict[str, Any] = {"step": self.step + 1, **self.staleness(c)}
+        learner_m, learner_s, sync_s = {}, 0.0, 0.0
         if c.prompts:
-            learner_m, learner_s, sync_s = self.train_and_sync(c, rewards)
+            learner_m, learner_s = self.train(c, rewards)
+        else:
+            log.warning("step %d: no informative group; no update", self.step + 1)
+        wait_s = time.perf_counter()
+        self.pending = ahead.result() if ahead is not None else None  # no request is in flight at the sync below
+        wait_s = time.perf_counter() - wait_s
+        if c.prompts:
+            sync_s = self.after_train(learner_m)
             m.update(learner_m)
             if sync_s:
                 m.update(self.last_sync)
-        else:
-            log.warning("step %d: no informative group; no update", self.step + 1)
         self.step += 1
         self.trained_uids.append([r.uid for r in c.prompts])
         m.update(self.step_metrics(c, rewards, learner_s, sync_s, restarts))
+        m["timing/wait_rollout_s"] = wait_s
         m["timing/step_s"] = time.perf_counter() - t_step
         return m
+
+    def staleness(self, c: Collected) -> dict[str, float]:
+        """``rollout/staleness_mean|max``: weight versions between the sampling engine's and the learner's,
+        over the step's samples (0 on-policy; at most ``trainer.max_staleness``).
+
+        Raises:
+            RuntimeError: a sample older than the bound (a scheduling bug: nothing is trained on it).
+        """
+        ages = [self.weight_version - x.weight_version for x in c.completions]
+        worst = max(ages, default=0)
+        if worst > self.cfg.trainer.max_staleness:
+            raise RuntimeError(f"step {self.step + 1}: a sample is {worst} weight versions old, beyond "
+                               f"trainer.max_staleness={self.cfg.trainer.max_staleness}")
+        return {"rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0, "rollout/staleness_max": float(worst)}
 
     def step_metrics(self, c: Collected, rewards: torch.Tensor, learner_s: float, sync_s: float,
                      restarts: int) -> dict[str, Any]:
@@ -428,6 +398,8 @@ class Trainer:
         """Write a checkpoint of the learner and the driver's state (atomically renamed when complete)."""
         tmp = checkpoint.temp_dir_for(self.run_dir, self.step)
         self.learners.save_checkpoint(str(tmp / "learner"))
+        if self.pending is not None:  # sampled with weights no checkpoint holds: kept, not regenerated
+            (tmp / PENDING_FILE).write_bytes(pickle.dumps(self.pending))
         state = {
             "step": self.step,
             "weight_version": self.weight_version,
@@ -499,5 +471,6 @@ class Trainer:
         if getattr(self, "rewards", None) is not None:
             self.rewards.shutdown()
             self.reward_groups.remove_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.learners is not None:
             self.learners.shutdown()

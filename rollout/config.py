@@ -31,3 +31,7 @@ class RolloutConfig(Section):
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (fast start)")
     in_process: bool = Field(True, description="run vLLM's engine core inside the actor process (CPU: faster start)")
     seed: int = Field(0, description="base sampling seed; engine i uses seed + i")
+    pieces_per_engine: int = Field(
+        1, ge=1, description="training rollouts: each engine's prompts go out in this many calls, and each call's "
+        "completions are scored as soon as it returns (scoring overlaps the generation of the rest; the samples "
+        "do not depend on it)")

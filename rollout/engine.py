@@ -174,6 +174,7 @@ class RolloutEngine:
         temperature: float | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
+        prompt_offset: int = 0,
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt (a group), with the sampled tokens' post-temperature log-probs.
 
@@ -189,6 +190,8 @@ class RolloutEngine:
             seed: None uses the engine's sampler seed (``cfg.seed + engine_index``); an int makes the call
                 reproducible: prompt ``i`` gets the per-request seed ``(seed * 1_000_003 + i) * 2**20`` (vLLM
                 seeds the ``n`` samples of a request with ``seed + k``, so the streams never overlap for n < 2**20).
+            prompt_offset: index of ``prompts[0]`` in a larger call this one is a piece of (``i`` above counts
+                from it), so a call cut into pieces samples exactly what the whole call would.
 
         Returns:
             ``len(prompts) * n`` completions in prompt order: completions ``i*n .. i*n+n-1`` answer prompt
@@ -216,7 +219,7 @@ class RolloutEngine:
                 top_k=-1,
                 max_tokens=max_tokens,
                 logprobs=0,
-                seed=None if seed is None else self._request_seed(int(seed), i, n),
+                seed=None if seed is None else self._request_seed(int(seed), prompt_offset + i, n),
             )
             for i in range(len(prompts))
         ]
