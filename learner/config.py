@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from learner.health import GUARD_CHECKS
 from learner.objective_names import (
     ALGORITHMS,
     GSPO_LOSS_AGG,
@@ -17,6 +18,11 @@ from learner.objective_names import (
     SEQUENCE_LEVEL_ALGORITHMS,
     check_loss_agg,
 )
+
+
+# Health-guard thresholds checked on the pre-update pass's metrics (max_logprob_diff, min_entropy,
+# max_load_imbalance: the "pre" phase of learner/health.py, pure Python like this module).
+PRE_UPDATE_GUARD_KEYS = tuple(key for key, (_, _, phase) in GUARD_CHECKS.items() if phase == "pre")
 
 
 class Section(BaseModel):
@@ -54,7 +60,30 @@ class LearnerConfig(Section):
     )
     num_minibatches: int = Field(4, ge=1, description="optimizer steps per rollout batch and epoch (paper: 4)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the rollout batch")
-    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
+    micro_batch_size: int = Field(
+        16, ge=1, description="sequences per forward/backward on one rank (when max_tokens_per_micro_batch is None)"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="token budget of a micro-batch instead of micro_batch_size rows: consecutive rows of a rank's "
+        "shard packed while rows x their longest real row <= the budget, each micro-batch padded only to its own "
+        "longest row, a longer row alone; the gradient does not depend on the cut (global normalisers). "
+        "None = micro_batch_size rows",
+    )
+    pre_update_pass: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="the no-gradient forward over the rollout batch before the first optimizer step: 'auto' runs "
+        "it only when something needs it (old_logprob_source=recompute, routing_replay, moe_diagnostics on an MoE "
+        "model, or a health-guard pre-check max_logprob_diff / min_entropy / max_load_imbalance); 'never' refuses "
+        "those settings. Skipped, actor/entropy, actor/train_rollout_logprob_diff and the moe/ metrics are absent "
+        "(learner/README.md)",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in the backward (transformers, non-reentrant) "
+        "instead of keeping them: less memory, one more forward per training pass; refused with routing_replay",
+    )
     lr: float = Field(1e-6, gt=0, description="RL learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2)")
@@ -95,7 +124,41 @@ class LearnerConfig(Section):
                 "in bf16 (fp32 accumulation, data_types.grad_accum_dtype='fp32', needs ZeRO stage 1, 2 or 3); "
                 "use learner.zero_stage >= 1 or learner.dtype='float32'"
             )
+        if self.pre_update_pass == "never" and (needs := self.pre_update_pass_needs(guard=None)):
+            raise ValueError(
+                "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; "
+                "use learner.pre_update_pass='auto' or change those keys"
+            )
+        if self.gradient_checkpointing and self.routing_replay:
+            raise ValueError(
+                "learner.gradient_checkpointing=true with learner.routing_replay=true: the backward recomputes "
+                "each checkpointed layer's forward outside the router tap's capture, so the recomputed layers "
+                "would route with the router's own choice instead of the replayed experts (a gradient of a "
+                "different forward); turn one of them off"
+            )
         return self
+
+    def pre_update_pass_needs(self, guard: dict | None, is_moe: bool = True) -> list[str]:
+        """The settings that need the pre-update pass, as config keys (``[]`` when nothing does).
+
+        Args:
+            guard: the health guard's threshold dict (``learner.health``; None = guard off): its keys
+                ``max_logprob_diff``, ``min_entropy`` and ``max_load_imbalance`` check pre-update metrics and
+                are reported as ``health.<key>``.
+            is_moe: whether the model has expert routers (``moe_diagnostics`` and ``max_load_imbalance`` need
+                the pass only then; unknown at config load, so True there).
+        """
+        needs = []
+        if self.old_logprob_source == "recompute":
+            needs.append("learner.old_logprob_source='recompute'")
+        if self.routing_replay:
+            needs.append("learner.routing_replay=true")
+        if self.moe_diagnostics and is_moe:
+            needs.append("learner.moe_diagnostics=true")
+        for key in PRE_UPDATE_GUARD_KEYS:
+            if guard and key in guard and (is_moe or key != "max_load_imbalance"):
+                needs.append(f"health.{key}")
+        return needs
 
 
 class WarmStartConfig(Section):

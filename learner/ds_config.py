@@ -22,7 +22,8 @@ def build_ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
 
     Returns:
         A dict for ``deepspeed.initialize(config=...)``: ``train_batch_size = micro_batch_size x 1 x world_size``
-        (DeepSpeed refuses any other product), ZeRO stage ``cfg.zero_stage``, bf16 when ``cfg.dtype`` is
+        (DeepSpeed refuses any other product; DeepSpeed only books these numbers, the learner cuts its own
+        micro-batches, by ``micro_batch_size`` rows or by ``max_tokens_per_micro_batch``), ZeRO stage ``cfg.zero_stage``, bf16 when ``cfg.dtype`` is
         bfloat16, gradients accumulated in fp32 whatever the dtype (``data_types.grad_accum_dtype``; DeepSpeed's
         default is the model's dtype, and it accumulates bf16 weights' gradients in fp32 at ZeRO stages 1-3
         only, which ``LearnerConfig`` enforces), global-norm gradient clipping ``cfg.grad_clip``, and a client

@@ -1,8 +1,15 @@
 """Micro-batches of one learner rank: slicing a padded batch into forward/backward-sized pieces.
 
 A rank receives its shard of every minibatch (``learner.contracts.TrainBatch``, right padded to the longest row
-of the whole rollout batch). ``MicroBatch`` cuts rows ``lo:hi`` and trims them to their own longest real row, so
-no forward pays for padding beyond it. ``batch_problem`` says why a batch cannot be trained on.
+of the whole rollout batch). ``micro_slices`` decides where the micro-batches start and end: a fixed number of
+rows (``learner.micro_batch_size``) or a token budget (``learner.max_tokens_per_micro_batch``); it is the one
+slicing function of the pre-update pass, the training passes, ``compute_log_probs`` and the SFT step, so all of
+them cut a minibatch the same way. ``MicroBatch`` cuts rows ``lo:hi`` and trims them to their own longest real
+row, so no forward pays for padding beyond it. ``batch_problem`` says why a batch cannot be trained on.
+
+How rows are cut does not change the gradient: every loss divides by the minibatch's global normalisers
+(``learner.objectives.loss_normalisers`` summed over all micro-batches and ranks), so the micro-batch losses
+sum to the minibatch's loss whatever the cut (up to float summation order; tested to 1e-6).
 """
 
 from __future__ import annotations
@@ -60,6 +67,49 @@ class MicroBatch:
             self.old_log_probs = self.advantages = None
 
 
-def micro_slices(n: int, size: int) -> list[tuple[int, int]]:
-    """Row ranges ``[(lo, hi), ...]`` of consecutive micro-batches of at most ``size`` rows covering ``n`` rows."""
-    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+def row_widths(attention_mask: torch.Tensor) -> list[int]:
+    """Per row of a right-padded ``[N, L]`` attention mask: the columns a forward of that row alone needs, i.e.
+    its last attended column + 1, at least 2 (``MicroBatch``'s smallest width: one input and one target)."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [N, L], got shape {tuple(attention_mask.shape)}")
+    n, length = attention_mask.shape
+    cols = torch.arange(1, length + 1).expand(n, length)
+    last = torch.where(attention_mask.cpu() != 0, cols, 0).amax(-1) if length else torch.zeros(n, dtype=torch.long)
+    return [max(int(w), 2) for w in last.tolist()]
+
+
+def micro_slices(attention_mask: torch.Tensor, micro_batch_size: int,
+                 max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Row ranges ``[(lo, hi), ...]`` of the consecutive micro-batches that cover a rank's batch.
+
+    Args:
+        attention_mask: the batch's ``[N, L]`` right-padded attention mask (int or bool).
+        micro_batch_size: with ``max_tokens=None``, rows per micro-batch (the last one may have fewer).
+        max_tokens: None, or a token budget per micro-batch: consecutive rows are packed greedily while
+            ``rows x width`` stays within it, ``width`` being the micro-batch's own longest real row
+            (``row_widths``; the forward pads to it and no further). A row wider than the budget forms a
+            micro-batch alone. ``micro_batch_size`` is then not used.
+
+    Returns:
+        Ranges in row order, non-empty, covering ``0..N`` exactly once (``[]`` for ``N = 0``).
+
+    Raises:
+        ValueError: ``micro_batch_size < 1`` or ``max_tokens < 1``.
+    """
+    n = int(attention_mask.shape[0])
+    if max_tokens is None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size!r} must be >= 1")
+        return [(lo, min(lo + micro_batch_size, n)) for lo in range(0, n, micro_batch_size)]
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be >= 1 (or None for micro_batch_size rows)")
+    out: list[tuple[int, int]] = []
+    lo, width = 0, 0
+    for i, w in enumerate(row_widths(attention_mask)):
+        if i > lo and (i - lo + 1) * max(width, w) > max_tokens:
+            out.append((lo, i))
+            lo, width = i, 0
+        width = max(width, w)
+    if n:
+        out.append((lo, n))
+    return out

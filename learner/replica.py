@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from learner import state
-from learner.contracts import TrainBatch
+from learner.contracts import SFTBatch, TrainBatch
 from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.microbatch import MicroBatch, batch_problem, micro_slices
 from learner.moe import RouterTap
@@ -31,7 +31,9 @@ class Replica:
     """This rank's policy (DeepSpeed engine) and the collective / forward / optimizer operations on it.
 
     Args:
-        engine: the DeepSpeed engine (``deepspeed.initialize``'s first result), in eval mode (no dropout).
+        engine: the DeepSpeed engine (``deepspeed.initialize``'s first result), in eval mode (no dropout; with
+            ``learner.gradient_checkpointing`` its checkpointed decoder layers alone are in training mode, which
+            is what turns checkpointing on, see ``learner.service._keep_checkpointing_on``).
         cfg: the ``learner`` config section.
         rank, world_size: this rank and the number of data-parallel ranks.
         device: this rank's torch device.
@@ -107,6 +109,11 @@ class Replica:
                 )
 
     # -- forwards -----------------------------------------------------------------------------------------
+    def slices(self, batch: TrainBatch | SFTBatch) -> list[tuple[int, int]]:
+        """This rank's micro-batch row ranges of ``batch`` (``learner.microbatch.micro_slices`` with the
+        config's ``micro_batch_size`` and ``max_tokens_per_micro_batch``): every pass over a batch cuts it so."""
+        return micro_slices(batch.attention_mask, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+
     def logits(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]``."""
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -131,7 +138,7 @@ class Replica:
         ``entropy_from_logits(..., num_tokens=entropy_den)``. With ``routes`` (a list) and an MoE model, the
         experts each micro-batch's tokens were routed to are appended to it (``[layers, b*w, k]`` on the CPU).
         """
-        slices = micro_slices(len(batch), self.cfg.micro_batch_size)
+        slices = self.slices(batch)
         (n_passes,) = self.aligned_counts([len(slices)], collective)
         micros, lps, ent = [], [], 0.0
         for k in range(n_passes):

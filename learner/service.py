@@ -79,6 +79,26 @@ def _init_distributed(cfg: LearnerConfig, rank: int, world_size: int, local_rank
     )
 
 
+def _keep_checkpointing_on(model: torch.nn.Module) -> int:
+    """Put the checkpointed decoder layers of an ``eval()`` model back in training mode, and only them.
+
+    transformers checkpoints a layer when ``layer.gradient_checkpointing and layer.training``
+    (``GradientCheckpointingLayer.__call__``), so an eval-mode model never checkpoints. Setting the flag of
+    those layer modules alone (not ``train()``, which recurses) turns checkpointing back on while every other
+    module, the attention and any dropout included, stays in eval mode: no dropout, the same policy as the
+    pre-update and reference passes. Under ``torch.no_grad`` the checkpoint wrapper stores nothing.
+
+    Returns:
+        The number of layers switched (0 when the model has no checkpointed layer).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer.training = True
+    return len(layers)
+
+
 def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: int, temperature: float) -> Replica:
     """The policy under DeepSpeed (AdamW, the config's ZeRO stage), the reference model when ``kl_coef > 0``
     and the MoE router tap, wrapped as this rank's ``Replica``."""
@@ -94,6 +114,8 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
     model.config.use_cache = False
     if cfg.routing_replay and not find_routers(model):
         raise ValueError(f"learner.routing_replay=true needs an MoE model; {model_path!r} has no expert router")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.adam_betas),
         weight_decay=cfg.weight_decay,
@@ -102,6 +124,8 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
         model=model, optimizer=optimizer, config=build_ds_config(cfg, world_size), dist_init_required=False
     )
     engine.eval()  # no dropout anywhere: training, recompute and reference passes see one policy
+    if cfg.gradient_checkpointing:
+        _keep_checkpointing_on(engine.module)
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)

@@ -4,7 +4,10 @@
 
 1. ``pre_update_pass``: learner log-probs at the current weights (the behaviour policy for
    ``old_logprob_source="recompute"``), the train-vs-rollout log-prob difference, the policy's entropy and,
-   on MoE models, the experts every token is routed to (expert load, routing volatility, Routing Replay);
+   on MoE models, the experts every token is routed to (expert load, routing volatility, Routing Replay).
+   It runs only when something needs it (``learner.pre_update_pass``, ``LearnerConfig.pre_update_pass_needs``);
+   skipped, ``rollout_checks`` only counts non-finite rollout log-probs for the guard, and the metrics the
+   pass produces (``actor/entropy``, ``actor/train_rollout_logprob_diff``, ``moe/*``) are absent;
 2. the health guard's pre-update check (``learner.health.GuardDecision``) and, when the guard is on, an
    exact snapshot of the training state;
 3. ``train``: ``ppo_epochs`` passes over the minibatches, one optimizer step each (micro-batches with the
@@ -25,7 +28,7 @@ import torch
 from learner.contracts import SFTBatch, TrainBatch
 from learner.health import GuardDecision
 from learner.logprobs import token_log_probs
-from learner.microbatch import MicroBatch, micro_slices
+from learner.microbatch import MicroBatch
 from learner.moe import expert_counts, load_metrics, response_positions, topk_set_changes, volatility_metrics
 from learner.objectives import LOG_RATIO_CLAMP, combine_policy_metrics, kl_penalty, policy_loss, sequence_log_ratio
 from learner.replica import Replica
@@ -68,6 +71,7 @@ class RolloutBatchStep:
         self.clip_low, self.clip_high, self.loss_agg = clip
         self.tap = replica.tap
         self.moe_diag = self.tap is not None and self.cfg.moe_diagnostics
+        self.run_pre_update = self.pre_update_decision()
         self.t = _Totals()
         self.pre_lps: list[list[torch.Tensor]] = []
         self.routes: list[list[torch.Tensor]] = []
@@ -76,9 +80,9 @@ class RolloutBatchStep:
 
     def run(self) -> dict[str, Any]:
         """The phases in order; returns the step's metrics (the same dict on every rank)."""
-        out = self.pre_update_pass()
+        out = self.pre_update_pass() if self.run_pre_update else self.rollout_checks()
         refused = self.guard.refuse_before_update(out, self.nonfinite)
-        counts = self.r.aligned_counts([len(micro_slices(len(mb), self.cfg.micro_batch_size)) for mb in self.minibatches])
+        counts = self.r.aligned_counts([len(self.r.slices(mb)) for mb in self.minibatches])
         snapshot = self.r.snapshot() if self.guard.on and not refused else None
         if not refused:
             self.train(counts)
@@ -88,6 +92,31 @@ class RolloutBatchStep:
         return out
 
     # -- phase 1 ------------------------------------------------------------------------------------------
+    def pre_update_decision(self) -> bool:
+        """Whether this step runs the pre-update pass: ``learner.pre_update_pass`` ``always``; ``auto`` when
+        ``pre_update_pass_needs`` names a setting (recompute, Routing Replay, MoE diagnostics on an MoE model,
+        a guard pre-check); ``never`` otherwise.
+
+        Raises:
+            ValueError: ``never`` with a guard pre-check threshold (the config refuses the other settings).
+        """
+        needs = self.cfg.pre_update_pass_needs(self.guard.guard, is_moe=self.tap is not None)
+        if self.cfg.pre_update_pass == "never" and needs:
+            raise ValueError(
+                "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; use "
+                "learner.pre_update_pass='auto' or remove those thresholds"
+            )
+        return self.cfg.pre_update_pass == "always" or bool(needs)
+
+    def rollout_checks(self) -> dict[str, Any]:
+        """Instead of the pre-update pass: with the guard on, count the non-finite rollout log-probs on response
+        tokens over all ranks (a non-finite learner log-prob is caught in training as ``nonfinite_loss`` and
+        undone). No forward, no metrics. Collective when the guard is on."""
+        if self.guard.on:
+            bad = sum(float((~torch.isfinite(mb.old_log_probs) & mb.response_mask.bool()).sum()) for mb in self.minibatches)
+            (self.nonfinite,) = self.r.all_reduce([bad])
+        return {}
+
     def pre_update_pass(self) -> dict[str, Any]:
         """Forward every minibatch at the current weights; returns entropy, log-prob difference and (MoE)
         expert-load metrics, all-reduced."""
@@ -133,7 +162,7 @@ class RolloutBatchStep:
         """Accumulate the gradient of minibatch ``m`` over ``n_passes`` micro-batch passes (zero-weighted
         passes beyond this rank's share) and take one optimizer step. Returns True when the guard stops."""
         engine, t = self.r.engine, self.t
-        slices = micro_slices(len(batch), self.cfg.micro_batch_size)
+        slices = self.r.slices(batch)
         updates = len(t.grad_norms)  # optimizer steps applied in this call so far
         measure = self.moe_diag and updates >= 1
         vol = [0.0, 0.0, 0.0]
@@ -175,6 +204,8 @@ class RolloutBatchStep:
             t.kl_sum += float(kl.detach())
             loss = loss + cfg.kl_coef * kl
         finite = math.isfinite(float(loss.detach()))
+        if self.guard.on:  # a non-finite learner log-prob the clamps would hide (e.g. -inf) fails the step too
+            finite = finite and bool(torch.isfinite(lp.detach()[mb.mask]).all())
         # DeepSpeed averages gradients over the ranks: x world_size turns that into the sum.
         self.r.engine.backward(loss * self.r.world_size, scale_wrt_gas=False)
         t.parts.append(metrics)
@@ -185,7 +216,7 @@ class RolloutBatchStep:
         """Training forward of micro-batch ``k`` of minibatch ``m`` (with Routing Replay when configured);
         adds the routing changes against the pre-update pass to ``vol`` when ``measure``."""
         r, tap = self.r, self.tap
-        if tap is None:
+        if tap is None or not self.routes:
             return r.logits(r.engine, mb.input_ids, mb.attention_mask)
         before = self.routes[m][k]
         with tap.capture(replay=before if self.cfg.routing_replay else None) as record:
@@ -270,7 +301,7 @@ def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
     if int(tot) != int(num_tokens):
         raise ValueError(f"num_tokens={num_tokens!r} but the ranks' SFT shards hold {int(tot)} loss tokens")
     den = max(float(num_tokens), 1.0)
-    slices = micro_slices(len(batch), r.cfg.micro_batch_size)
+    slices = r.slices(batch)
     (n_passes,) = r.aligned_counts([len(slices)])
     loss_sum = 0.0
     for k in range(n_passes):
