@@ -1,0 +1,238 @@
+"""Seconds per learner update on the default config: rank count, ZeRO stage, the pre-update pass, gradient
+checkpointing, token-budget micro-batches, side by side in one invocation.
+
+    python bench/learner.py [CONFIG] [--rounds N] [--only NAME,NAME] [dotted.key=value ...]
+
+What is timed: ``train_rollout_batch`` on every learner rank (Ray actors, one process and one torch thread per
+rank, as the driver runs them), wall seconds from the call to the last rank's answer, for one rollout batch
+shaped like the driver's: ``trainer.prompts_per_step`` prompts of the config's data, ``trainer.group_size``
+completions each sampled from the config's model at ``rollout.temperature`` with at most
+``rollout.max_response_tokens`` tokens (transformers ``generate``), behaviour log-probs from the same model,
+rewards by exact match (the model is not warm-started here, so most are 0; no timed operation depends on the
+values), group advantages, cut into ``learner.num_minibatches`` minibatches and the ranks' shards
+by ``cluster.batching.split_for_ranks``. The health guard is the config's (``health.guard()``).
+
+Variants (all from the config's learner section; each on its own engine, built once):
+
+- ``default``: the config as it is (tiny_moe.yaml: 2 ranks, ZeRO-2, MoE diagnostics and the guard's pre-checks,
+  so the pre-update pass runs);
+- ``pass_always`` / ``pass_skipped``: MoE diagnostics off and a guard with ``max_grad_norm`` only, the
+  pre-update pass forced on (``always``) or left to ``auto`` (nothing needs it: skipped): the cost of the pass
+  alone;
+- ``ranks2_zero{0,1}``, ``ranks1_zero{0,1,2}``: the default with another rank count / ZeRO stage (1 rank
+  trains the whole minibatch, in micro-batches of ``learner.micro_batch_size`` rows);
+- ``checkpointing``: the default with ``learner.gradient_checkpointing=true``;
+- ``token_budget``: the default with ``learner.max_tokens_per_micro_batch`` = a quarter of a rank's shard.
+
+Rounds interleave the variants (round r runs one update of every variant, in order), so a change of machine
+load hits all of them alike; the first update of each variant is a warm-up and is not timed. Printed: per
+variant the median and mean seconds per update and the median as a ratio of ``default``'s, the pass's cost
+(``pass_skipped / pass_always``), the load average before and after, and the last line one JSON object with
+everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]:
+    """name -> (world size, learner-config overrides, guard) for the config ``cfg``."""
+    base_guard = cfg.health.guard()
+    lean_guard = {"max_grad_norm": 1000.0} if base_guard is not None else None
+    ws = cfg.learner.world_size
+    other = 1 if ws != 1 else 2
+    out: dict[str, tuple[int, dict, dict | None]] = {
+        "default": (ws, {}, base_guard),
+        "pass_always": (ws, {"moe_diagnostics": False, "pre_update_pass": "always"}, lean_guard),
+        "pass_skipped": (ws, {"moe_diagnostics": False, "pre_update_pass": "auto"}, lean_guard),
+    }
+    for n in (ws, other):
+        for stage in (0, 1, 2):
+            if (n, stage) != (ws, cfg.learner.zero_stage):
+                out[f"ranks{n}_zero{stage}"] = (n, {"zero_stage": stage}, base_guard)
+    out["checkpointing"] = (ws, {"gradient_checkpointing": True}, base_guard)
+    out["token_budget"] = (ws, {"max_tokens_per_micro_batch": max(shard_tokens // 4, 1)}, base_guard)
+    return out
+
+
+def driver_batch(cfg, model_path: str):
+    """A rollout batch as the driver builds it (see the module docstring). Returns ``(TrainBatch, facts)``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster.batching import build_train_batch
+    from cluster.data import PromptStream
+    from cluster.trainer import load_rows, load_tokenizer
+    from learner.advantages import group_advantages
+    from learner.logprobs import token_log_probs
+    from rollout.contracts import Completion
+
+    tok = load_tokenizer(model_path)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rows, _ = load_rows(cfg, tok)
+    prompts = PromptStream(rows, seed=cfg.trainer.seed).take(cfg.trainer.prompts_per_step)
+    G, L, temp = cfg.trainer.group_size, cfg.rollout.max_response_tokens, cfg.rollout.temperature
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    torch.manual_seed(cfg.trainer.seed)
+    completions, rewards = [], []
+    with torch.no_grad():
+        for row in prompts:
+            ids = torch.tensor([row.prompt_token_ids])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temp,
+                                 top_p=1.0, top_k=0, max_new_tokens=L, num_return_sequences=G,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=pad)
+            for j, seq in enumerate(out[:, ids.shape[1]:].tolist()):
+                resp = seq[: seq.index(tok.eos_token_id) + 1] if tok.eos_token_id in seq else seq
+                text = tok.decode(resp, skip_special_tokens=True)
+                completions.append(Completion(row.uid, j, row.prompt_token_ids, resp, [0.0] * len(resp), text,
+                                              "stop" if tok.eos_token_id in resp else "length", 0))
+                rewards.append(1.0 if text.strip() == row.answer.strip() else 0.0)
+    r = torch.tensor(rewards)
+    adv = group_advantages(r, G, normalize_std=cfg.learner.normalize_adv_std)
+    batch = build_train_batch(completions, r, adv, pad)
+    with torch.no_grad():  # behaviour log-probs: the model that sampled, post-temperature
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        lp = token_log_probs(logits, batch.input_ids[:, 1:], temp)
+    batch.old_log_probs = torch.where(batch.response_mask, lp, 0.0).float()
+    facts = {"sequences": len(batch), "padded_length": int(batch.input_ids.shape[1]),
+             "response_tokens": int(batch.response_mask.sum()), "reward_mean": float(r.mean())}
+    return batch, facts
+
+
+class RankHost:
+    """One learner process (a Ray actor): a ``LearnerRank`` per variant, all in one process group."""
+
+    def __init__(self, model_path: str, rank: int, world_size: int, port: int, temperature: float, seed: int):
+        self.args = dict(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, seed=seed,
+                         temperature=temperature)
+        self.model_path = model_path
+        self.ranks: dict = {}
+
+    def add(self, name: str, learner_cfg: dict) -> int:
+        from learner.config import LearnerConfig
+        from learner.service import LearnerRank
+
+        self.ranks[name] = LearnerRank(self.model_path, LearnerConfig(**learner_cfg), **self.args)
+        return os.getpid()
+
+    def train(self, name: str, plan, guard) -> dict:
+        out = self.ranks[name].train_rollout_batch(plan.minibatches, plan.num_sequences, plan.num_tokens,
+                                                   guard=guard)
+        return {k: v for k, v in out.items() if isinstance(v, float)}
+
+
+def start_hosts(ray, model_path: str, cfg, world_sizes: set[int]) -> dict[int, list]:
+    """One group of ``RankHost`` actors per world size (each group its own process group)."""
+    from cluster.common import free_port
+
+    cls = ray.remote(RankHost).options(num_cpus=cfg.learner.num_cpus_per_rank)
+    hosts = {}
+    for n in sorted(world_sizes):
+        port = free_port("127.0.0.1")
+        hosts[n] = [cls.remote(model_path, r, n, port, cfg.rollout.temperature, cfg.trainer.seed) for r in range(n)]
+    return hosts
+
+
+def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
+    """Build the variants' engines, then ``rounds`` interleaved rounds of one update each."""
+    import ray
+
+    from cluster.batching import split_for_ranks
+
+    batch, facts = driver_batch(cfg, model_path)
+    shard_rows = len(batch) // (cfg.learner.num_minibatches * cfg.learner.world_size)
+    table = variants(cfg, shard_tokens=shard_rows * facts["padded_length"])
+    if only:
+        table = {k: v for k, v in table.items() if k in only or k == "default"}
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})
+    try:
+        hosts = start_hosts(ray, model_path, cfg, {n for n, _, _ in table.values()})
+        plans = {n: [ray.put(p) for p in split_for_ranks(batch, cfg.learner.num_minibatches, n, cfg.trainer.seed)]
+                 for n in hosts}
+        t0 = time.perf_counter()
+        for name, (n, over, _) in table.items():
+            learner_cfg = {**cfg.learner.model_dump(), "world_size": n, **over}
+            ray.get([h.add.remote(name, learner_cfg) for h in hosts[n]])
+        build_s = time.perf_counter() - t0
+        seconds: dict[str, list[float]] = {name: [] for name in table}
+        last: dict[str, dict] = {}
+        for rnd in range(rounds + 1):  # round 0: warm-up
+            for name, (n, _, guard) in table.items():
+                t = time.perf_counter()
+                outs = ray.get([h.train.remote(name, plans[n][r], guard) for r, h in enumerate(hosts[n])])
+                if rnd:
+                    seconds[name].append(time.perf_counter() - t)
+                last[name] = outs[0]
+    finally:
+        ray.shutdown()
+    return {"batch": facts, "build_s": build_s, "seconds": seconds, "last": last, "table": table}
+
+
+def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dict:
+    """Print the table and return the JSON summary."""
+    sec, table = res["seconds"], res["table"]
+    base = statistics.median(sec["default"])
+    rows = {}
+    print(f"batch: {res['batch']}; engines built in {res['build_s']:.1f} s; {rounds} timed update(s) per variant")
+    print(f"{'variant':16s} {'ranks':>5s} {'median s':>9s} {'mean s':>8s} {'x default':>9s}  pre-update pass  settings")
+    for name, (n, over, guard) in table.items():
+        med, mean = statistics.median(sec[name]), statistics.mean(sec[name])
+        ran = "actor/entropy" in res["last"][name]
+        rows[name] = {"world_size": n, "overrides": over, "guard": guard, "median_s": med, "mean_s": mean,
+                      "ratio_to_default": med / base, "pre_update_pass_ran": ran, "all_s": sec[name]}
+        print(f"{name:16s} {n:5d} {med:9.3f} {mean:8.3f} {med / base:9.2f}  {'ran' if ran else 'skipped':15s}  "
+              f"{over or '(config)'}")
+    summary = {"rows": rows, "batch": res["batch"], "load_before": load_before, "load_after": load_after,
+               "rounds": rounds}
+    if "pass_always" in rows and "pass_skipped" in rows:
+        ratio = rows["pass_skipped"]["median_s"] / rows["pass_always"]["median_s"]
+        summary["pass_skipped_over_always"] = ratio
+        print(f"pre-update pass: skipped / always = {ratio:.2f} (the pass costs {1 - ratio:.0%} of the update)")
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after} on {os.cpu_count()} cores")
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("config", nargs="?", default="configs/tiny_moe.yaml")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--rounds", type=int, default=5, help="timed updates per variant (after one warm-up)")
+    ap.add_argument("--only", default="", help="comma-separated variant names (default is always run)")
+    args = ap.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    import torch
+
+    from cluster.config import load_config
+    from cluster.tiny_model import ensure_model
+
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, args.overrides)
+    m = cfg.model
+    build = m.model_dump(exclude={"path", "build_seed", "num_params_b"})
+    model_path = str(ensure_model(m.path, Path(tempfile.mkdtemp(prefix="bench-learner-")) / "model",
+                                  seed=m.build_seed, **build))
+    load_before = tuple(round(x, 2) for x in os.getloadavg())
+    res = run(cfg, model_path, args.rounds, [s for s in args.only.split(",") if s] or None)
+    summary = report(res, load_before, tuple(round(x, 2) for x in os.getloadavg()), args.rounds)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
