@@ -202,6 +202,36 @@ def test_tests_helpers_and_frames_are_out_of_reach(backend):
     assert judge(code, tests, backend)[:2] == (0, 1)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expected_values_are_out_of_reach(backend):
+    # the tests' expected values never enter the sandbox: a solution that searches every process's command
+    # line, environment and open files it can read, and the temp dirs, finds nothing to return
+    secret = 918273645
+    code = """
+        import glob, os, re
+        found = []
+        def scan(path):
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read(1 << 20)
+            except Exception:
+                return
+            found.extend(int(x) for x in re.findall(rb"== (9[0-9]{8})", data))
+        for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            if pid.isdigit():
+                for leaf in ("cmdline", "environ"):
+                    scan(f"/proc/{pid}/{leaf}")
+                for fd in glob.glob(f"/proc/{pid}/fd/*"):
+                    scan(fd)
+        for path in glob.glob("/tmp/**", recursive=True)[:2000] + glob.glob("*"):
+            if os.path.isfile(path):
+                scan(path)
+        def f(x):
+            return found[0] if found else 0
+    """
+    assert judge(code, [f"assert f(0) == {secret}"], backend)[:2] == (0, 1)
+
+
 # --- output, channel and exit tricks --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
