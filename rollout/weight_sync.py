@@ -136,8 +136,16 @@ class RolloutWorkerExtension:
 
 
 def register() -> None:
-    """Register ``ObjectRefTransfer`` as vLLM backend ``"ray_object"`` in this process (idempotent)."""
+    """Register ``ObjectRefTransfer`` as vLLM backend ``"ray_object"`` in this process (idempotent).
+
+    Also quiets the layer-wise reload's per-sync warning for layers that hold no weights to load
+    (``RotaryEmbedding: Failed to load weights``: its buffers are computed, not loaded); its errors still show.
+    """
+    import logging
+
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, ObjectRefTransfer)

@@ -74,6 +74,11 @@ def test_engine_and_reward_worker_death_and_scaling(tmp_path, ray_session):
         assert m4["rollout/num_engines"] == 2
         # the new engine got the current weights (its version), not the model folder's
         assert ray.get([e.weight_version.remote() for e in t.fleet.engines]) == [t.weight_version] * 2
+        # an engine dies just before a weight sync: reported by the learner, replaced, given the same version
+        _kill(t.fleet.pids()[0])
+        t._sync_weights(t.weight_version + 1)
+        assert t.fleet.restarts == 2
+        assert ray.get([e.weight_version.remote() for e in t.fleet.engines]) == [t.weight_version] * 2
         # a reward worker dies: replaced, its share rescored, nothing lost
         _kill(t.rewards.worker_pids()[0])
         m5 = t.rl_step()
