@@ -177,38 +177,72 @@ def make_chunks(n: int, chunk_size: int, parallel: int, alone: list[bool] | None
     return chunks
 
 
-def run_batch(blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: int, chunk_size: int = 1,
-              alone: list[bool] | None = None) -> list[tuple]:
-    """Outcomes ``(status, value, detail, elapsed_s)`` of ``blobs`` (pickled calls), in order.
+class _Batch:
+    """One ``run_batch`` call: the outcomes so far, the chunks not yet started and the live children.
 
-    A child ends when it exits (seen through a pidfd, so a grandchild that inherited the result pipe cannot
-    hold it open) or when the call it is on runs out of time; either way its whole process group is killed,
-    and sandbox runs started on its behalf are reaped when it did not end cleanly.
+    Each child is a dict ``{pid, pidfd, r, r_open, buf, pending, t_prev, bad}``: its pidfd and the read end of
+    its result pipe (both registered with ``sel``), the bytes read but not yet parsed, the calls of its chunk
+    that have no outcome yet, the end stamp of its last call (its current call's limit runs from there), and
+    why its stream was refused (None while it is well-formed).
     """
-    from reward.sandbox import reap_owner
 
-    outcomes: list[tuple | None] = [None] * len(blobs)
-    todo = deque(make_chunks(len(blobs), chunk_size, parallel, alone))
-    active: dict[int, dict] = {}  # pid -> {pid, pidfd, r, r_open, buf, pending, t_prev, bad}
-    sel = selectors.DefaultSelector()
+    def __init__(self, blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: int, chunk_size: int,
+                 alone: list[bool] | None) -> None:
+        from reward.sandbox import reap_owner  # before any fork: the children inherit the module
 
-    def launch(chunk: list[int]) -> None:
+        self.reap_owner = reap_owner
+        self.blobs, self.timeout_s, self.parallel, self.memory_mb = blobs, timeout_s, parallel, memory_mb
+        self.outcomes: list[tuple | None] = [None] * len(blobs)
+        self.todo = deque(make_chunks(len(blobs), chunk_size, parallel, alone))
+        self.active: dict[int, dict] = {}  # pid -> child
+        self.sel = selectors.DefaultSelector()
+
+    def run(self) -> list[tuple]:
+        """Start chunks while there are free slots, wait for results, exits and the nearest time limit."""
+        while self.todo or self.active:
+            while self.todo and len(self.active) < self.parallel:
+                self.launch(self.todo.popleft())
+            nearest = min(a["t_prev"] + self.timeout_s for a in self.active.values())
+            for key, _ in self.sel.select(timeout=max(0.0, nearest - time.monotonic())):
+                self.on_event(*key.data)
+            now = time.monotonic()
+            for a in [a for a in self.active.values() if now >= a["t_prev"] + self.timeout_s]:
+                self.finish(a, timed_out=True)
+        self.sel.close()
+        return self.outcomes  # type: ignore[return-value]
+
+    def on_event(self, pid: int, kind: str) -> None:
+        """Child ``pid`` sent results (``kind == "r"``: a refused stream ends it) or exited (``"p"``)."""
+        a = self.active.get(pid)
+        if a is None:
+            return
+        if kind == "r":
+            self.drain(a)
+            if a["bad"] is not None:
+                self.finish(a, timed_out=False)
+        else:
+            self.finish(a, timed_out=False)
+
+    def launch(self, chunk: list[int]) -> None:
+        """Fork a child for ``chunk`` (it closes the parent's fds of the other children) and watch it."""
         r, w = os.pipe()
         start = time.monotonic()
         pid = os.fork()
         if pid == 0:
-            for fd in [r] + [x for a in active.values() for x in (a["r"], a["pidfd"])]:
+            for fd in [r] + [x for a in self.active.values() for x in (a["r"], a["pidfd"])]:
                 os.close(fd)
-            _child(blobs, chunk, w, start, timeout_s, memory_mb)
+            _child(self.blobs, chunk, w, start, self.timeout_s, self.memory_mb)
         os.close(w)
         os.set_blocking(r, False)
         pidfd = os.pidfd_open(pid)
-        active[pid] = {"pid": pid, "pidfd": pidfd, "r": r, "r_open": True, "buf": bytearray(),
-                       "pending": deque(chunk), "t_prev": start, "bad": None}
-        sel.register(r, selectors.EVENT_READ, (pid, "r"))
-        sel.register(pidfd, selectors.EVENT_READ, (pid, "p"))
+        self.active[pid] = {"pid": pid, "pidfd": pidfd, "r": r, "r_open": True, "buf": bytearray(),
+                            "pending": deque(chunk), "t_prev": start, "bad": None}
+        self.sel.register(r, selectors.EVENT_READ, (pid, "r"))
+        self.sel.register(pidfd, selectors.EVENT_READ, (pid, "p"))
 
-    def take_frames(a: dict) -> None:
+    def take_frames(self, a: dict) -> None:
+        """Record the complete result frames in ``a``'s buffer; an oversized, unreadable or out-of-order
+        frame sets ``a["bad"]`` and stops the parsing."""
         buf = a["buf"]
         while a["bad"] is None and len(buf) >= 8:
             size = struct.unpack(">Q", buf[:8])[0]
@@ -228,27 +262,28 @@ def run_batch(blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: in
                 a["bad"] = f"result for call {i} out of order"
                 return
             a["pending"].popleft()
-            outcomes[i] = (kind, payload if kind == "ok" else None, {} if kind == "ok" else payload,
-                           t_end - a["t_prev"])
+            self.outcomes[i] = (kind, payload if kind == "ok" else None, {} if kind == "ok" else payload,
+                                t_end - a["t_prev"])
             a["t_prev"] = t_end
 
-    def drain(a: dict) -> None:
+    def drain(self, a: dict) -> None:
+        """Read what ``a``'s pipe holds now (noting its end of file) and take the complete frames."""
         if not a["r_open"]:
             return
         try:
             while chunk := os.read(a["r"], 1 << 16):
                 a["buf"] += chunk
-            sel.unregister(a["r"])  # end of file
+            self.sel.unregister(a["r"])  # end of file
             a["r_open"] = False
         except BlockingIOError:
             pass
-        take_frames(a)
+        self.take_frames(a)
 
-    def finish(a: dict, timed_out: bool) -> None:
+    def finish(self, a: dict, timed_out: bool) -> None:
         """End child ``a``: kill its group, keep the results it sent, settle the call it was on, requeue
         the rest of its chunk."""
-        active.pop(a["pid"])
-        drain(a)  # what it sent before the end
+        self.active.pop(a["pid"])
+        self.drain(a)  # what it sent before the end
         on = a["pending"][0] if a["pending"] else None
         _kill_group(a["pid"])
         try:
@@ -256,50 +291,44 @@ def run_batch(blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: in
         except ProcessLookupError:
             pass
         _, status = os.waitpid(a["pid"], 0)
-        drain(a)  # a result written just before the kill still counts
+        self.drain(a)  # a result written just before the kill still counts
         if a["r_open"]:
-            sel.unregister(a["r"])
-        sel.unregister(a["pidfd"])
+            self.sel.unregister(a["r"])
+        self.sel.unregister(a["pidfd"])
         os.close(a["r"])
         os.close(a["pidfd"])
-        now = time.monotonic()
-        cut_short = on is not None and outcomes[on] is None
+        cut_short = on is not None and self.outcomes[on] is None
         if cut_short:
             a["pending"].popleft()
-            if timed_out:
-                outcomes[on] = ("timeout", None, {"timeout_s": timeout_s}, now - a["t_prev"])
-            else:
-                detail = {"error": "VerifierDied", "wait_status": status}
-                if os.WIFSIGNALED(status):
-                    detail["signal"] = os.WTERMSIG(status)
-                if a["bad"] is not None:
-                    detail["message"] = a["bad"]
-                outcomes[on] = ("error", None, detail, now - a["t_prev"])
+            self.outcomes[on] = self.cut_short_outcome(a, timed_out, status)
         if a["pending"]:
-            todo.appendleft(list(a["pending"]))
+            self.todo.appendleft(list(a["pending"]))
         if cut_short or a["bad"] is not None or status != 0:
-            reap_owner(a["pid"])
+            self.reap_owner(a["pid"])
 
-    while todo or active:
-        while todo and len(active) < parallel:
-            launch(todo.popleft())
-        nearest = min(a["t_prev"] + timeout_s for a in active.values())
-        for key, _ in sel.select(timeout=max(0.0, nearest - time.monotonic())):
-            pid, kind = key.data
-            a = active.get(pid)
-            if a is None:
-                continue
-            if kind == "r":
-                drain(a)
-                if a["bad"] is not None:
-                    finish(a, timed_out=False)
-            else:
-                finish(a, timed_out=False)
-        now = time.monotonic()
-        for a in [a for a in active.values() if now >= a["t_prev"] + timeout_s]:
-            finish(a, timed_out=True)
-    sel.close()
-    return outcomes  # type: ignore[return-value]
+    def cut_short_outcome(self, a: dict, timed_out: bool, status: int) -> tuple:
+        """The outcome of the call child ``a`` was on when it ended: ``timeout``, or an ``error``
+        (``VerifierDied``, with its wait status, signal and the refused frame's reason when there is one)."""
+        elapsed = time.monotonic() - a["t_prev"]
+        if timed_out:
+            return ("timeout", None, {"timeout_s": self.timeout_s}, elapsed)
+        detail = {"error": "VerifierDied", "wait_status": status}
+        if os.WIFSIGNALED(status):
+            detail["signal"] = os.WTERMSIG(status)
+        if a["bad"] is not None:
+            detail["message"] = a["bad"]
+        return ("error", None, detail, elapsed)
+
+
+def run_batch(blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: int, chunk_size: int = 1,
+              alone: list[bool] | None = None) -> list[tuple]:
+    """Outcomes ``(status, value, detail, elapsed_s)`` of ``blobs`` (pickled calls), in order.
+
+    A child ends when it exits (seen through a pidfd, so a grandchild that inherited the result pipe cannot
+    hold it open) or when the call it is on runs out of time; either way its whole process group is killed,
+    and sandbox runs started on its behalf are reaped when it did not end cleanly.
+    """
+    return _Batch(blobs, timeout_s, parallel, memory_mb, chunk_size, alone).run()
 
 
 def serve() -> None:

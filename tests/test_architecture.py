@@ -6,8 +6,7 @@
   imports no Ray, vLLM, DeepSpeed or config classes (CONTRIBUTING.md);
 - loading the config (``cluster.config``, what ``--dry-run`` and ``cluster.submit`` do) does not import torch
   (checked in a fresh interpreter: the one exception to "nothing imported");
-- source files (600 lines) and functions (100 lines, docstring included) stay small enough to read, save the
-  files named in ``SIZE_EXCEPTIONS`` while their rewrite is under way.
+- source files (600 lines) and functions (100 lines, docstring included) stay small enough to read.
 """
 
 from __future__ import annotations
@@ -167,16 +166,10 @@ def test_config_loads_without_torch(module):
 # ------------------------------------------------------------------------------------------------------------
 # sizes
 
-# Temporary exceptions, by name: the code judge (reward/sandbox.py, the fork server and the harness that runs in
-# the sandbox) is being rewritten and split by its own change, which removes these entries when it lands. Every
-# other file of the packages is held to the limits.
-SIZE_EXCEPTIONS = frozenset({"reward/sandbox.py", "reward/_forkserver.py", "reward/_harness.py"})
-
-
 def _sized_sources() -> list[Path]:
     files = _sources(PACKAGES)
     assert len(files) > 20  # the walk found the packages
-    return [p for p in files if _rel(p) not in SIZE_EXCEPTIONS]
+    return files
 
 
 def test_no_source_file_over_600_lines():
