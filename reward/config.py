@@ -54,7 +54,11 @@ class RewardConfig(Section):
     verifier: str | None = Field(None, description="primary verifier for every row; None = each row's own")
     primary_weight: float = Field(1.0, description="weight of the primary verifier's score")
     extra_terms: list[RewardTerm] = Field(default_factory=list, description="extra weighted terms (composite)")
-    format_regex: str = Field(r"(?m)^\s*####\s*\S+", description="'format' verifier: pattern searched for")
+    format_regex: str = Field(
+        r"(?m)^[ \t]*####[ \t]*(?P<answer>\S[^\n]*)",
+        description="'format' verifier: pattern searched for (the answer it marks: its group 'answer', else its "
+        "first group, else the match)",
+    )
     code_all_or_nothing: bool = Field(False, description="'code': 1/0 instead of the share of tests passed")
 
     timeout_score: float = Field(0.0, description="score of a call that timed out (NaN = invalid sample)")

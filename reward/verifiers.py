@@ -40,9 +40,9 @@ from reward.answers import (
 
 Verifier = Callable[[str, dict], "float | dict"]
 
-# The config's default ``reward.format_regex``: ``\s*`` runs across newlines, so a response of blank lines
-# makes ``re`` backtrack quadratically (10k blank lines: 0.5 s; 40k: 6 s). Its line-bounded equivalent:
-LEGACY_FORMAT_REGEX = r"(?m)^\s*####\s*\S+"
+# The config's default ``reward.format_regex`` (kept equal by tests/test_reward_verifiers.py): the answer on the
+# marker's line, line-bounded (``[ \t]*``, not ``\s*``, which runs across blank lines and backtracks
+# quadratically on them).
 DEFAULT_FORMAT_REGEX = r"(?m)^[ \t]*####[ \t]*(?P<answer>\S[^\n]*)"
 
 _WS = re.compile(r"\s+")
@@ -143,16 +143,12 @@ def format_verifier(response: str, row: dict, *, pattern: str = DEFAULT_FORMAT_R
     group if it has groups, else the match without XML-like tags (``<answer>3</answer>`` marks ``3``) and
     without what precedes a ``####`` in it. A pure format term (any text counts) is not offered: a format
     reward that pays for ``#### ?`` teaches the policy to emit markers, not answers.
-    The old default pattern ``(?m)^\\s*####\\s*\\S+`` (quadratic on blank lines: ``\\s*`` runs across them) is
-    replaced by its line-bounded equivalent ``DEFAULT_FORMAT_REGEX``.
 
     Raises:
         ValueError: the pattern is not a valid regular expression (the message names it).
     """
     row = as_row_dict(row)
     pat = (row.get("meta") or {}).get("format_regex", pattern)
-    if pat == LEGACY_FORMAT_REGEX:
-        pat = DEFAULT_FORMAT_REGEX
     try:
         rx = _compiled(pat)
     except (re.error, TypeError) as err:

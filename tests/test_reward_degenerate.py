@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from reward.config import SandboxConfig
-from reward.verifiers import code_verifier, exact_verifier, format_verifier, math_verifier
+from reward.config import RewardConfig, SandboxConfig
+from reward.verifiers import code_verifier, exact_verifier, format_verifier, get_verifier, math_verifier
 
 MB = 1 << 20
 ROW = {"uid": "degenerate", "answer": "18", "meta": {"tests": ["assert square(3) == 9"]}}
@@ -40,7 +40,7 @@ def test_every_verifier_comes_back_with_the_right_score(name):
     response, want_math, want_format, want_exact, want_code = DEGENERATE[name]
     assert math_verifier(response, ROW) == want_math
     assert format_verifier(response, ROW) == want_format
-    assert format_verifier(response, ROW, pattern=r"(?m)^\s*####\s*\S+") == want_format  # config default
+    assert get_verifier("format", RewardConfig())(response, ROW) == want_format  # the config's default pattern
     assert exact_verifier(response, ROW) == want_exact
     cfg = SandboxConfig(backend="plain", wall_s=10.0, cpu_s=5)
     assert code_verifier(response, ROW, sandbox=cfg)["score"] == want_code

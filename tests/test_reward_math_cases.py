@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from reward.answers import boxed_contents, candidates, is_answer, parse_reference
-from reward.verifiers import format_verifier, math_verifier
+from reward.config import RewardConfig
+from reward.verifiers import format_verifier, get_verifier, math_verifier
 
 MB = 1 << 20
 
@@ -189,8 +190,8 @@ FORMAT_CASES = [
 @pytest.mark.parametrize("response,expected", FORMAT_CASES, ids=[repr(c[0][-24:]) for c in FORMAT_CASES])
 def test_format_pays_only_for_a_marked_answer(response, expected):
     assert format_verifier(response, {"meta": {}}) == expected
-    # the config's default pattern (the old, quadratic one) is served by its line-bounded equivalent
-    assert format_verifier(response, {"meta": {}}, pattern=r"(?m)^\s*####\s*\S+") == expected
+    # as the worker calls it: the pattern bound from the config's default
+    assert get_verifier("format", RewardConfig())(response, {"meta": {}}) == expected
 
 
 def test_is_answer():

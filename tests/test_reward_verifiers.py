@@ -107,6 +107,20 @@ def test_format_verifier_pattern_from_option_and_row():
         format_verifier("x", {"meta": {"format_regex": "(unclosed"}})
 
 
+def test_format_default_pattern_is_the_configs_and_line_bounded():
+    from reward.config import RewardConfig
+    from reward.verifiers import DEFAULT_FORMAT_REGEX
+
+    assert RewardConfig().format_regex == DEFAULT_FORMAT_REGEX
+    # the answer is taken from the marker's line only (the old default's \s* ran across lines)
+    assert format_verifier("####\n18", {"meta": {}}) == 0.0
+    assert format_verifier("#### 17 or 18", {"meta": {}}) == 0.0  # the whole line is the marked answer
+    # a user-given pattern is used as written, the old default among them (its \s* crosses the newline)
+    old = r"(?m)^\s*####\s*\S+"
+    assert format_verifier("####\n18", {"meta": {}}, pattern=old) == 1.0
+    assert format_verifier("####\n18", {"meta": {"format_regex": old}}) == 1.0
+
+
 def _user_verifier(response: str, row: dict) -> dict:
     return {"score": 0.5, "note": "user"}
 
