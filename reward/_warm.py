@@ -8,7 +8,10 @@ from reward.verifiers import math_verifier
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).setLevel(logging.ERROR)  # the runner, not math-verify, enforces timeouts
 
-for _resp, _ans in (("#### 18", "18"), ("The answer is $\\frac{36}{2}$", "18"), ("\\boxed{18.0}", "#### 18")):
+# a plain-number reference (GSM8K) and a LaTeX one (parsed with LatexExtractionConfig: its regexes are compiled
+# on first use, about 70 ms that each forked child would otherwise pay)
+for _resp, _ans in (("#### 18", "18"), ("The answer is $\\frac{36}{2}$", "18"), ("\\boxed{18.0}", "#### 18"),
+                    ("\\boxed{2\\pi}", "2\\pi")):
     math_verifier(_resp, {"answer": _ans, "meta": {}})
 
 # probe bubblewrap once here, so that code-verifier calls inherit the cached answer
