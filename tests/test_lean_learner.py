@@ -297,12 +297,13 @@ def test_gradient_checkpointing_same_gradient_and_routing_metrics(model_path, po
         calls = [0]
         router.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         out, grads = _train_captured(learner, batches)
-        runs[ckpt] = (out, grads, calls[0])
+        runs[ckpt] = (out, grads, calls[0], learner.state_digest())
     passes = sum(len(micro_slices(b.attention_mask, 3)) for b in batches)  # 2 + 2
     assert runs[False][2] == 2 * passes  # pre-update pass + training forwards
     assert runs[True][2] == 3 * passes  # + the recompute in every training backward
     for got, want in zip(runs[True][1], runs[False][1]):
         assert_same_gradient(got, want)
+    assert runs[True][3] == runs[False][3]  # on the CPU even bit-identical: the recompute runs the same kernels
     for key, value in runs[False][0].items():
         if isinstance(value, float):
             assert runs[True][0][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
