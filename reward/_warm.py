@@ -8,10 +8,12 @@ from reward.verifiers import math_verifier
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).setLevel(logging.ERROR)  # the runner, not math-verify, enforces timeouts
 
-# a plain-number reference (GSM8K) and a LaTeX one (parsed with LatexExtractionConfig: its regexes are compiled
-# on first use, about 70 ms that each forked child would otherwise pay)
+# plain-number references (GSM8K) and a LaTeX one, answered right and wrong: a LaTeX reference is parsed with
+# LatexExtractionConfig, whose regexes are compiled on first use, and a wrong symbolic answer takes sympy's
+# slower comparison path; measured in a forked child without these two: 50-70 ms for a right LaTeX answer
+# and 200-400 ms for a wrong one, paid again by every child
 for _resp, _ans in (("#### 18", "18"), ("The answer is $\\frac{36}{2}$", "18"), ("\\boxed{18.0}", "#### 18"),
-                    ("\\boxed{2\\pi}", "2\\pi")):
+                    ("\\boxed{2\\pi}", "2\\pi"), ("\\boxed{3\\pi}", "2\\pi")):
     math_verifier(_resp, {"answer": _ans, "meta": {}})
 
 # probe bubblewrap once here, so that code-verifier calls inherit the cached answer
