@@ -99,7 +99,7 @@ RESUME_FREE = (
     "reward.isolated_verifiers", "reward.preload", "reward.sandbox.backend", "reward.sandbox.require_bwrap",
     "reward.sandbox.tmp_root",
     "learner.num_cpus_per_rank", "learner.num_gpus_per_rank", "learner.threads_per_rank", "learner.cpu_shm_allreduce",
-    "learner.dist_timeout_s", "learner.moe_diagnostics",
+    "learner.dist_timeout_s", "learner.moe_diagnostics", "learner.pre_update_pass", "learner.gradient_checkpointing",
     "trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
     "trainer.audit_steps", "trainer.output_dir", "trainer.run_name", "trainer.resume", "trainer.ray_address",
     "trainer.bind_host", "trainer.plots",

@@ -218,6 +218,11 @@ class Config(Section):
             )
         if self.data.task == "gsm8k" and not (self.data.train_path and self.data.test_path):
             raise ValueError("data.task='gsm8k' needs data.train_path and data.test_path")
+        if lr.pre_update_pass == "never" and lr.pre_update_pass_needs(self.health.guard()):
+            raise ValueError(
+                "learner.pre_update_pass='never' is refused: "
+                + ", ".join(lr.pre_update_pass_needs(self.health.guard())) + " need(s) the pre-update pass"
+            )
         if t.max_staleness and lr.old_logprob_source != "rollout":
             raise ValueError(
                 f"trainer.max_staleness={t.max_staleness} needs learner.old_logprob_source='rollout' (got "

@@ -17,8 +17,9 @@ ZeRO-3 the sparse MoE block is a leaf module whose parameters are gathered aroun
 included). Outside a ``capture`` context the hooks return nothing and the forward is untouched.
 
 Limitations: the tap assumes one router call per MoE layer and forward, in layer order (true for
-transformers' decoder stacks); it does not support activation checkpointing (a recomputed forward in the
-backward would run outside the capture context, i.e. without replay).
+transformers' decoder stacks). With activation checkpointing the backward's recomputed forward runs outside the
+capture context: it records nothing (diagnostics stay right) but would route without replay, so Routing Replay
+and ``learner.gradient_checkpointing`` are refused together.
 
 Pure torch apart from the model object: no Ray, DeepSpeed or config imports.
 """

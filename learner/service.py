@@ -245,7 +245,9 @@ class LearnerRank:
             minibatch loss; ``actor/clip_fraction`` (``_low``, ``_high``): share of sequences (GSPO) or tokens
             (GRPO) clipped; ``actor/ratio_mean|min|max``: the importance ratios the objective used;
             ``actor/seq_ratio_mean|min|max``: GSPO's sequence ratio ``s_i`` (Eq. 7) for every algorithm;
-            ``actor/entropy``: mean token entropy (nats) of the pre-update policy over the response tokens;
+            ``actor/entropy`` (pre-update pass only: absent when ``learner.pre_update_pass`` skips it, as are
+            the train-rollout difference and every ``moe/*`` metric): mean token entropy (nats) of the pre-update
+            policy over the response tokens;
             ``actor/train_rollout_logprob_diff``: mean |learner log-prob at the pre-update weights - rollout
             log-prob| over response tokens; ``actor/grad_norm`` (mean over steps, pre-clip) and
             ``actor/grad_norm_max``; ``actor/lr``; ``actor/num_optimizer_steps`` (steps applied: 0 when the

@@ -250,3 +250,13 @@ def test_temperature_range_is_the_installed_vllms():
              and isinstance(n.left, ast.Attribute) and n.left.attr == "temperature"
              and isinstance(n.ops[0], ast.Gt) and isinstance(n.comparators[0], ast.Constant)]
     assert upper == [VLLM_MAX_TEMPERATURE]
+
+
+def test_never_pre_update_pass_refused_when_the_guard_needs_it():
+    """The health guard's pre-update checks need the pass: refused at load, naming the guard keys."""
+    with pytest.raises(ConfigError, match="health.max_logprob_diff"):
+        load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.pre_update_pass=never",
+                                                              "learner.moe_diagnostics=false"])
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.pre_update_pass=never",
+                                                                "learner.moe_diagnostics=false", "health.enabled=false"])
+    assert cfg.learner.pre_update_pass == "never"
