@@ -61,11 +61,13 @@ CONFIG = "configs/tiny_moe.yaml"
 OUR_PHASES = ["timing/rollout_s", "timing/reward_s", "timing/learner_s", "timing/weight_sync_s", "timing/step_s"]
 
 
-def load_cfg(workload: str, work: Path, steps: int, model_path: str | None = None):
-    """Our config for ``workload`` with the bench's overrides (and ``model.path`` once the folder exists)."""
+def load_cfg(workload: str, work: Path, steps: int, model_path: str | None = None, ours: tuple[str, ...] = ()):
+    """Our config for ``workload`` with the bench's overrides, then ``ours`` (``--ours`` settings of our side,
+    e.g. ``trainer.max_staleness=1``; they must not change P, G, L, M, lr or temperature), and ``model.path``
+    once the folder exists."""
     from cluster.config import load_config
 
-    extra = [f"model.path={model_path}"] if model_path else []
+    extra = [*ours, *([f"model.path={model_path}"] if model_path else [])]
     return load_config(str(REPO / CONFIG), [*WORKLOADS[workload], *BENCH_OVERRIDES, *extra,
                                             f"trainer.output_dir={work / 'ours'}", f"trainer.total_steps={steps}"])
 
@@ -200,7 +202,7 @@ def child(args) -> int:
     os.sched_setaffinity(0, args.cores)
     work = Path(args.work_dir)
     model = (work / "model_path").read_text()
-    cfg = load_cfg(args.workload, work, args.steps, model)
+    cfg = load_cfg(args.workload, work, args.steps, model, tuple(args.ours))
     if args.side == "trl":
         res = run_trl(cfg, model, args.steps, args.trl_threads, work / "trl")
     else:
@@ -269,7 +271,7 @@ def run_side(side: str, workload: str, work: Path, args) -> dict:
         env["OMP_NUM_THREADS"] = str(args.trl_threads)
     cmd = [sys.executable, __file__, "--side", side, "--workload", workload, "--steps", str(args.steps),
            "--work-dir", str(work), "--result", str(res), "--cores", ",".join(map(str, args.cores)),
-           "--trl-threads", str(args.trl_threads)]
+           "--trl-threads", str(args.trl_threads), *[f"--ours={o}" for o in args.ours]]
     t = time.perf_counter()
     subprocess.run(cmd, env=env, cwd=REPO, check=True)
     print(f"[{workload}] {side}: child finished in {time.perf_counter() - t:.0f} s", file=sys.stderr)
@@ -307,6 +309,8 @@ def main() -> int:
                     default=sorted(os.sched_getaffinity(0)), help="CPU cores both sides run on (default: all)")
     ap.add_argument("--trl-threads", type=int, default=None,
                     help="torch threads of the TRL process (default: one per core in --cores)")
+    ap.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of our side only, e.g. --ours trainer.max_staleness=1 (repeatable)")
     ap.add_argument("--side", choices=["trl", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--work-dir", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -321,6 +325,7 @@ def main() -> int:
     os.sched_setaffinity(0, args.cores)
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     out: dict = {"versions": versions(), "cores": args.cores, "trl_threads": args.trl_threads, "steps": args.steps,
+                 "ours_overrides": args.ours,
                  "workloads": {}}
     try:
         for w in ["tiny", "small"] if args.workload == "both" else [args.workload]:
