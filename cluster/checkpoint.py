@@ -94,7 +94,7 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 RESUME_FREE = (
     "rollout.num_engines", "rollout.num_cpus_per_engine", "rollout.num_gpus_per_engine",
     "rollout.tensor_parallel_size", "rollout.threads_per_engine", "rollout.gpu_memory_utilization",
-    "rollout.kv_cache_gb", "rollout.enforce_eager", "rollout.in_process",
+    "rollout.kv_cache_gb", "rollout.enforce_eager", "rollout.in_process", "rollout.pieces_per_engine",
     "reward.num_workers", "reward.num_cpus_per_worker", "reward.parallel_calls", "reward.calls_per_child",
     "reward.isolated_verifiers", "reward.preload", "reward.sandbox.backend", "reward.sandbox.require_bwrap",
     "reward.sandbox.tmp_root",

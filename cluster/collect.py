@@ -6,8 +6,9 @@ scoring runs while the engines generate the rest. With dynamic sampling (DAPO) i
 are all equal and samples more prompts, at most ``trainer.max_sampling_rounds`` extra rounds.
 
 In the overlapped mode (``trainer.max_staleness=1``) the driver runs ``collect(k+1)`` in a thread while the
-learner trains on step k; nothing here touches the learner, and the collector is the only user of the
-engines and reward workers until the driver joins it.
+learner trains on step k; the collector is the only user of the engines and reward workers until the driver
+joins it. The learner is touched only when an engine dies: its replacement asks the learner for the current
+weights, a call that runs after the learner's update (see the README on the version tag this gives).
 """
 
 from __future__ import annotations

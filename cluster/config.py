@@ -223,6 +223,11 @@ class Config(Section):
                 "learner.pre_update_pass='never' is refused: "
                 + ", ".join(lr.pre_update_pass_needs(self.health.guard())) + " need(s) the pre-update pass"
             )
+        if t.max_staleness and t.audit_steps:
+            raise ValueError(
+                f"trainer.audit_steps={t.audit_steps} is refused with trainer.max_staleness={t.max_staleness}: the "
+                "audit recomputes a step at the weights that sampled it, which the overlapped mode has already updated"
+            )
         if t.max_staleness and lr.old_logprob_source != "rollout":
             raise ValueError(
                 f"trainer.max_staleness={t.max_staleness} needs learner.old_logprob_source='rollout' (got "

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -265,12 +266,16 @@ class Trainer:
         if self.cfg.trainer.max_staleness and self.step + 1 < self.cfg.trainer.total_steps:
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
-        m: dict[str, Any] = {"step": self.step + 1, **self.staleness(c)}
         learner_m, learner_s, sync_s = {}, 0.0, 0.0
-        if c.prompts:
-            learner_m, learner_s = self.train(c, rewards)
-        else:
-            log.warning("step %d: no informative group; no update", self.step + 1)
+        try:
+            m: dict[str, Any] = {"step": self.step + 1, **self.staleness(c)}
+            if c.prompts:
+                learner_m, learner_s = self.train(c, rewards)
+            else:
+                log.warning("step %d: no informative group; no update", self.step + 1)
+        finally:
+            if ahead is not None:  # never leave the rollout thread running into a shutdown
+                wait_futures([ahead])
         wait_s = time.perf_counter()
         self.pending = ahead.result() if ahead is not None else None  # no request is in flight at the sync below
         wait_s = time.perf_counter() - wait_s

@@ -260,3 +260,12 @@ def test_never_pre_update_pass_refused_when_the_guard_needs_it():
     cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.pre_update_pass=never",
                                                                 "learner.moe_diagnostics=false", "health.enabled=false"])
     assert cfg.learner.pre_update_pass == "never"
+
+
+def test_audit_steps_refused_in_the_overlapped_mode():
+    """The audit recomputes a step at the weights that sampled it; overlapped steps train on older samples."""
+    with pytest.raises(ConfigError, match="trainer.audit_steps"):
+        load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1", "trainer.audit_steps=[2]"])
+    with pytest.raises(ConfigError, match="learner.old_logprob_source"):
+        load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1",
+                                                              "learner.old_logprob_source=recompute"])
