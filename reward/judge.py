@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import selectors
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,11 @@ class SolutionSession:
     def _lose(self, status: str, why: str = "") -> None:
         """Mark the session lost with ``status`` (the first reason wins) and end its run."""
         if not self.lost:
+            if status == "exit" and self.run is not None:
+                try:  # a closed channel is read before the dying process can be waited for: give it a moment
+                    self.run.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             if status == "exit" and self.run is not None and self.run.proc.poll() is not None:
                 ended, _ = exit_status(self.run)  # it ended by itself: say how
                 status = ended if ended != "ok" else "exit"
