@@ -131,7 +131,7 @@ class GuardDecision:
             self.failures.append(("nonfinite_loss", "a micro-batch loss is NaN or inf"))
         return any(flags)
 
-    def verdict(self, metrics: dict[str, object], loss_sum: float, grad_norms: list[float], updated: bool,
+    def verdict(self, metrics: dict[str, object], grad_norms: list[float], updated: bool,
                 all_reduce) -> tuple[bool, dict[str, object]]:
         """The final decision: ``(skip, health metrics)``. ``updated``: optimizer steps ran (the post-update
         checks apply). Collective when the guard is on; ``(False, {})`` when it is off.
@@ -141,9 +141,9 @@ class GuardDecision:
         if self.guard is None:
             return False, {}
         if updated:
-            steps = max(len(grad_norms), 1)
-            if not math.isfinite(loss_sum) and not any(n == "nonfinite_loss" for n, _ in self.failures):
-                self.failures.append(("nonfinite_loss", f"loss/policy={loss_sum / steps}"))
+            loss = float(metrics["loss/policy"])  # the all-reduced loss sum / steps: finite exactly when the sum is
+            if not math.isfinite(loss) and not any(n == "nonfinite_loss" for n, _ in self.failures):
+                self.failures.append(("nonfinite_loss", f"loss/policy={loss}"))
             if any(not math.isfinite(g) for g in grad_norms):
                 self.failures.append(("nonfinite_grad_norm", f"actor/grad_norm_max={max(grad_norms)}"))
             self.failures += [f for f in failed_checks(self.guard, metrics, "post")

@@ -76,7 +76,6 @@ class RolloutBatchStep:
         self.pre_lps: list[list[torch.Tensor]] = []
         self.routes: list[list[torch.Tensor]] = []
         self.nonfinite = 0.0
-        self._loss_sum_all = 0.0  # all-reduced policy loss sum (set by metrics, read by the verdict)
 
     def run(self) -> dict[str, Any]:
         """The phases in order; returns the step's metrics (the same dict on every rank)."""
@@ -268,7 +267,6 @@ class RolloutBatchStep:
             "actor/num_optimizer_steps": float(steps),
             "actor/num_response_tokens": float(pm["num_tokens"]) / max(cfg.ppo_epochs, 1),
         }
-        self._loss_sum_all = loss_sum
         if r.ref_model is not None:
             out["loss/kl"] = kl_sum / max(steps, 1)
         if self.moe_diag:
@@ -279,7 +277,7 @@ class RolloutBatchStep:
     def guard_verdict(self, out: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, Any]:
         """Apply the guard's verdict: a refused step's optimizer steps are undone from ``snapshot``."""
         steps = len(self.t.grad_norms)
-        skip, health = self.guard.verdict(out, self._loss_sum_all, self.t.grad_norms, snapshot is not None,
+        skip, health = self.guard.verdict(out, self.t.grad_norms, snapshot is not None,
                                           self.r.all_reduce)
         if skip and snapshot is not None:
             self.r.restore(snapshot)

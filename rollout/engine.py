@@ -360,7 +360,7 @@ class RolloutEngine:
 
     def _known_names(self) -> set[str]:
         names = set(self._checkpoint_names or ())
-        return names | {"lm_head.weight"} if self._tied_embeddings else names
+        return (names | {"lm_head.weight"}) if self._tied_embeddings else names
 
     # ------------------------------------------------------------------ bookkeeping
 
