@@ -87,6 +87,10 @@ class SyncConfig(Section):
     max_buckets_in_flight: int = Field(
         2, ge=1, description="buckets put but not yet loaded by every engine, at most (bounds the object store's "
         "share of a sync; 2 lets the export of one overlap the engines' loading of the other)")
+    engine_timeout_s: float = Field(
+        120.0, gt=0, description="an engine that does not answer one sync call (start, a bucket, finish) within this "
+        "many seconds counts as hung: it gets no more of the sync and is replaced; must stay below "
+        "learner.dist_timeout_s, which the other learner ranks wait under meanwhile")
 
 
 def _threshold(key: str, what: str) -> str:
@@ -232,6 +236,11 @@ class Config(Section):
             raise ValueError(
                 f"trainer.max_staleness={t.max_staleness} needs learner.old_logprob_source='rollout' (got "
                 f"{lr.old_logprob_source!r}): a recompute at the learner's weights is not the policy that sampled"
+            )
+        if self.sync.engine_timeout_s >= lr.dist_timeout_s:
+            raise ValueError(
+                f"sync.engine_timeout_s={self.sync.engine_timeout_s:g} must be below learner.dist_timeout_s="
+                f"{lr.dist_timeout_s:g}: the other learner ranks wait in a collective while rank 0 waits for an engine"
             )
         self._check_lengths()
         self._check_temperature()

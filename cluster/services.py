@@ -150,11 +150,29 @@ class EngineFleet:
             raise RuntimeError(f"new rollout engines could not load weight version {self.weight_version}: "
                                f"{report['failed_engines']}")
 
+    def _start_loaded(self, count: int) -> list[tuple[Any, Any]]:
+        """``count`` new engines holding the current weights (one sync for all), as (actor, placement group).
+        A failure kills the ones started and removes their placement groups before it propagates.
+
+        Raises:
+            RuntimeError: the new engines could not load the current weights.
+        """
+        new: list[tuple[Any, Any]] = []
+        try:
+            for _ in range(count):
+                new.append(self._start_one())
+            ray.get([a.pid.remote() for a, _ in new])
+            self._load_current([a for a, _ in new])
+        except BaseException:
+            for actor, pg in new:
+                ray.kill(actor)
+                remove_placement_group(pg)
+            raise
+        return new
+
     def start(self, count: int) -> None:
         """Start ``count`` more engines; once weights were synced, new engines load the current ones."""
-        new = [self._start_one() for _ in range(count)]
-        ray.get([a.pid.remote() for a, _ in new])
-        self._load_current([a for a, _ in new])
+        new = self._start_loaded(count)
         for a, pg in new:
             self.engines.append(a)
             self.groups.append(pg)
@@ -170,18 +188,27 @@ class EngineFleet:
 
     def replace(self, slot: int) -> None:
         """Replace the engine in ``slot`` (dead or hung) with a new one holding the current weights."""
-        old, pg = self.engines[slot], self.groups[slot]
-        try:
-            ray.kill(old)
-        except Exception:
-            pass
-        remove_placement_group(pg)
-        actor, new_pg = self._start_one()
-        ray.get(actor.pid.remote())
-        self._load_current([actor])
-        self.engines[slot], self.groups[slot] = actor, new_pg
-        self.restarts += 1
-        log.warning("rollout engine %d died and was replaced (weight version %d)", slot, self.weight_version)
+        self.replace_many([slot])
+
+    def replace_many(self, slots: list[int]) -> None:
+        """Replace the engines in ``slots`` (dead or hung) with new ones; all of them load the current weights
+        in ONE sync. A new engine that fails to start or load is killed and its placement group removed
+        before the error propagates (nothing leaks).
+
+        Raises:
+            RuntimeError: the new engines could not load the current weights.
+        """
+        for slot in slots:
+            try:
+                ray.kill(self.engines[slot])
+            except Exception:
+                pass
+            remove_placement_group(self.groups[slot])
+        new = self._start_loaded(len(slots))
+        for slot, (actor, pg) in zip(slots, new):
+            self.engines[slot], self.groups[slot] = actor, pg
+            self.restarts += 1
+            log.warning("rollout engine %d died and was replaced (weight version %d)", slot, self.weight_version)
 
     def pids(self) -> list[int]:
         return ray.get([e.pid.remote() for e in self.engines])
@@ -287,9 +314,11 @@ class EngineFleet:
             raise RuntimeError("EngineFleet.sync: no weight_source set")
         report = self.weight_source(list(self.engines), version)
         self.weight_version = version
-        for slot, why in sorted(report.get("failed_engines", {}).items()):
+        failed = report.get("failed_engines", {})
+        for slot, why in sorted(failed.items()):
             log.warning("rollout engine %d failed during weight sync (%s)", slot, why)
-            self.replace(slot)  # loads version
+        if failed:
+            self.replace_many(sorted(failed))  # one more sync of this version, for all of them
         versions = ray.get([e.weight_version.remote() for e in self.engines])
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")

@@ -164,7 +164,7 @@ class Trainer:
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
         sc = cfg.sync
         self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
-            engines, version, sc.bucket_mb, sc.max_buckets_in_flight)
+            engines, version, sc.bucket_mb, sc.max_buckets_in_flight, sc.engine_timeout_s)
         self.fleet.start(cfg.rollout.num_engines)
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)

@@ -105,33 +105,46 @@ def pack_bucket(bucket: dict[str, torch.Tensor]) -> tuple[dict[str, list], list[
 
 
 class _Fanout:
-    """Rank 0's side of one sync: calls on the engines, failures recorded per engine instead of raised."""
+    """Rank 0's side of one sync: calls on the engines, failures recorded per engine instead of raised.
 
-    def __init__(self, engines: list[Any]):
+    An engine that does not answer a call within ``timeout_s`` seconds counts as failed (hung), so one stuck
+    engine cannot hold the learner ranks in the sync forever; the driver replaces it afterwards."""
+
+    def __init__(self, engines: list[Any], timeout_s: float | None = None):
         import ray
 
         self.ray = ray
         self.engines = dict(enumerate(engines))
         self.failed: dict[int, str] = {}
+        self.timeout_s = timeout_s
 
     def call(self, method: str, *args) -> dict[int, Any]:
         return {i: getattr(e, method).remote(*args) for i, e in self.engines.items() if i not in self.failed}
 
-    def wait(self, calls: dict[int, Any]) -> None:
+    def wait(self, calls: dict[int, Any]) -> int:
+        """Wait for each call; returns how many succeeded (the others are recorded in ``failed``)."""
+        done = 0
         for i, ref in calls.items():
             try:
-                self.ray.get(ref)
+                self.ray.get(ref, timeout=self.timeout_s)
+                done += 1
+            except self.ray.exceptions.GetTimeoutError:
+                self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g}")
             except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
                 self.failed.setdefault(i, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+        return done
 
 
-def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int = 2) -> dict[str, Any]:
+def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int = 2,
+                 engine_timeout_s: float | None = None) -> dict[str, Any]:
     """Stream the current weights to ``engines`` (Ray actor handles of ``rollout.engine.RolloutEngine``) as
     weight version ``version``. Collective over the learner ranks; only rank 0 talks to the engines.
 
     Returns:
-        On rank 0: ``{"bytes": weight bytes sent x engines reached, "seconds": wall time, "buckets": count,
-        "failed_engines": {index in engines: error text}}``; ``{}`` on the other ranks.
+        On rank 0: ``{"bytes": weight bytes loaded, summed over the engines that acknowledged each bucket,
+        "seconds": wall time, "buckets": count, "failed_engines": {index in engines: error text}}``; ``{}`` on
+        the other ranks. An engine that fails or does not answer a call within ``engine_timeout_s`` seconds
+        (None: wait forever) gets no further calls in this sync and is listed in ``failed_engines``.
 
     Raises:
         ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.
@@ -140,7 +153,7 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         raise ValueError(f"sync.max_buckets_in_flight={max_in_flight!r} must be >= 1")
     t0 = time.perf_counter()
     keep = rank.rank == 0
-    fan = _Fanout(engines) if keep else None
+    fan = _Fanout(engines, engine_timeout_s) if keep else None
     if keep:
         fan.wait(fan.call("start_weight_update"))
     inflight: deque = deque()
@@ -151,16 +164,17 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         meta, buffers, nbytes = pack_bucket(bucket)
         ref = fan.ray.put(buffers)
         calls = fan.call("update_weights", meta, ref)
-        sent += nbytes * len(calls)
         buckets += 1
-        inflight.append(calls)
+        inflight.append((calls, nbytes))
         del ref, buffers, bucket  # the object lives while an engine's call holds it
         if len(inflight) >= max_in_flight:
-            fan.wait(inflight.popleft())
+            calls, nbytes = inflight.popleft()
+            sent += nbytes * fan.wait(calls)
     if not keep:
         return {}
     while inflight:
-        fan.wait(inflight.popleft())
+        calls, nbytes = inflight.popleft()
+        sent += nbytes * fan.wait(calls)
     fan.wait(fan.call("finish_weight_update", int(version)))
     return {"bytes": sent, "seconds": time.perf_counter() - t0, "buckets": buckets, "failed_engines": fan.failed}
 

@@ -53,6 +53,7 @@ def test_overrides_are_typed():
         ("learner.kl_estimator=k4", "learner.kl_estimator"),
         ("rollout.top_p=0.9", "rollout.top_p=0.9"),
         ("learner.zero_stage=5", "learner.zero_stage"),
+        ("sync.engine_timeout_s=400", "sync.engine_timeout_s=400 must be below learner.dist_timeout_s=300"),
     ],
 )
 def test_bad_values_name_key_and_value(override, needle):

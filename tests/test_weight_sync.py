@@ -52,6 +52,15 @@ def build_model(folder, kind: str):
     return str(folder)
 
 
+class HungEngine:
+    """An engine that never answers the start of a weight update (a stuck process)."""
+
+    def start_weight_update(self) -> None:
+        import time
+
+        time.sleep(600)
+
+
 def sft_batch(seed: int, n: int = 8, length: int = 16) -> SFTBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 60, (n, length), generator=g)
@@ -88,20 +97,23 @@ def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero
         path, RolloutConfig(max_model_len=64, max_response_tokens=4), cache_dir=str(tmp_path / "cache"))
     dead = ray.remote(RolloutEngine).options(num_cpus=0).remote(path, RolloutConfig(), cache_dir=str(tmp_path / "c2"))
     ray.kill(dead)
+    hung = ray.remote(HungEngine).options(num_cpus=0).remote()
     try:
         ray.get([learner.pid.remote(), engine.pid.remote()])
         checkpoint_bytes = sum(t.numel() * t.element_size() for t in ray.get(learner.checkpoint_state_dict.remote()).values())
         seq, start = [1] + [5 + (i * 7) % 50 for i in range(30)], 6
         for version in (1, 2):
             ray.get(learner.sft_step.remote(sft_batch(version), 8 * 11))
-            report = ray.get(learner.sync_weights.remote([engine, dead], version, 0.01, 2))
-            assert list(report["failed_engines"]) == [1]  # the dead engine is reported, not raised
+            report = ray.get(learner.sync_weights.remote([engine, dead, hung], version, 0.01, 2, 2.0))
+            assert sorted(report["failed_engines"]) == [1, 2]  # dead and hung engines are reported, not raised
+            assert "engine_timeout_s" in report["failed_engines"][2]
             assert report["buckets"] > 2
-            assert report["bytes"] == checkpoint_bytes  # each byte once to the one live engine, no view blowup
+            assert report["bytes"] == checkpoint_bytes  # each byte once to the one live engine, no view blowup;
+            # failed engines count nothing
             assert ray.get(engine.weight_version.remote()) == version
             engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
             diff = (engine_lp - learner_logprobs(ray, learner, seq, start)).abs().max().item()
             assert diff < TOL, (kind, version, diff)
     finally:
-        for a in (learner, engine):
+        for a in (learner, engine, hung):
             ray.kill(a)
