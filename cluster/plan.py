@@ -387,12 +387,12 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
         claims["learner"] = lm["total"]  # a rank computes on one device; extra devices get the same claim
     if rc.num_gpus_per_engine:
         claims["rollout"], mem["rollout_per_gpu_gib"] = _rollout_gpu_budget(cfg, g)
-        if shape is not None:
-            mem["rollout_kv"] = engine_kv(cfg, shape, mem["rollout_per_gpu_gib"]["kv_cache"])
     used, name, users = _fullest_gpu(nodes, claims)
     mem["fullest_gpu"] = {"gpu": name, "holds": list(users), "claimed_gib": round(used, 2)}
     if used > g:
         raise PlanError(_over_budget_message(cfg, lm, claims, used, name, users, g))
+    if rc.num_gpus_per_engine and shape is not None:
+        mem["rollout_kv"] = engine_kv(cfg, shape, mem["rollout_per_gpu_gib"]["kv_cache"])
     mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=True)
     warnings = []
     if "learner" in claims:
