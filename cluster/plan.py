@@ -459,7 +459,7 @@ def _rollout_gpu_budget(cfg: Config, g: float) -> tuple[float, dict[str, float]]
         PlanError: the weights and the overhead exceed vLLM's claim.
     """
     rc = cfg.rollout
-    wts = rollout_weights_gib(cfg.model.num_params_b * 1e9, dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
+    wts = rollout_weights_gib(num_params(cfg), dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
     vllm = rc.gpu_memory_utilization * g
     kv = vllm - wts - ROLLOUT_OVERHEAD_GIB
     if kv <= 0:

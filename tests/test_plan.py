@@ -282,3 +282,22 @@ def test_host_ram_per_node():
     assert z2["node 0"]["learner_ranks"] == round(8 * (6 + 2 * 30.5e9 / GIB), 2) == 502.49
     with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 148.0 GiB needed > cluster.host_memory_gib=100"):
         plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=100"]))
+
+
+def test_gpu_smoke_dry_run_and_refusal_without_cuda():
+    """The smoke script prints its plan on the CPU (64 experts, one GPU shared by 1 engine and 1 rank) and
+    refuses to run without a CUDA device, saying so."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke", "--dry-run"], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = yaml.safe_load(r.stdout)
+    assert "model.num_experts=64" in out["overrides"]
+    assert out["plan"]["memory"]["fullest_gpu"]["holds"] == ["learner rank 0", "rollout engine 0"]
+    assert out["plan"]["memory"]["rollout_kv"]["kv_tokens_needed"] == 256 * 32
+    r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr
