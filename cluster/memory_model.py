@@ -19,7 +19,7 @@ The terms and their sources (docs/cluster.md, "Memory model", explains them with
   recomputed.
 - Logits: ``V`` per token in the model dtype and, in the backward, their gradient in the same dtype; the
   float32 softmax work runs in chunks of about ``2**25`` logits (``learner/logprobs.py``, ``token_log_probs``),
-  a few such float32 chunks alive at once: ``2 V b`` bytes per token + ``LOGPROB_CHUNK_BYTES``.
+  a few such float32 chunks alive at once: ``2 V b`` bytes per token + ``min(LOGPROB_CHUNK_BYTES, 12 T V)``.
 - ZeRO-3 gathered working set (DeepSpeed 0.19.8 ``deepspeed/runtime/zero/config.py`` defaults, checked against
   the installed DeepSpeed by tests/test_plan.py): at most ``stage3_max_live_parameters +
   stage3_prefetch_bucket_size`` parameters gathered at once, never fewer than the largest layer's.
@@ -116,7 +116,7 @@ def activation_bytes(shape: Any, tokens: int, *, dtype: str, checkpointing: bool
 def logits_bytes(shape: Any, tokens: int, *, dtype: str) -> int:
     """Logit bytes of a training pass of ``tokens`` tokens: ``2 tokens V b + LOGPROB_CHUNK_BYTES`` (module
     docstring)."""
-    return 2 * tokens * shape.vocab_size * BYTES[dtype] + LOGPROB_CHUNK_BYTES
+    return 2 * tokens * shape.vocab_size * BYTES[dtype] + min(LOGPROB_CHUNK_BYTES, 12 * tokens * shape.vocab_size)
 
 
 def zero3_gathered_bytes(shape: Any | None, num_params: float, *, dtype: str) -> float:

@@ -59,7 +59,7 @@ ROLLOUT_OVERHEAD_GIB = 2.0
 MIN_FREE_SHARE = 0.05
 #: host RAM of one process before any model state, GiB: Python, torch, DeepSpeed / vLLM and (on a GPU) the
 #: CUDA runtime's host side. The "_cpu" values are the CPU runs' base RSS (docs/cluster.md, "Memory model").
-HOST_PROCESS_GIB = {"learner": 6.0, "engine": 6.0, "learner_cpu": 0.6, "engine_cpu": 0.8, "reward": 0.3}
+HOST_PROCESS_GIB = {"learner": 6.0, "engine": 6.0, "learner_cpu": 0.7, "engine_cpu": 1.05, "reward": 0.15}
 #: largest safetensors file a ZeRO-3 rank holds while loading partitioned (Hugging Face checkpoints are cut
 #: into files of about 4-5 GB).
 HF_SHARD_GIB = 5.0
