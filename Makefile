@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-fast bench bench-trl soak submit compare clean
+.PHONY: setup train test test-fast gpu-smoke bench bench-trl soak submit compare clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ test: setup
 # Unit tests only (seconds).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# GPU path smoke test (needs a CUDA device; not part of `make test`): 3 steps of a 64-expert MoE on one GPU,
+# checked against the plan. `make gpu-smoke ARGS=--dry-run` prints the plan on any machine.
+gpu-smoke: setup
+	$(BIN)/python -m cluster.gpu_smoke $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/step.py $(ARGS)

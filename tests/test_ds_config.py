@@ -45,3 +45,23 @@ def test_bf16_without_zero_is_refused_naming_both_keys():
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError, match="world_size=0"):
         build_ds_config(LearnerConfig(), world_size=0)
+
+
+def test_overlap_comm_on_gpu_only():
+    cfg = LearnerConfig(zero_stage=3, dtype="bfloat16")
+    assert build_ds_config(cfg, world_size=2)["zero_optimization"]["overlap_comm"] is False
+    assert build_ds_config(cfg, world_size=2, on_gpu=True)["zero_optimization"]["overlap_comm"] is True
+
+
+def test_partitioned_build_and_reference_refusal():
+    """ZeRO-3 on GPUs builds the model under zero.Init; a KL reference there is refused, naming the keys."""
+    import pytest
+
+    from learner.service import build_partitioned
+
+    assert build_partitioned(LearnerConfig(zero_stage=3), on_gpu=True) is True
+    assert build_partitioned(LearnerConfig(zero_stage=3), on_gpu=False) is False
+    assert build_partitioned(LearnerConfig(zero_stage=2), on_gpu=True) is False
+    with pytest.raises(ValueError, match="learner.kl_coef=0.1 with learner.zero_stage=3 on GPUs"):
+        LearnerConfig(zero_stage=3, kl_coef=0.1, num_gpus_per_rank=1)
+    assert LearnerConfig(zero_stage=3, kl_coef=0.1).kl_coef == 0.1  # the CPU keeps its unsharded reference

@@ -32,14 +32,14 @@ def dry_run(config: str, *overrides: str) -> subprocess.CompletedProcess:
 
 def test_learner_memory_hand_values():
     p = float(GIB)  # 2**30 parameters: every term comes out in whole GiB
-    # bfloat16, ZeRO-3 over 4 ranks: weights 2/4, gradients 2/4, optimizer 12/4 GiB, + 4 GiB overhead.
+    # bfloat16, ZeRO-3 over 4 ranks: weights 2/4, fp32-accumulated gradients 4/4, optimizer 12/4 GiB, + 4 GiB.
     m = learner_memory_gib(p, zero_stage=3, dtype="bfloat16", world_size=4)
-    assert (m["weights"], m["gradients"], m["optimizer"], m["reference"]) == (0.5, 0.5, 3.0, 0.0)
-    assert m["total"] == 8.0
+    assert (m["weights"], m["gradients"], m["optimizer"], m["reference"]) == (0.5, 1.0, 3.0, 0.0)
+    assert m["total"] == 8.5
     # ZeRO-2 keeps whole weights; ZeRO-1 whole gradients; ZeRO-0 shards nothing.
-    assert learner_memory_gib(p, zero_stage=2, dtype="bfloat16", world_size=4)["total"] == 2 + 0.5 + 3 + 4
-    assert learner_memory_gib(p, zero_stage=1, dtype="bfloat16", world_size=4)["total"] == 2 + 2 + 3 + 4
-    assert learner_memory_gib(p, zero_stage=0, dtype="bfloat16", world_size=4)["total"] == 2 + 2 + 12 + 4
+    assert learner_memory_gib(p, zero_stage=2, dtype="bfloat16", world_size=4)["total"] == 2 + 1 + 3 + 4
+    assert learner_memory_gib(p, zero_stage=1, dtype="bfloat16", world_size=4)["total"] == 2 + 4 + 3 + 4
+    assert learner_memory_gib(p, zero_stage=0, dtype="bfloat16", world_size=4)["total"] == 2 + 4 + 12 + 4
     # float32: 4-byte weights and gradients, Adam's two moments only (8 bytes); a KL reference adds a full copy.
     f = learner_memory_gib(p, zero_stage=0, dtype="float32", world_size=1, reference_model=True)
     assert (f["weights"], f["gradients"], f["optimizer"], f["reference"], f["total"]) == (4, 4, 8, 4, 24)
@@ -87,16 +87,32 @@ def test_gpu_config_dry_run_fits(config):
     assert mem["checked"] is True and mem["gpu_memory_gib"] == 80.0
     assert mem["fullest_gpu"]["claimed_gib"] <= 80.0
     assert mem["rollout_per_gpu_gib"]["kv_cache"] > 8.0
-    assert mem["learner_activation_headroom_gib"] > 8.0
+    assert mem["learner_free_gib"] > 0.05 * 80
     assert mem["warnings"] == []
+    kv = mem["rollout_kv"]
+    assert kv["kv_tokens_needed"] <= kv["kv_tokens_per_engine"] and kv["sequences_per_engine_per_step"] == 256
 
 
 def test_qwen3_30b_numbers_by_hand():
     """30.5 B parameters, bfloat16, ZeRO-3 over 8 ranks: (2 + 2 + 12) x 30.5e9 / 8 bytes + 4 GiB overhead;
     vLLM holds 2 x 30.5e9 / 2 bytes per GPU of a tensor-parallel-2 engine."""
     p = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml"))
-    learner = 16 * 30.5e9 / 8 / GIB + 4
-    assert p["memory"]["learner_per_rank_gib"]["total"] == round(learner, 2) == 60.81
+    static = (2 + 4 + 12) * 30.5e9 / 8 / GIB + 4
+    # 4096 tokens, checkpointed: each of 48 layers keeps its 2048-wide input, one layer recomputes 82048
+    # elements per token (attention 3*2048 + 3*4096 + 4*512; MoE 2*2048 + 128 + 2*8*2048 + 4*8*768), bf16.
+    act = 4096 * (48 * 2048 + 82048) * 2 / GIB
+    logits = (2 * 4096 * 151936 * 2 + 12 * 2**25) / GIB
+    gathered = 2 * (1e9 + 5e7) / GIB
+    m = p["memory"]["learner_per_rank_gib"]
+    assert (m["activations"], m["logits"], m["gathered"]) == (round(act, 2), round(logits, 2), round(gathered, 2))
+    assert m["activations_without_checkpointing"] == round(4096 * 48 * 82048 * 2 / GIB, 2) == 30.05
+    assert m["total"] == round(static + act + logits + gathered, 2) == 73.94
+    # KV: 2 x 48 layers x (4 kv heads / 2 GPUs) x 128 x 2 bytes = 49152 bytes per token per GPU, blocks of 16.
+    kv = p["memory"]["rollout_kv"]
+    kv_bytes = round(0.85 * 80 - 2 * 30.5e9 / 2 / GIB - 2, 2) * GIB  # the plan's KV GiB per GPU
+    assert kv["kv_bytes_per_token_per_gpu"] == 49152
+    assert kv["kv_tokens_per_engine"] == int(kv_bytes // (49152 * 16)) * 16
+    assert kv["kv_tokens_needed"] == 64 * 16 // 4 * 1536
     assert p["memory"]["rollout_per_gpu_gib"]["weights"] == round(2 * 30.5e9 / 2 / GIB, 2) == 28.41
     assert p["memory"]["rollout_per_gpu_gib"]["kv_cache"] == round(0.85 * 80 - 2 * 30.5e9 / 2 / GIB - 2, 2)
     # node 1 holds the four engines, two GPUs each
@@ -105,25 +121,27 @@ def test_qwen3_30b_numbers_by_hand():
 
 
 def test_over_budget_variant_fails_with_the_numbers():
-    """ZeRO-1 keeps whole bf16 weights and gradients on every rank: 2 x 56.8 + 42.6 + 4 = 160.2 GiB > 80 GiB."""
+    """ZeRO-1 keeps whole bf16 weights and fp32 gradients on every rank: 56.8 + 113.6 + 42.6 + 4 + activations
+    1.4 + logits 2.7 = 221.1 GiB > 80 GiB."""
     r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.zero_stage=1")
     assert r.returncode != 0
-    assert "GPU memory over budget on node 0 GPU 0: 160.2 GiB needed > 80 GiB per GPU" in r.stderr
-    assert "weights 56.8 + gradients 56.8 + optimizer 42.6" in r.stderr
+    assert "GPU memory over budget on node 0 GPU 0: 221.1 GiB needed > 80 GiB per GPU" in r.stderr
+    assert "weights 56.8 + gradients 113.6 + optimizer 42.6" in r.stderr
     assert "learner.zero_stage=1" in r.stderr and "raise learner.zero_stage (now 1)" in r.stderr
 
 
 def test_gpu_memory_is_a_parameter():
-    """ZeRO-2: 56.8 + 7.1 + 42.6 + 4 = 110.5 GiB per rank: over an H100 (80 GiB), within an H200 (141 GiB)."""
+    """ZeRO-2: 56.8 + 14.2 + 42.6 + 4 + 1.4 + 2.7 = 121.7 GiB per rank: over an H100 (80 GiB), within an H200."""
     cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"])
-    with pytest.raises(PlanError, match=r"110\.5 GiB needed > 80 GiB"):
+    with pytest.raises(PlanError, match=r"121\.7 GiB needed > 80 GiB"):
         plan(cfg)
     h200 = plan(cfg, gpu_memory_gib=141.0)["memory"]
-    learner = 30.5e9 * (2 + 2 / 8 + 12 / 8) / GIB + 4
-    assert h200["learner_per_rank_gib"]["total"] == round(learner, 2) == 110.52
-    assert h200["learner_activation_headroom_gib"] == round(141.0 - learner, 2)
-    # vLLM claims its share of the bigger GPU: 0.85 x 141 GiB
-    assert h200["fullest_gpu"]["claimed_gib"] == round(0.85 * 141, 2)
+    m = h200["learner_per_rank_gib"]
+    learner = 30.5e9 * (2 + 4 / 8 + 12 / 8) / GIB + 4 + m["activations"] + m["logits"]
+    assert m["gathered"] == 0.0 and abs(m["total"] - learner) < 0.02
+    assert abs(h200["learner_free_gib"] - (141.0 - learner)) < 0.02
+    # the fullest GPU is a learner's now (vLLM claims its share of the bigger GPU: 0.85 x 141 = 119.85 GiB)
+    assert h200["fullest_gpu"]["claimed_gib"] == m["total"] > round(0.85 * 141, 2)
 
 
 def test_rollout_weights_over_vllm_share():
@@ -143,11 +161,13 @@ def test_learner_group_must_fit_one_node():
 
 def test_fractional_gpus_share_a_device():
     """Half-GPU requests pack two actors on one device; the device must hold both claims."""
-    base = ["learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_engine=0.5"]
+    base = ["learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_engine=0.5", "learner.gradient_checkpointing=true",
+            "learner.max_tokens_per_micro_batch=4096"]
     cfg = load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", base)
     with pytest.raises(PlanError, match=r"rollout engine 0: 68\.0 GiB, rollout engine 1: 68\.0 GiB"):
         plan(cfg)
-    ok = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", base + ["rollout.gpu_memory_utilization=0.4"]))
+    ok = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", base + ["rollout.gpu_memory_utilization=0.4",
+                                                                                          "trainer.prompts_per_step=64"]))
     gpus = ok["nodes"][0]["gpus"]
     assert gpus[0] == ["learner rank 0", "learner rank 1"] and gpus[2] == ["rollout engine 0", "rollout engine 1"]
     assert ok["memory"]["fullest_gpu"]["claimed_gib"] == 64.0
@@ -158,12 +178,14 @@ def test_fractional_gpus_share_a_device():
 def test_cpu_config_plan_has_no_gpu_check():
     p = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml"))
     assert p["gpus_total"] == 0 and p["logical_cpus"] == 1.75
-    assert len(p["nodes"]) == 1 and "gpus" not in p["nodes"][0] and "memory" not in p
+    assert len(p["nodes"]) == 1 and "gpus" not in p["nodes"][0]
+    assert p["memory"]["checked"] is False and p["memory"]["host_ram_gib"]["checked"] is False
     assert p["placement"]["learner"]["strategy"] == "PACK"
 
 
 def test_missing_param_count_is_reported_not_guessed():
-    p = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["model.num_params_b=null"]))
+    p = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["model.num_params_b=null",
+                                                                                   "model.shape=null"]))
     assert p["memory"] == {"checked": False, "why": "model.num_params_b is not set"}
 
 
@@ -178,3 +200,104 @@ def test_dry_run_reads_the_cluster_section():
     small = subprocess.run([*cmd, "cluster.gpu_memory_gib=40"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert small.returncode == 2
     assert "over budget" in small.stderr and "40 GiB per GPU" in small.stderr and "Traceback" not in small.stderr
+
+
+# ------------------------------------------------------------------------- the memory model (issue 12)
+
+
+def test_param_count_matches_the_real_tiny_model():
+    """memory_model.param_count from the config keys equals the parameters transformers builds."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from cluster import memory_model as mm
+    from cluster.plan import model_shape
+
+    cfg = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["model.num_experts=64"])
+    shape = model_shape(cfg)
+    m = cfg.model
+    hf = Qwen3MoeConfig(vocab_size=shape.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+                        head_dim=m.head_dim, moe_intermediate_size=m.moe_intermediate_size,
+                        intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
+                        num_experts_per_tok=m.num_experts_per_tok, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(hf)
+    assert mm.param_count(shape) == sum(p.numel() for p in model.parameters())
+
+
+def test_kv_and_activation_hand_values():
+    from cluster import memory_model as mm
+    from cluster.config import ModelShape
+
+    s = ModelShape(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   vocab_size=100, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+    # 2 (K, V) x 2 layers x 2 heads x 32 x 4 bytes; TP=4 keeps one head per GPU (replicated, not halved).
+    assert mm.kv_bytes_per_token(s, dtype="float32", tensor_parallel_size=1) == 1024
+    assert mm.kv_bytes_per_token(s, dtype="float32", tensor_parallel_size=4) == 512
+    # 1 MiB holds 1024 tokens = 64 blocks; 1 MiB - 1 byte holds 63 whole blocks.
+    assert mm.kv_tokens(2**20, s, dtype="float32", tensor_parallel_size=1) == 1024
+    assert mm.kv_tokens(2**20 - 1, s, dtype="float32", tensor_parallel_size=1) == 1008
+    assert mm.kv_tokens_needed(3, 17) == 3 * 32
+    # per layer: attention 3*128 + 3*128 + 4*64 = 1024; MoE 2*128 + 8 + 2*2*128 + 4*2*64 = 1288
+    assert mm.layer_activation_elems(s) == 2312
+    assert mm.activation_bytes(s, 10, dtype="bfloat16", checkpointing=False) == 10 * 2 * 2312 * 2
+    assert mm.activation_bytes(s, 10, dtype="bfloat16", checkpointing=True) == 10 * (2 * 128 + 2312) * 2
+
+
+def test_zero3_constants_are_deepspeeds_defaults():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from cluster import memory_model as mm
+
+    fields = DeepSpeedZeroConfig.model_fields
+    assert fields["max_live_parameters"].default == mm.ZERO3_MAX_LIVE_PARAMETERS
+    assert fields["prefetch_bucket_size"].default == mm.ZERO3_PREFETCH_BUCKET_SIZE
+
+
+def test_kv_refusal_names_the_keys():
+    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["rollout.gpu_memory_utilization=0.45"])
+    with pytest.raises(PlanError, match=r"rollout KV cache too small: .*rollout.gpu_memory_utilization=0.45.*"
+                                        r"trainer.prompts_per_step=64 x trainer.group_size=16 / rollout.num_engines=4"):
+        plan(cfg)
+    cpu = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["rollout.kv_cache_gb=0.001"])
+    with pytest.raises(PlanError, match=r"rollout.kv_cache_gb=0.001"):
+        plan(cpu)
+
+
+def test_without_checkpointing_the_30b_config_does_not_fit():
+    r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.gradient_checkpointing=false")
+    assert r.returncode == 2
+    assert "activations 30.0" in r.stderr and "turn on learner.gradient_checkpointing" in r.stderr
+
+
+def test_host_ram_per_node():
+    """Node 0 of the 30B run: 8 ZeRO-3 ranks (6 GiB process + one 5 GiB checkpoint file each while loading),
+    rank 0's 56.81 GiB export copy, 4 reward workers (0.15 GiB each), two 1 GiB sync buckets; refused over host_memory_gib."""
+    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml")
+    host = plan(cfg)["memory"]["host_ram_gib"]
+    assert host["node 0"]["learner_ranks"] == 8 * (6 + 5) and host["node 0"]["checkpoint_export_rank0"] == 56.81
+    assert host["node 0"]["total"] == round(88 + 56.81 + 4 * 0.15 + 2.0, 2)
+    # ZeRO-2 would load one full copy per rank: 8 x (6 + 56.81)
+    z2 = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"]),
+              gpu_memory_gib=141.0)["memory"]["host_ram_gib"]
+    assert z2["node 0"]["learner_ranks"] == round(8 * (6 + 2 * 30.5e9 / GIB), 2) == 502.49
+    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 147.4 GiB needed > cluster.host_memory_gib=100"):
+        plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=100"]))
+
+
+def test_gpu_smoke_dry_run_and_refusal_without_cuda():
+    """The smoke script prints its plan on the CPU (64 experts, one GPU shared by 1 engine and 1 rank) and
+    refuses to run without a CUDA device, saying so."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke", "--dry-run"], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = yaml.safe_load(r.stdout)
+    assert "model.num_experts=64" in out["overrides"]
+    assert out["plan"]["memory"]["fullest_gpu"]["holds"] == ["learner rank 0", "rollout engine 0"]
+    assert out["plan"]["memory"]["rollout_kv"]["kv_tokens_needed"] == 256 * 32
+    r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr

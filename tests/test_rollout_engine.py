@@ -258,3 +258,20 @@ def test_multiprocess_mode_update_through_byte_blobs(ray_cluster, mp_engine, bas
     out = ray_cluster.get(mp_engine.generate.remote(rows(tokenizer, ["1 + 1 = "]), 2, temperature=1.0, seed=1))
     assert [c.weight_version for c in out] == [1, 1]
     assert max_diff(new, out, 1.0) < TOL
+
+
+def test_llm_kwargs_executor_and_kv_by_device():
+    """TP > 1 runs vLLM's mp executor inside the one-bundle actor (the ray executor refuses multi-GPU bundles);
+    on a GPU the KV cache is left to gpu_memory_utilization, on the CPU it is kv_cache_gb bytes."""
+    import pytest
+
+    from rollout.config import RolloutConfig
+    from rollout.engine import llm_kwargs
+
+    cpu = llm_kwargs(RolloutConfig(kv_cache_gb=0.25), seed=3)
+    assert cpu["kv_cache_memory_bytes"] == 2**28 and cpu["distributed_executor_backend"] == "uni" and cpu["seed"] == 3
+    gpu = llm_kwargs(RolloutConfig(num_gpus_per_engine=1, tensor_parallel_size=2, gpu_memory_utilization=0.7), seed=0)
+    assert "kv_cache_memory_bytes" not in gpu and gpu["gpu_memory_utilization"] == 0.7
+    assert gpu["distributed_executor_backend"] == "mp" and gpu["tensor_parallel_size"] == 2
+    with pytest.raises(ValueError, match="rollout.kv_cache_gb=2.0 with rollout.num_gpus_per_engine=1.0"):
+        RolloutConfig(num_gpus_per_engine=1, kv_cache_gb=2)

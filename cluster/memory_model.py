@@ -1,0 +1,138 @@
+"""The memory model behind the resource plan (``cluster/plan.py``): per-token and per-rank byte counts from a
+model's architecture (``model.shape``), torch-free so that ``--dry-run`` imports nothing heavy.
+
+All results are bytes unless a name ends in ``_gib``. ``b`` is the bytes of one element of the dtype named.
+The terms and their sources (docs/cluster.md, "Memory model", explains them with the numbers of the GPU configs):
+
+- KV cache (vLLM, ``vllm/v1/kv_cache_interface.py`` ``AttentionSpec.page_size_bytes``): per token and layer one
+  key and one value of ``num_key_value_heads x head_dim`` elements; a tensor-parallel engine splits the KV
+  heads over its GPUs (each GPU keeps at least one head: vLLM replicates heads when TP exceeds them). vLLM
+  hands out whole blocks of ``KV_BLOCK_TOKENS`` tokens.
+- Activations kept for the backward, per token and decoder layer (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", Sec. 4.1, without the ``5as/h`` attention-score term:
+  transformers' SDPA attention keeps no score matrix), counted for a Qwen3 layer in elements:
+  attention ``3h + 3A + 4K`` (the two norms' inputs and the residual, Q/K/V projections, Q/K norms and rotary
+  outputs, attention output; ``A = heads x head_dim``, ``K = kv_heads x head_dim``), a SwiGLU MLP
+  ``2h + 4I`` (norm, gate, up, activation, product), an MoE block ``2h + E + 2kh + 4kI_e`` (norm, router logits,
+  the token copied to its ``k`` experts and their outputs, each expert's SwiGLU). With gradient checkpointing
+  (transformers, non-reentrant) only each layer's input ``h`` is kept, plus one layer's full set while it is
+  recomputed.
+- Logits: ``V`` per token in the model dtype and, in the backward, their gradient in the same dtype; the
+  float32 softmax work runs in chunks of about ``2**25`` logits (``learner/logprobs.py``, ``token_log_probs``),
+  a few such float32 chunks alive at once: ``2 V b`` bytes per token + ``min(LOGPROB_CHUNK_BYTES, 12 T V)``.
+- ZeRO-3 gathered working set (DeepSpeed 0.19.8 ``deepspeed/runtime/zero/config.py`` defaults, checked against
+  the installed DeepSpeed by tests/test_plan.py): at most ``stage3_max_live_parameters +
+  stage3_prefetch_bucket_size`` parameters gathered at once, never fewer than the largest layer's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: bytes of one element of each dtype name used in the config.
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: vLLM's default KV block size (tokens) on CUDA and on the CPU (``vllm/config/cache.py``).
+KV_BLOCK_TOKENS = 16
+#: DeepSpeed 0.19.8 defaults: ``stage3_max_live_parameters`` and ``stage3_prefetch_bucket_size``.
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+ZERO3_PREFETCH_BUCKET_SIZE = 50_000_000
+GIB = float(2**30)
+#: float32 chunks of ``learner.logprobs.token_log_probs`` alive at once (logits, exp, gradient), 2**25 each.
+LOGPROB_CHUNK_BYTES = 3 * 4 * 2**25
+
+
+def _get(shape: Any, key: str, default: int = 0) -> int:
+    return int(getattr(shape, key, default) or 0)
+
+
+def param_count(shape: Any) -> int:
+    """Parameters of a Qwen3 (dense or MoE) causal LM of ``shape`` (a ``cluster.config.ModelShape``).
+
+    ``V h`` embedding (+ ``V h`` output head unless tied) + ``h`` final norm + per layer: Q/K/V/O projections
+    ``2hA + 2hK``, Q/K norms ``2 head_dim``, two norms ``2h``, and the MLP: dense ``3 h I`` or MoE router
+    ``h E`` + experts ``3 E h I_e``. (Qwen3 has no attention or MLP biases.)
+    """
+    h, v, hd = shape.hidden_size, shape.vocab_size, shape.head_dim
+    a, k = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    layer = 2 * h * a + 2 * h * k + 2 * hd + 2 * h
+    if _get(shape, "num_experts"):
+        layer += h * shape.num_experts + 3 * shape.num_experts * h * shape.moe_intermediate_size
+    else:
+        layer += 3 * h * shape.intermediate_size
+    return v * h * (1 if shape.tie_word_embeddings else 2) + h + shape.num_layers * layer
+
+
+def largest_layer_params(shape: Any) -> int:
+    """Parameters of the largest single module ZeRO-3 gathers at once: a decoder layer or the embedding."""
+    per_layer = (param_count(shape) - shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+                 - shape.hidden_size) // shape.num_layers
+    return max(per_layer, shape.vocab_size * shape.hidden_size)
+
+
+def kv_bytes_per_token(shape: Any, *, dtype: str, tensor_parallel_size: int) -> int:
+    """KV cache bytes of one token on ONE GPU of an engine: ``2 L ceil(kv_heads / tp) head_dim b``."""
+    heads = math.ceil(shape.num_key_value_heads / tensor_parallel_size)
+    return 2 * shape.num_layers * heads * shape.head_dim * BYTES[dtype]
+
+
+def kv_tokens(kv_bytes_per_gpu: float, shape: Any, *, dtype: str, tensor_parallel_size: int) -> int:
+    """Tokens an engine's KV cache holds when each of its GPUs (or its CPU) gives it ``kv_bytes_per_gpu``
+    bytes: whole blocks of ``KV_BLOCK_TOKENS``."""
+    per = kv_bytes_per_token(shape, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    blocks = int(max(0.0, kv_bytes_per_gpu) // (per * KV_BLOCK_TOKENS))
+    return blocks * KV_BLOCK_TOKENS
+
+
+def kv_tokens_needed(sequences: int, sequence_tokens: int) -> int:
+    """KV tokens ``sequences`` sequences of ``sequence_tokens`` tokens take at once (whole blocks each)."""
+    return sequences * math.ceil(sequence_tokens / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+
+
+def layer_activation_elems(shape: Any) -> int:
+    """Elements one token keeps for the backward in one decoder layer without checkpointing (module docstring)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    a, k = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    attn = 3 * h + 3 * a + 4 * k
+    if _get(shape, "num_experts"):
+        top = shape.num_experts_per_tok
+        mlp = 2 * h + shape.num_experts + 2 * top * h + 4 * top * shape.moe_intermediate_size
+    else:
+        mlp = 2 * h + 4 * shape.intermediate_size
+    return attn + mlp
+
+
+def activation_bytes(shape: Any, tokens: int, *, dtype: str, checkpointing: bool) -> int:
+    """Activation bytes a training forward of ``tokens`` tokens keeps until its backward.
+
+    Without checkpointing ``tokens x L x layer_activation_elems x b``; with it ``tokens x (L h +
+    layer_activation_elems) x b`` (each layer's input, plus one layer recomputed at a time).
+    """
+    per_layer = layer_activation_elems(shape)
+    elems = shape.num_layers * shape.hidden_size + per_layer if checkpointing else shape.num_layers * per_layer
+    return tokens * elems * BYTES[dtype]
+
+
+def logits_bytes(shape: Any, tokens: int, *, dtype: str) -> int:
+    """Logit bytes of a training pass of ``tokens`` tokens: ``2 tokens V b + LOGPROB_CHUNK_BYTES`` (module
+    docstring)."""
+    return 2 * tokens * shape.vocab_size * BYTES[dtype] + min(LOGPROB_CHUNK_BYTES, 12 * tokens * shape.vocab_size)
+
+
+def zero3_gathered_bytes(shape: Any | None, num_params: float, *, dtype: str) -> float:
+    """Bytes of parameters a ZeRO-3 rank holds gathered at once: ``b min(P, max(largest layer, max_live +
+    prefetch bucket))`` (DeepSpeed defaults above)."""
+    live = ZERO3_MAX_LIVE_PARAMETERS + ZERO3_PREFETCH_BUCKET_SIZE
+    if shape is not None:
+        live = max(live, largest_layer_params(shape))
+    return BYTES[dtype] * min(float(num_params), float(live))
+
+
+def micro_batch_tokens(learner_cfg: Any, max_model_len: int) -> int:
+    """Largest number of tokens (padding included) in one micro-batch: the token budget
+    ``learner.max_tokens_per_micro_batch`` (a longer row goes alone, so at least ``max_model_len``), else
+    ``learner.micro_batch_size`` rows padded to ``rollout.max_model_len``."""
+    budget = learner_cfg.max_tokens_per_micro_batch
+    if budget:
+        return max(int(budget), int(max_model_len))
+    return int(learner_cfg.micro_batch_size) * int(max_model_len)
