@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-fast gpu-smoke bench bench-trl soak submit compare clean
+.PHONY: setup train test test-matrix test-fast gpu-smoke bench bench-trl soak submit compare clean
 
 setup: $(STAMP)
 
@@ -32,9 +32,14 @@ $(STAMP): pyproject.toml
 train: setup
 	$(BIN)/python -m cluster.train $(CONFIG) $(ARGS)
 
-# The whole suite: unit tests and the integration tests that start real Ray, vLLM and DeepSpeed.
+# The whole suite: unit tests and the integration tests that start real Ray, vLLM and DeepSpeed (the wide
+# matrices aside: `make test-matrix`).
 test: setup
-	$(BIN)/python -m pytest -q --timeout=1800 --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -q --timeout=1800 --durations=15 -m "not matrix" $(ARGS)
+
+# The wide matrices kept out of CI's time budget: every architecture, a tensor-parallel engine.
+test-matrix: setup
+	$(BIN)/python -m pytest -q --timeout=3600 --durations=30 -m matrix $(ARGS)
 
 # Unit tests only (seconds).
 test-fast: setup

@@ -46,6 +46,23 @@ def checkpoint_weight_names(model_path: str | os.PathLike) -> set[str] | None:
     return None
 
 
+# vLLM's multiprocess engine (``rollout.in_process=false``, or an ``mp`` executor for tensor parallelism) puts ZMQ
+# IPC sockets in TMPDIR named by a 36-character uuid; a Unix socket path holds at most 107 bytes.
+_IPC_NAME_BYTES = len("ipc://") + 1 + 36
+
+
+def _short_tmp(wanted: Path) -> Path:
+    """``wanted`` (created) when IPC socket paths under it fit a Unix socket name, else a new private folder under
+    the system's temporary directory (a deep run folder would make vLLM's engine-core start fail with "ipc path ...
+    is longer than 107 characters")."""
+    import tempfile
+
+    if len(str(wanted)) + _IPC_NAME_BYTES <= 107:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return wanted
+    return Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
+
+
 def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     """The engine's ``vllm.LLM`` keyword arguments that depend on the config (model paths and the weight-sync
     hooks aside), decided by whether the engine holds GPUs (``rollout.num_gpus_per_engine > 0``).
@@ -144,7 +161,7 @@ class RolloutEngine:
                 (root / sub).mkdir(parents=True, exist_ok=True)
             os.environ["VLLM_CACHE_ROOT"] = str(root / "vllm")
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
-            os.environ["TMPDIR"] = str(root / "tmp")
+            os.environ["TMPDIR"] = str(_short_tmp(root / "tmp"))
         if cfg.in_process:
             # The CPU worker replaces torch.set_num_threads with a no-op once it starts: set it now.
             torch.set_num_threads(cfg.threads_per_engine)

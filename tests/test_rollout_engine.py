@@ -275,3 +275,14 @@ def test_llm_kwargs_executor_and_kv_by_device():
     assert gpu["distributed_executor_backend"] == "mp" and gpu["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="rollout.kv_cache_gb=2.0 with rollout.num_gpus_per_engine=1.0"):
         RolloutConfig(num_gpus_per_engine=1, kv_cache_gb=2)
+
+
+def test_engine_tmp_folder_keeps_ipc_socket_paths_short(tmp_path):
+    """vLLM's multiprocess engine names ZMQ sockets ``ipc://<TMPDIR>/<uuid4>``; Unix allows 107 bytes."""
+    from rollout.engine import _IPC_NAME_BYTES, _short_tmp
+
+    short = tmp_path / "t"
+    assert _short_tmp(short) == short and short.is_dir()
+    deep = tmp_path / ("x" * 80) / "tmp"
+    got = _short_tmp(deep)
+    assert got != deep and got.is_dir() and len(str(got)) + _IPC_NAME_BYTES <= 107
