@@ -6,6 +6,7 @@ module composes them, adds the run-level sections and checks the combinations th
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,26 +77,80 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    """Where prompts come from and how they are split."""
+    """Where prompts come from, how rows become prompts, and how they are split.
 
-    task: Literal["arithmetic", "gsm8k"] = Field(
-        "arithmetic", description="arithmetic = generated 2-operand additions; gsm8k = JSONL (train_path, test_path)"
+    ``task: files`` reads ``train_path``/``test_path`` (JSONL, JSON, Parquet or CSV files, a glob of them, or a
+    folder written by ``datasets``' ``save_to_disk``) with ``datasets``; the field names are the ``*_key``
+    settings. ``task: gsm8k`` is that loader with GSM8K's fields (``question``, ``answer`` with a ``####``
+    line), its prompt template and the ``math`` verifier."""
+
+    task: Literal["arithmetic", "gsm8k", "files"] = Field(
+        "arithmetic",
+        description="arithmetic = generated 2-operand additions; files = your own rows (train_path, test_path); "
+        "gsm8k = files with GSM8K's fields, prompt template and the math verifier",
     )
-    train_path: str | None = Field(None, description="gsm8k: training JSONL (relative paths: from the repo root)")
-    test_path: str | None = Field(None, description="gsm8k: held-out JSONL (relative paths: from the repo root)")
-    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic) or read at most (gsm8k)")
+    train_path: str | None = Field(
+        None, description="files/gsm8k: training rows: a .jsonl/.json/.parquet/.csv file, a glob of them, or a "
+        "save_to_disk folder (relative paths: from the working directory, else from the repo root)")
+    test_path: str | None = Field(
+        None, description="files/gsm8k: held-out rows, as train_path; None = hold out data.eval_fraction of the "
+        "training rows (seeded with data.seed)")
+    eval_fraction: float = Field(
+        0.05, gt=0, lt=1,
+        description="files/gsm8k without test_path: share of the training file's rows held out (at most "
+        "data.num_eval of them), chosen with data.seed")
+    prompt_key: str = Field(
+        "prompt", min_length=1,
+        description="files: field holding the prompt: a string, or a list of chat messages {role, content}")
+    answer_key: str | None = Field(
+        "answer", description="files: field holding the reference answer (text or number); None = no reference")
+    verifier_key: str | None = Field(
+        None, description="files: field naming each row's verifier (empty or missing: data.verifier)")
+    verifier: str = Field(
+        "math", min_length=1,
+        description="files: verifier of rows without their own ('exact', 'math', 'code', 'format' or "
+        "'module.path:function'); reward.verifier, when set, overrides every row's")
+    meta_keys: list[str] = Field(
+        default_factory=list, description="files: fields passed to the verifier in the row's meta (e.g. unit tests)")
+    solution_key: str | None = Field(
+        None, description="files: field holding a worked solution, the warm start's demonstration (needed when "
+        "warm_start.steps > 0)")
+    prompt_template: str | None = Field(
+        None, description="files: prompt text with {field} names filled from the row (e.g. 'Question: "
+        "{question}\\nAnswer:'); None = the prompt_key field as it is")
+    apply_chat_template: bool | Literal["auto"] = Field(
+        "auto", description="render prompts with the tokenizer's chat template (add_generation_prompt=True): true, "
+        "false, or auto = when the tokenizer has one (every task)")
+    system_prompt: str | None = Field(
+        None, description="system message put first when the chat template is applied (rows with their own "
+        "system message keep it)")
+    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic) or read at most (files)")
     num_eval: int = Field(256, ge=1, description="held-out prompts for eval/accuracy (greedy)")
     max_prompt_tokens: int = Field(
         64, ge=1,
-        description="gsm8k: longer prompts are counted and skipped; plus rollout.max_response_tokens at most "
+        description="files/gsm8k: longer prompts are counted and skipped; plus rollout.max_response_tokens at most "
         "rollout.max_model_len",
     )
-    seed: int = Field(1234, description="arithmetic: seed of the generated train/held-out prompts")
+    seed: int = Field(1234, description="arithmetic: seed of the generated train/held-out prompts; files: of the "
+                      "eval_fraction split")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
     demo_slip_rate: float = Field(
         0.0, ge=0, le=1,
         description="arithmetic: share of warm-start demonstrations that drop the units carry (imperfect cold-start data)",
     )
+
+    @model_validator(mode="after")
+    def _check_template(self) -> "DataConfig":
+        if self.prompt_template is not None:
+            try:
+                fields = [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None]
+            except ValueError as e:
+                raise ValueError(f"data.prompt_template={self.prompt_template!r} is not a valid template: {e}") from None
+            bad = [f for f in fields if not f.isidentifier()]
+            if not fields or bad:
+                raise ValueError(f"data.prompt_template={self.prompt_template!r} must name row fields as {{field}} "
+                                 f"(got {fields or 'no field'}; use {{{{ and }}}} for literal braces)")
+        return self
 
 
 class SyncConfig(Section):
@@ -243,8 +298,12 @@ class Config(Section):
                 f"rollout.top_p={self.rollout.top_p}, rollout.top_k={self.rollout.top_k}: training rollouts need "
                 "top_p=1 and top_k=-1, or the behaviour log-probs are not those of the policy being trained"
             )
-        if self.data.task == "gsm8k" and not (self.data.train_path and self.data.test_path):
-            raise ValueError("data.task='gsm8k' needs data.train_path and data.test_path")
+        d = self.data
+        if d.task != "arithmetic" and not d.train_path:
+            raise ValueError(f"data.task={d.task!r} needs data.train_path (and data.test_path, or data.eval_fraction)")
+        if d.task == "files" and ws.steps and not d.solution_key:
+            raise ValueError(f"warm_start.steps={ws.steps} with data.task='files' needs data.solution_key (the field "
+                             "holding the demonstrations); or set warm_start.steps=0")
         if lr.pre_update_pass == "never" and lr.pre_update_pass_needs(self.health.guard()):
             raise ValueError(
                 "learner.pre_update_pass='never' is refused: "

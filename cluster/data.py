@@ -1,4 +1,5 @@
-"""Prompts for training and evaluation: the procedural arithmetic task, GSM8K (JSONL), and the prompt stream.
+"""Prompts for training and evaluation: the procedural arithmetic task, data paths, and the prompt stream
+(rows from files, GSM8K included: ``cluster/data_files.py``).
 
 Rows become ``PromptRow`` (rollout/contracts.py). Bad rows (missing fields, empty or over-long prompts,
 undecodable bytes) are counted and skipped with a warning that names the row; a split with no usable row
@@ -7,10 +8,10 @@ stops with ``DataError``.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -105,16 +106,18 @@ def arithmetic_rows(
     return train_rows, eval_rows
 
 
-# ------------------------------------------------------------------------------------------------- GSM8K
-
-GSM8K_PROMPT = "Question: {question}\nAnswer:"
-_CALC = re.compile(r"<<[^>]*>>")
-
+# ------------------------------------------------------------------------------------------------- files
 
 def resolve_data_path(path: str) -> Path:
-    """A data path as given, or relative to the repository root (``../shared/data/...`` from a clone)."""
-    p = Path(path)
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+    """A data path (a file, a folder or a glob): absolute as given; a relative one from the working directory
+    when it exists there (for a glob: when it matches there), else from the repository root
+    (``../shared/data/...`` from a clone, the old rule)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    if p.exists() or (glob.has_magic(path) and glob.glob(path, recursive=True)):
+        return p
+    return REPO_ROOT / p
 
 
 def read_jsonl(file: Path, report: LoadReport) -> list[tuple[int, dict[str, Any]]]:
@@ -140,60 +143,6 @@ def read_jsonl(file: Path, report: LoadReport) -> list[tuple[int, dict[str, Any]
                 continue
             out.append((i, rec))
     return out
-
-
-def gsm8k_rows(
-    path: str, tokenize: Callable[[str], list[int]], *, split: str, max_prompt_tokens: int, limit: int | None
-) -> tuple[list[PromptRow], LoadReport]:
-    """GSM8K rows from a JSONL file with ``question`` and ``answer`` fields, the reference being the text
-    after ``####`` (commas removed). Rows with bad bytes, broken JSON, missing or empty fields, no ``####``
-    line or a prompt over ``max_prompt_tokens`` are counted and skipped with a warning naming the row.
-
-    Raises:
-        DataError: the file is missing or has no usable row.
-    """
-    file = resolve_data_path(path)
-    if not file.is_file():
-        raise DataError(f"data file {str(file)!r} (from {path!r}) does not exist")
-    report = LoadReport()
-    rows: list[PromptRow] = []
-    for i, rec in read_jsonl(file, report):
-        where = f"{file.name} row {i}"
-        q, a = rec.get("question"), rec.get("answer")
-        if not isinstance(q, str) or not isinstance(a, str):
-            report.skip("missing or non-text 'question'/'answer' field", where)
-            continue
-        if not q.strip():
-            report.skip("empty question", where)
-            continue
-        if "####" not in a:
-            report.skip("answer has no '####' line", where)
-            continue
-        prompt = GSM8K_PROMPT.format(question=q.strip())
-        ids = tokenize(prompt)
-        if len(ids) > max_prompt_tokens:
-            report.skip(f"prompt of {len(ids)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}", where)
-            continue
-        reference = a.rsplit("####", 1)[1].strip().replace(",", "")
-        solution = _CALC.sub("", a).strip()
-        rows.append(
-            PromptRow(
-                uid=f"{split}/{i}",
-                prompt=prompt,
-                prompt_token_ids=ids,
-                answer=reference,
-                verifier="math",
-                meta={"solution": solution},
-            )
-        )
-        if limit is not None and len(rows) >= limit:
-            break
-    report.kept = len(rows)
-    if not rows:
-        raise DataError(f"data file {str(file)!r} has no usable row (skipped: {report.skipped})")
-    if report.skipped:
-        log.warning("%s: kept %d rows, skipped %s", file.name, report.kept, report.skipped)
-    return rows, report
 
 
 # ------------------------------------------------------------------------------------------ prompt stream

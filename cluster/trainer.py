@@ -27,8 +27,10 @@ from cluster import audit_dump, checkpoint, data, services
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
+from cluster.data_files import file_rows
 from cluster.config import Config, ConfigError
 from cluster.learner_group import LearnerGroup
+from cluster.prompting import PromptEncoder, PromptError
 from cluster.tiny_model import ensure_model
 from cluster.tracking import MetricsLogger, plot_curves, progress_line
 from learner.advantages import group_advantages
@@ -74,20 +76,24 @@ def load_tokenizer(model_path: str):
 
 
 def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]:
-    """Training and held-out rows for ``cfg.data``."""
+    """Training and held-out rows for ``cfg.data``; every task's prompts are encoded by one
+    ``cluster.prompting.PromptEncoder`` (``data.apply_chat_template``, ``data.system_prompt``, the BOS rule).
 
-    def tokenize(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
+    Raises:
+        ConfigError: ``data.apply_chat_template=true`` with a tokenizer that has no chat template.
+        data.DataError: a missing file or field, or a split with no usable row.
+    """
     d = cfg.data
+    try:
+        encoder = PromptEncoder(tokenizer, d.apply_chat_template, d.system_prompt)
+    except PromptError as e:
+        raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None
     if d.task == "arithmetic":
         return data.arithmetic_rows(
-            tokenize, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
+            encoder.ids, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
             demo_slip_rate=d.demo_slip_rate,
         )
-    train, _ = data.gsm8k_rows(d.train_path, tokenize, split="train", max_prompt_tokens=d.max_prompt_tokens, limit=d.num_train)
-    test, _ = data.gsm8k_rows(d.test_path, tokenize, split="eval", max_prompt_tokens=d.max_prompt_tokens, limit=d.num_eval)
-    return train, test
+    return file_rows(d, encoder.encode)
 
 
 def _tuple_state(state: Any) -> Any:

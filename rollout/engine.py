@@ -102,6 +102,26 @@ def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     return kwargs
 
 
+def eos_token_ids(generation_config: Mapping[str, Any] | None, model_eos: Any, tokenizer_eos: int | None) -> list[int]:
+    """Every end-of-sequence id a model declares, sorted and without repeats: ``generation_config.json``'s
+    ``eos_token_id``, the model config's and the tokenizer's (each may be None, an int or a list of ints;
+    chat models list several, e.g. end-of-turn and end-of-text).
+
+    Raises:
+        ValueError: a declared id that is not a non-negative int (names the source and the value).
+    """
+    out: set[int] = set()
+    for source, value in (("generation_config.eos_token_id", (generation_config or {}).get("eos_token_id")),
+                          ("config.eos_token_id", model_eos), ("tokenizer.eos_token_id", tokenizer_eos)):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{source}={value!r}: an EOS id must be a non-negative int")
+            out.add(int(v))
+    return sorted(out)
+
+
 class RolloutEngine:
     """One vLLM engine on one model folder: samples groups of completions with behaviour log-probs.
 
@@ -146,6 +166,12 @@ class RolloutEngine:
         self._llm.init_weight_transfer_engine({"init_info": {}})
         hf_config = self._llm.llm_engine.model_config.hf_config
         self._tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Sampling stops on every EOS id the model declares (vLLM itself stops on the tokenizer's and adds the
+        # generation config's; named here so that the rule does not hang on that). The EOS token stays in
+        # ``response_token_ids`` (vLLM drops it from the text only), so it is trained on like any response token.
+        self.stop_token_ids = eos_token_ids(self._llm.llm_engine.model_config.try_get_generation_config(),
+                                            getattr(hf_config, "eos_token_id", None),
+                                            self._llm.get_tokenizer().eos_token_id)
         self._syncing = False  # between start_weight_update and a successful finish: no sampling
 
     def _set_environment(self, cache_dir: str | None) -> None:
@@ -226,7 +252,8 @@ class RolloutEngine:
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt (a group), with the sampled tokens' post-temperature log-probs.
 
-        ``SamplingParams(n=n, temperature, top_p=1, top_k=-1, logprobs=0)``: unbiased sampling from
+        ``SamplingParams(n=n, temperature, top_p=1, top_k=-1, logprobs=0, stop_token_ids=<every EOS id of the
+        model>)``: unbiased sampling from
         ``softmax(logits / temperature)``; each log-prob is ``log softmax(logits / temperature)[token]``
         (natural log). Prompts go in as token ids (``PromptRow.prompt_token_ids``).
 
@@ -267,6 +294,7 @@ class RolloutEngine:
                 top_k=-1,
                 max_tokens=max_tokens,
                 logprobs=0,
+                stop_token_ids=self.stop_token_ids,
                 seed=None if seed is None else self._request_seed(int(seed), prompt_offset + i, n),
             )
             for i in range(len(prompts))
@@ -291,7 +319,8 @@ class RolloutEngine:
         max_tokens = self.cfg.max_response_tokens if max_tokens is None else int(max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be >= 1")
-        params = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, logprobs=0)
+        params = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, logprobs=0,
+                                stop_token_ids=self.stop_token_ids)
         return self._sample(prompts, [params] * len(prompts), 1)
 
     def sequence_logprobs(self, token_ids: list[int], start: int) -> list[float]:

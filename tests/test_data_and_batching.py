@@ -10,7 +10,8 @@ import torch
 from cluster import checkpoint
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from rollout.contracts import Completion
-from cluster.data import DataError, PromptStream, arithmetic_rows, gsm8k_rows
+from cluster.data import DataError, PromptStream, arithmetic_rows
+from cluster.data_files import gsm8k_rows
 from tests.conftest import REPO_ROOT
 
 GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"

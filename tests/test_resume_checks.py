@@ -21,7 +21,8 @@ from cluster.checkpoint import (
     read_learner_state,
 )
 from cluster.config import Config, ConfigError, load_config
-from cluster.data import arithmetic_rows, gsm8k_rows
+from cluster.data import arithmetic_rows
+from cluster.data_files import gsm8k_rows
 from tests.conftest import REPO_ROOT
 
 TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
