@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-fast bench bench-trl soak submit compare clean
+.PHONY: setup train test test-fast test-arch bench bench-trl soak submit compare clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ test: setup
 # Unit tests only (seconds).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# The architecture matrix (tests/test_architectures.py): a real 3-step run with weight sync per tiny random
+# architecture (cluster/tiny_archs.py); `make test` runs only its qwen2_moe case. About 3 minutes an arch here.
+test-arch: setup
+	ARCH_MATRIX=1 $(BIN)/python -m pytest -q -s --timeout=1800 --durations=10 tests/test_architectures.py $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/step.py $(ARGS)

@@ -48,7 +48,7 @@ def test_reuse_when_args_match_rebuild_when_they_differ(tmp_path):
 def test_refuses_to_overwrite_a_foreign_folder(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not a tiny-MoE build"):
+    with pytest.raises(FileExistsError, match="not a tiny-model build"):
         build_tiny_moe(tmp_path / "x")
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
