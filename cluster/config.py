@@ -51,10 +51,16 @@ class ModelShape(Section):
 
 
 class ModelConfig(Section):
-    """Which model to train. ``path`` is a Hugging Face model folder, or ``builtin:tiny_moe`` to build the
-    embedded tiny Qwen3-MoE (deterministically from ``build_seed``) into the run folder."""
+    """Which model to train. ``path`` is a Hugging Face model folder, ``builtin:tiny_moe`` to build the
+    embedded tiny Qwen3-MoE (deterministically from ``build_seed``) into the run folder, or
+    ``builtin:tiny_<arch>`` for a tiny random model of another architecture (``cluster.tiny_archs.ARCHS``:
+    llama, qwen3_tied, qwen3_moe, qwen3_moe_tied, mixtral, qwen2_moe, olmoe; fixed shapes, ``build_seed``)."""
 
-    path: str = Field("builtin:tiny_moe", description="HF model folder or builtin:tiny_moe")
+    path: str = Field(
+        "builtin:tiny_moe",
+        description="HF model folder, builtin:tiny_moe, or builtin:tiny_<arch> (llama, qwen3_tied, qwen3_moe, "
+        "qwen3_moe_tied, mixtral, qwen2_moe, olmoe: docs/architectures.md)",
+    )
     build_seed: int = Field(0, description="seed of the tiny model's random init")
     hidden_size: int = Field(128, ge=32, description="builtin:tiny_moe only: hidden size (a multiple of 32)")
     num_layers: int = Field(2, ge=1, description="builtin:tiny_moe only: decoder layers")

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 BUILTIN_TINY_MOE = "builtin:tiny_moe"
 BUILD_INFO_FILE = "tiny_moe_build.json"
@@ -161,7 +161,7 @@ def build_tiny_moe(
     Raises:
         ValueError: shapes the vLLM CPU kernels cannot run exactly (hidden_size or moe_intermediate_size not a
             multiple of 32, unsupported head_dim, heads not divisible by KV heads, top-k above the expert count).
-        FileExistsError: ``out_dir`` exists and is not a tiny-MoE build (never overwritten).
+        FileExistsError: ``out_dir`` exists and is not a tiny-model build (never overwritten).
     """
     args = _build_args(
         seed=int(seed),
@@ -176,17 +176,31 @@ def build_tiny_moe(
         max_position_embeddings=int(max_position_embeddings),
     )
     _check_args(args)
+    return install_build(out_dir, args, _write_model)
+
+
+def install_build(out_dir: str | os.PathLike, args: dict[str, Any], write: Callable[[Path, dict[str, Any]], None]) -> Path:
+    """Build a model folder with ``write(folder, args)`` into ``out_dir``, or reuse the build already there.
+
+    ``write`` fills a temporary sibling folder, which is then renamed into place; it must also write
+    ``args`` as the folder's build record (``tiny_moe_build.json``). A folder whose record equals ``args`` is
+    reused as is, one built with other arguments is replaced; a concurrent builder of the same arguments is
+    tolerated (the first rename wins).
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and holds no build record (never overwritten).
+    """
     out = Path(out_dir)
     if out.exists():
         info = _read_build_info(out)
         if info == args:
             return out
         if info is None:
-            raise FileExistsError(f"out_dir={str(out)!r} exists and is not a tiny-MoE build; refusing to overwrite")
+            raise FileExistsError(f"out_dir={str(out)!r} exists and is not a tiny-model build; refusing to overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_model(tmp, args)
+        write(tmp, args)
         if out.exists():  # a build with other arguments: move it aside, then drop it
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, old / "model")
@@ -205,15 +219,23 @@ def build_tiny_moe(
 
 def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwargs: Any) -> Path:
     """The model folder for ``model.path``: builds ``builtin:tiny_moe`` into ``out_root/tiny_moe`` (with
-    ``build_kwargs`` passed to ``build_tiny_moe``), or checks that a Hugging Face folder exists.
+    ``build_kwargs`` passed to ``build_tiny_moe``), ``builtin:tiny_<arch>`` (``cluster.tiny_archs.ARCHS``)
+    into ``out_root/tiny_<arch>`` (only ``build_kwargs["seed"]`` applies: their shapes are fixed), or checks
+    that a Hugging Face folder exists.
 
     Raises:
         FileNotFoundError: a folder path that does not exist or has no ``config.json``.
         ValueError: an unknown ``builtin:`` name, or build arguments ``build_tiny_moe`` refuses.
     """
     if path_or_builtin.startswith("builtin:"):
+        from cluster.tiny_archs import ARCHS, build_tiny_arch, builtin_arch
+
+        arch = builtin_arch(path_or_builtin)
+        if arch is not None:
+            return build_tiny_arch(Path(out_root) / f"tiny_{arch}", arch, seed=build_kwargs.get("seed", 0))
         if path_or_builtin != BUILTIN_TINY_MOE:
-            raise ValueError(f"model.path={path_or_builtin!r}: the only builtin model is {BUILTIN_TINY_MOE!r}")
+            names = [BUILTIN_TINY_MOE] + [f"builtin:tiny_{a}" for a in ARCHS]
+            raise ValueError(f"model.path={path_or_builtin!r}: the builtin models are {names}")
         return build_tiny_moe(Path(out_root) / "tiny_moe", **build_kwargs)
     path = Path(path_or_builtin).expanduser()
     if not path.is_dir():

@@ -48,7 +48,7 @@ def test_reuse_when_args_match_rebuild_when_they_differ(tmp_path):
 def test_refuses_to_overwrite_a_foreign_folder(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not a tiny-MoE build"):
+    with pytest.raises(FileExistsError, match="not a tiny-model build"):
         build_tiny_moe(tmp_path / "x")
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
@@ -121,3 +121,25 @@ def test_ensure_model(tmp_path, tiny_moe):
         ensure_model(str(tmp_path / "empty"), tmp_path)
     with pytest.raises(ValueError, match="builtin:other"):
         ensure_model("builtin:other", tmp_path)
+
+
+def test_tiny_archs_build_deterministically_and_resolve_as_builtins(tmp_path):
+    from cluster.tiny_archs import ARCHS, build_tiny_arch
+
+    built = ensure_model("builtin:tiny_qwen2_moe", tmp_path, seed=5, num_layers=7)  # tiny_moe's shape keys ignored
+    assert built == tmp_path / "tiny_qwen2_moe"
+    cfg = json.loads((built / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["num_hidden_layers"] == 2
+    assert cfg["shared_expert_intermediate_size"] == 64 and cfg["tie_word_embeddings"] is False
+    assert json.loads((built / BUILD_INFO_FILE).read_text())["seed"] == 5
+    again = build_tiny_arch(tmp_path / "again", "qwen2_moe", seed=5)
+    assert (again / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
+    other = build_tiny_arch(tmp_path / "other", "qwen2_moe", seed=6)
+    assert (other / "model.safetensors").read_bytes() != (built / "model.safetensors").read_bytes()
+    tied = json.loads((build_tiny_arch(tmp_path / "tied", "qwen3_moe_tied") / "config.json").read_text())
+    assert tied["tie_word_embeddings"] is True and tied["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert set(ARCHS) >= {"llama", "qwen3_tied", "qwen3_moe", "qwen3_moe_tied", "mixtral", "qwen2_moe", "olmoe"}
+    with pytest.raises(ValueError, match="builtin:tiny_gpt2"):
+        ensure_model("builtin:tiny_gpt2", tmp_path)
+    with pytest.raises(ValueError, match="arch='gpt2'"):
+        build_tiny_arch(tmp_path / "x", "gpt2")
