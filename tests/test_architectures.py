@@ -13,7 +13,6 @@ the whole matrix runs with ``make test-matrix``, one architecture at a time.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
