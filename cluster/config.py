@@ -58,23 +58,25 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Where prompts come from and how they are split."""
 
-    task: Literal["arithmetic", "gsm8k"] = Field(
-        "arithmetic", description="arithmetic = generated 2-operand additions; gsm8k = JSONL (train_path, test_path)"
+    task: Literal["arithmetic", "gsm8k", "code"] = Field(
+        "arithmetic", description="arithmetic = generated 2-operand additions; gsm8k = JSONL (train_path, test_path); "
+        "code = generated tiny Python functions judged by unit tests in the sandbox (cluster/code_task.py)"
     )
     train_path: str | None = Field(None, description="gsm8k: training JSONL (relative paths: from the repo root)")
     test_path: str | None = Field(None, description="gsm8k: held-out JSONL (relative paths: from the repo root)")
-    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic) or read at most (gsm8k)")
+    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic, code) or read at most (gsm8k)")
     num_eval: int = Field(256, ge=1, description="held-out prompts for eval/accuracy (greedy)")
     max_prompt_tokens: int = Field(
         64, ge=1,
         description="gsm8k: longer prompts are counted and skipped; plus rollout.max_response_tokens at most "
         "rollout.max_model_len",
     )
-    seed: int = Field(1234, description="arithmetic: seed of the generated train/held-out prompts")
+    seed: int = Field(1234, description="arithmetic, code: seed of the generated train/held-out prompts")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
     demo_slip_rate: float = Field(
         0.0, ge=0, le=1,
-        description="arithmetic: share of warm-start demonstrations that drop the units carry (imperfect cold-start data)",
+        description="arithmetic: share of warm-start demonstrations that drop the units carry; code: share that carry "
+        "their family's classic bug (imperfect cold-start data)",
     )
 
 
@@ -161,6 +163,14 @@ class TrainerConfig(Section):
         "rollout of step k+1 runs while the learner trains on step k, so a sample is at most 1 weight version old "
         "(GSPO's ratio is taken against the sampling engine's log-probs; needs learner.old_logprob_source=rollout)")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
+    eval_samples: int = Field(
+        0, ge=0, description="k samples per held-out prompt at the rollout temperature at every eval, for "
+        "eval/pass@j (unbiased estimator, Chen et al. 2021 Eq. 1; j = 1, 2, 4, ... and k) and eval/mean@k beside "
+        "the greedy eval/accuracy (0 = off)")
+    length_buckets: int = Field(
+        4, ge=0, description="metrics sliced by response length: this many equal-width buckets over [0, "
+        "rollout.max_response_tokens] (length/<lo>-<hi>/reward_mean, accuracy, clip_fraction, seq_ratio_mean, "
+        "count per step; length_slices.png at the end); 0 = off")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
     audit_steps: list[int] = Field(
@@ -233,6 +243,9 @@ class Config(Section):
                 f"trainer.max_staleness={t.max_staleness} needs learner.old_logprob_source='rollout' (got "
                 f"{lr.old_logprob_source!r}): a recompute at the learner's weights is not the policy that sampled"
             )
+        if t.length_buckets > self.rollout.max_response_tokens:
+            raise ValueError(f"trainer.length_buckets={t.length_buckets} exceeds rollout.max_response_tokens="
+                             f"{self.rollout.max_response_tokens} (a bucket holds at least one length)")
         self._check_lengths()
         self._check_temperature()
         return self
