@@ -90,10 +90,11 @@ class DataConfig(Section):
     settings. ``task: gsm8k`` is that loader with GSM8K's fields (``question``, ``answer`` with a ``####``
     line), its prompt template and the ``math`` verifier."""
 
-    task: Literal["arithmetic", "gsm8k", "files"] = Field(
+    task: Literal["arithmetic", "gsm8k", "files", "code"] = Field(
         "arithmetic",
         description="arithmetic = generated 2-operand additions; files = your own rows (train_path, test_path); "
-        "gsm8k = files with GSM8K's fields, prompt template and the math verifier",
+        "gsm8k = files with GSM8K's fields, prompt template and the math verifier; code = generated tiny Python "
+        "functions judged by unit tests in the sandbox (cluster/code_task.py)",
     )
     train_path: str | None = Field(
         None, description="files/gsm8k: training rows: a .jsonl/.json/.parquet/.csv file, a glob of them, or a "
@@ -130,19 +131,20 @@ class DataConfig(Section):
     system_prompt: str | None = Field(
         None, description="system message put first when the chat template is applied (rows with their own "
         "system message keep it)")
-    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic) or read at most (files)")
+    num_train: int = Field(20000, ge=1, description="training prompts: generated (arithmetic, code) or read at most (files)")
     num_eval: int = Field(256, ge=1, description="held-out prompts for eval/accuracy (greedy)")
     max_prompt_tokens: int = Field(
         64, ge=1,
         description="files/gsm8k: longer prompts are counted and skipped; plus rollout.max_response_tokens at most "
         "rollout.max_model_len",
     )
-    seed: int = Field(1234, description="arithmetic: seed of the generated train/held-out prompts; files: of the "
+    seed: int = Field(1234, description="arithmetic, code: seed of the generated train/held-out prompts; files: of the "
                       "eval_fraction split")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
     demo_slip_rate: float = Field(
         0.0, ge=0, le=1,
-        description="arithmetic: share of warm-start demonstrations that drop the units carry (imperfect cold-start data)",
+        description="arithmetic: share of warm-start demonstrations that drop the units carry; code: share that carry "
+        "their family's classic bug (imperfect cold-start data)",
     )
 
     @model_validator(mode="after")
@@ -249,6 +251,14 @@ class TrainerConfig(Section):
         "rollout of step k+1 runs while the learner trains on step k, so a sample is at most 1 weight version old "
         "(GSPO's ratio is taken against the sampling engine's log-probs; needs learner.old_logprob_source=rollout)")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
+    eval_samples: int = Field(
+        0, ge=0, description="k samples per held-out prompt at the rollout temperature at every eval, for "
+        "eval/pass@j (unbiased estimator, Chen et al. 2021 Eq. 1; j = 1, 2, 4, ... and k) and eval/mean@k beside "
+        "the greedy eval/accuracy (0 = off)")
+    length_buckets: int = Field(
+        4, ge=0, description="metrics sliced by response length: this many equal-width buckets over [0, "
+        "rollout.max_response_tokens] (length/<lo>-<hi>/reward_mean, accuracy, clip_fraction, seq_ratio_mean, "
+        "count per step; length_slices.png at the end); 0 = off")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept; older ones are deleted")
     audit_steps: list[int] = Field(
@@ -305,7 +315,7 @@ class Config(Section):
                 "top_p=1 and top_k=-1, or the behaviour log-probs are not those of the policy being trained"
             )
         d = self.data
-        if d.task != "arithmetic" and not d.train_path:
+        if d.task in ("files", "gsm8k") and not d.train_path:
             raise ValueError(f"data.task={d.task!r} needs data.train_path (and data.test_path, or data.eval_fraction)")
         if d.task == "files" and ws.steps and not d.solution_key:
             raise ValueError(f"warm_start.steps={ws.steps} with data.task='files' needs data.solution_key (the field "
@@ -330,6 +340,9 @@ class Config(Section):
                 f"sync.engine_timeout_s={self.sync.engine_timeout_s:g} must be below learner.dist_timeout_s="
                 f"{lr.dist_timeout_s:g}: the other learner ranks wait in a collective while rank 0 waits for an engine"
             )
+        if t.length_buckets > self.rollout.max_response_tokens:
+            raise ValueError(f"trainer.length_buckets={t.length_buckets} exceeds rollout.max_response_tokens="
+                             f"{self.rollout.max_response_tokens} (a bucket holds at least one length)")
         self._check_lengths()
         self._check_temperature()
         return self

@@ -23,7 +23,7 @@ import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster import audit_dump, checkpoint, data, services
+from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, services
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
@@ -93,6 +93,11 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
             encoder.ids, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
             demo_slip_rate=d.demo_slip_rate,
         )
+    if d.task == "code":
+        from cluster.code_task import code_rows
+
+        return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
+                         demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)
     return file_rows(d, encoder.encode)
 
 
@@ -192,17 +197,24 @@ class Trainer:
         return seconds
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy decoding on the held-out prompts; accuracy = share judged correct by the verifier."""
+        """Greedy decoding on the held-out prompts; accuracy = share judged correct by the verifier. With
+        ``trainer.eval_samples`` = k > 0 also k samples per prompt at the rollout temperature (the same seed at
+        every evaluation): ``eval/pass@j`` and ``eval/mean@k`` (``cluster.eval_metrics``)."""
         t = time.perf_counter()
         comps = self.fleet.generate(self.eval_rows, 1, greedy=True)
         results = score(self.rewards, {r.uid: r for r in self.eval_rows}, comps)
         self.rewards.metrics()  # eval's counters are not the step's
-        return {
+        out = {
             "eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]),
             "eval/num_prompts": float(len(results)),
             "eval/response_length_mean": mean([float(len(c.response_token_ids)) for c in comps]),
-            "timing/eval_s": time.perf_counter() - t,
         }
+        k = self.cfg.trainer.eval_samples
+        if k:
+            out.update(eval_metrics.evaluate_sampled(self.fleet, self.rewards, self.eval_rows, k,
+                                                     seed=self.cfg.rollout.seed + eval_metrics.EVAL_SAMPLING_SEED))
+        out["timing/eval_s"] = time.perf_counter() - t
+        return out
 
     def warm_start(self) -> dict[str, float]:
         """Supervised warm start: ``warm_start.steps`` cross-entropy steps on worked examples, then the
@@ -272,7 +284,8 @@ class Trainer:
         if self.cfg.trainer.max_staleness and self.step + 1 < self.cfg.trainer.total_steps:
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
-        learner_m, learner_s, sync_s = {}, 0.0, 0.0
+        learner_m: dict[str, Any] = {}
+        learner_s, sync_s = 0.0, 0.0
         try:
             m: dict[str, Any] = {"step": self.step + 1, **self.staleness(c)}
             if c.prompts:
@@ -285,6 +298,7 @@ class Trainer:
         wait_s = time.perf_counter()
         self.pending = ahead.result() if ahead is not None else None  # no request is in flight at the sync below
         wait_s = time.perf_counter() - wait_s
+        by_length = learner_m.pop(length_slices.LEARNER_KEY, {})
         if c.prompts:
             sync_s = self.after_train(learner_m)
             m.update(learner_m)
@@ -293,6 +307,7 @@ class Trainer:
         self.step += 1
         self.trained_uids.append([r.uid for r in c.prompts])
         m.update(self.step_metrics(c, rewards, learner_s, sync_s, restarts))
+        m.update(self.length_metrics(c, rewards, by_length))
         m["timing/wait_rollout_s"] = wait_s
         m["timing/step_s"] = time.perf_counter() - t_step
         return m
@@ -343,6 +358,19 @@ class Trainer:
         })
         m.update(c.reward_metrics)
         return m
+
+    def length_metrics(self, c: Collected, rewards: torch.Tensor, by_length: dict[int, list[float]]) -> dict[str, float]:
+        """The step's metrics per response-length bucket (``cluster.length_slices``; none when
+        ``trainer.length_buckets`` is 0): reward and accuracy of the rollout, clip fraction and sequence ratio
+        of the learner's update (absent when no update ran)."""
+        n = self.cfg.trainer.length_buckets
+        if not n:
+            return {}
+        ranges = length_slices.bucket_ranges(self.cfg.rollout.max_response_tokens, n)
+        lengths = [len(x.response_token_ids) for x in c.completions]
+        out = length_slices.rollout_slices(lengths, rewards.tolist(), [r.correct for r in c.results], ranges)
+        out.update(length_slices.learner_slices(by_length, ranges))
+        return out
 
     # -- health guard ---------------------------------------------------------------------------------------
     def _health_failure(self, m: dict[str, Any]) -> None:
@@ -436,7 +464,8 @@ class Trainer:
             ev = self.evaluate()
             self.logger.log({"step": 0, "weight_version": self.weight_version, **ev, **summary})
             summary["eval/accuracy_start"] = ev["eval/accuracy"]
-            log.info("held-out accuracy before RL: %.3f (%d prompts)", ev["eval/accuracy"], len(self.eval_rows))
+            log.info("held-out accuracy before RL: %.3f (%d prompts)%s", ev["eval/accuracy"], len(self.eval_rows),
+                     "".join(f", {k[5:]} {v:.3f}" for k, v in ev.items() if k.startswith(("eval/pass@", "eval/mean@"))))
         self._loop()
         hist = self.logger.history
         evals = [r["eval/accuracy"] for r in hist if r.get("eval/accuracy") is not None]
@@ -444,9 +473,14 @@ class Trainer:
             summary.setdefault("eval/accuracy_start", evals[0])
             summary["eval/accuracy_final"] = evals[-1]
             summary["eval/accuracy_best"] = max(evals)
+        sampled = [r for r in hist if any(k.startswith("eval/pass@") for k in r)]
+        for key in [k for k in (sampled[-1] if sampled else {}) if k.startswith(("eval/pass@", "eval/mean@"))]:
+            summary.setdefault(f"{key}_start", sampled[0].get(key))
+            summary[f"{key}_final"] = sampled[-1][key]
         summary["timing/total_s"] = time.perf_counter() - self.t_start
         if tc.plots:
             plot_curves(hist, self.run_dir / "curves.png")
+            length_slices.plot_length_slices(hist, self.run_dir / "length_slices.png")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 

@@ -220,7 +220,8 @@ def policy_loss(
     loss_agg: str | None = None,
     num_sequences: float | None = None,
     num_tokens: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+    return_per_sequence: bool = False,
+) -> tuple[Tensor, dict[str, float]] | tuple[Tensor, dict[str, float], dict[str, Tensor]]:
     """Clipped policy-gradient loss (negative surrogate objective, to minimise) and its metrics.
 
     With ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``A`` the advantage and ``B`` the number of sequences:
@@ -251,6 +252,7 @@ def policy_loss(
         loss_agg: None (per-algorithm default) or one of ``LOSS_AGGS``.
         num_sequences, num_tokens: global normalisers (minibatch totals across micro-batches and ranks, see
             :func:`loss_normalisers`); None: this call's own counts.
+        return_per_sequence: also return the per-sequence clip counts (for metrics sliced by length).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, float64 for float64 inputs). ``metrics``
@@ -261,6 +263,9 @@ def policy_loss(
         (largest |log-ratio| before the clamp), and the sums in ``COUNT_METRICS``: ``num_sequences``,
         ``num_tokens``, ``num_ratios`` (units), ``num_clipped``, ``num_clipped_low``, ``num_clipped_high``,
         ``ratio_sum``. With no unit, fractions are 0, ratio statistics 1 and ``log_ratio_abs_max`` 0.
+        With ``return_per_sequence``, a third item: ``{"length": int64 [B] response tokens, "units": float
+        [B] units of the row, "clipped": float [B] clipped units of the row}`` (no gradient); their sums over
+        rows are ``num_tokens``, ``num_ratios`` and ``num_clipped``.
 
     Raises:
         ValueError: unknown algorithm or loss_agg, GSPO with another loss_agg, negative clip values, shapes
@@ -286,7 +291,13 @@ def policy_loss(
                              units.clip_high)
     metrics["num_sequences"] = float(n_seq)
     metrics["num_tokens"] = float(n_tok)
-    return loss, metrics
+    if not return_per_sequence:
+        return loss, metrics
+    with torch.no_grad():
+        row_units, row_clipped = units.mask.to(dtype), (units.clip_low + units.clip_high).detach()
+        if row_units.dim() == 2:  # token units (GRPO): count them per row
+            row_units, row_clipped = row_units.sum(-1), torch.where(units.mask, row_clipped, 0.0).sum(-1)
+    return loss, metrics, {"length": lengths.to(torch.int64), "units": row_units, "clipped": row_clipped}
 
 
 class _Units(NamedTuple):

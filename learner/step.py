@@ -56,6 +56,8 @@ class _Totals:
     parts: list[dict[str, float]] = field(default_factory=list)  # policy_loss metrics of every micro-batch
     vol_local: list[list[float]] = field(default_factory=list)  # per measured pass: [changed used, changed own, compared]
     vol_updates: list[int] = field(default_factory=list)  # optimizer steps before each measured pass
+    # response length -> [sequences, sum of s_i, clipped units, units], over every optimizer step
+    by_length: dict[int, list[float]] = field(default_factory=dict)
 
 
 class RolloutBatchStep:
@@ -191,8 +193,9 @@ class RolloutBatchStep:
         logits = self.forward(m, k, mb, measure, vol)
         lp = token_log_probs(logits, mb.targets, self.r.temperature)
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
-        loss, metrics = policy_loss(lp, old, mb.advantages, mb.mask, algorithm=cfg.algorithm, clip_low=self.clip_low,
-                                    clip_high=self.clip_high, loss_agg=self.loss_agg, **norms)
+        loss, metrics, per_seq = policy_loss(lp, old, mb.advantages, mb.mask, algorithm=cfg.algorithm,
+                                             clip_low=self.clip_low, clip_high=self.clip_high, loss_agg=self.loss_agg,
+                                             return_per_sequence=True, **norms)
         value = float(loss.detach())
         t.loss_sum += value
         if self.r.ref_model is not None:
@@ -208,7 +211,7 @@ class RolloutBatchStep:
         # DeepSpeed averages gradients over the ranks: x world_size turns that into the sum.
         self.r.engine.backward(loss * self.r.world_size, scale_wrt_gas=False)
         t.parts.append(metrics)
-        self.sequence_ratio_stats(lp.detach(), old, mb.mask)
+        self.sequence_ratio_stats(lp.detach(), old, mb.mask, per_seq)
         return value, finite
 
     def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
@@ -228,13 +231,20 @@ class RolloutBatchStep:
         return logits
 
     @torch.no_grad()
-    def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
-        """Accumulate GSPO's sequence ratio ``s_i`` (Eq. 7) of the sequences with response tokens."""
+    def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                             per_seq: dict[str, torch.Tensor]) -> None:
+        """Accumulate GSPO's sequence ratio ``s_i`` (Eq. 7) of the sequences with response tokens, and per
+        response length the sequences, ``s_i`` and the clip counts of ``per_seq`` (``policy_loss``)."""
         has = mask.any(-1)
         if not bool(has.any()):
             return
         s = torch.exp(sequence_log_ratio(lp, old, mask).double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[has]
         t = self.t
+        rows = zip(per_seq["length"][has].tolist(), s.tolist(), per_seq["clipped"][has].tolist(),
+                   per_seq["units"][has].tolist())
+        for length, ratio, clipped, units in rows:
+            acc = t.by_length.setdefault(int(length), [0.0, 0.0, 0.0, 0.0])
+            acc[0], acc[1], acc[2], acc[3] = acc[0] + 1, acc[1] + ratio, acc[2] + clipped, acc[3] + units
         t.seq_sum += float(s.sum())
         t.seq_count += float(s.numel())
         t.seq_min = min(t.seq_min, float(s.min()))
@@ -251,7 +261,13 @@ class RolloutBatchStep:
         vol_tot = [sums[4 + 3 * i : 7 + 3 * i] for i in range(len(t.vol_local))]
         seq_min = r.all_reduce([t.seq_min], "min")[0]
         seq_max = r.all_reduce([t.seq_max], "max")[0]
-        all_parts = [p for rank_parts in r.all_gather_objects(t.parts) for p in rank_parts]
+        gathered = r.all_gather_objects((t.parts, t.by_length))
+        all_parts = [p for rank_parts, _ in gathered for p in rank_parts]
+        by_length: dict[int, list[float]] = {}
+        for _, rank_lengths in gathered:  # exact sums over ranks
+            for length, vals in rank_lengths.items():
+                acc = by_length.setdefault(length, [0.0, 0.0, 0.0, 0.0])
+                by_length[length] = [a + v for a, v in zip(acc, vals)]
         pm = combine_policy_metrics(all_parts) if all_parts else _EMPTY_POLICY_METRICS
         out: dict[str, Any] = {
             "loss/policy": loss_sum / max(steps, 1),
@@ -266,6 +282,8 @@ class RolloutBatchStep:
             "actor/lr": float(r.base_optimizer().param_groups[0]["lr"]),
             "actor/num_optimizer_steps": float(steps),
             "actor/num_response_tokens": float(pm["num_tokens"]) / max(cfg.ppo_epochs, 1),
+            # per response length: [sequences, sum of s_i, clipped units, units] (cluster.length_slices)
+            "actor/by_response_length": dict(sorted(by_length.items())),
         }
         if r.ref_model is not None:
             out["loss/kl"] = kl_sum / max(steps, 1)

@@ -201,7 +201,8 @@ def test_metrics_are_exact(model_path, port):
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         lp = token_log_probs(logits, batch.input_ids[:, 1:], TEMPERATURE)
-        loss, pm = policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask, algorithm="gspo")
+        loss, pm, per_seq = policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask,
+                                        algorithm="gspo", return_per_sequence=True)
     mask = batch.response_mask
     diff = float(torch.where(mask, (lp - batch.old_log_probs).abs(), 0.0).sum() / mask.sum())
     p = torch.softmax(logits.double() / TEMPERATURE, -1)
@@ -225,6 +226,17 @@ def test_metrics_are_exact(model_path, port):
     assert out["actor/seq_ratio_max"] == pytest.approx(float(seq.max()), rel=1e-6)
     assert out["actor/num_optimizer_steps"] == 1.0
     assert out["actor/grad_norm"] > 0 and out["actor/grad_norm"] == out["actor/grad_norm_max"]
+    # per response length: [sequences, sum of s_i, clipped, units], from the whole batch computed at once
+    has = mask.any(-1)
+    want: dict[int, list[float]] = {}
+    for n, s_i, c in zip(per_seq["length"][has].tolist(), seq.tolist(), per_seq["clipped"][has].tolist()):
+        acc = want.setdefault(n, [0.0, 0.0, 0.0, 0.0])
+        acc[0], acc[1], acc[2], acc[3] = acc[0] + 1, acc[1] + s_i, acc[2] + c, acc[3] + 1
+    got = out["actor/by_response_length"]
+    assert sorted(got) == sorted(want) and len(want) > 1
+    for n in want:
+        assert got[n] == pytest.approx(want[n], rel=1e-6)
+    assert sum(v[2] for v in got.values()) / sum(v[3] for v in got.values()) == pytest.approx(out["actor/clip_fraction"])
 
 
 def test_recompute_old_log_probs_gives_unit_ratio(model_path, port):

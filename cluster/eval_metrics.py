@@ -1,0 +1,82 @@
+"""Held-out evaluation from k samples per prompt: pass@k (unbiased estimator) and mean@k.
+
+``pass@k`` is the probability that at least one of k samples is correct, estimated per prompt from ``n``
+samples of which ``c`` are correct with the unbiased estimator of Chen et al. 2021 ("Evaluating Large
+Language Models Trained on Code", arXiv 2107.03374, Eq. 1)::
+
+    pass@k = E_prompts[ 1 - C(n - c, k) / C(n, k) ]
+
+and ``mean@k`` is the mean accuracy over the k samples, ``E_prompts[c / k]`` (with ``n = k``; it equals the
+unbiased pass@1). The samples are drawn at the rollout temperature (the policy being trained), beside the
+greedy accuracy of ``Trainer.evaluate``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rollout.contracts import PromptRow
+
+EVAL_SAMPLING_SEED = 2_000_003  # + rollout.seed: the same held-out samples' randomness at every evaluation
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al. 2021, arXiv 2107.03374, Eq. 1), exact in integers (``math.comb``) before the one division.
+
+    Raises:
+        ValueError: ``n < 1``, ``k`` not in ``[1, n]`` or ``c`` not in ``[0, n]`` (the message names them).
+    """
+    if n < 1 or not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def reported_ks(n: int) -> list[int]:
+    """The k of the pass@k reported from ``n`` samples per prompt: the powers of two below ``n``, and ``n``
+    (``n=6`` -> ``[1, 2, 4, 6]``).
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"trainer.eval_samples must be >= 1 to report pass@k, got {n}")
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def sampled_metrics(correct: list[list[bool]]) -> dict[str, float]:
+    """``eval/pass@<k>`` for every k of ``reported_ks(n)`` and ``eval/mean@<n>`` over prompts, from the
+    verdicts of ``n`` samples per prompt (``correct[i][j]``: sample j of prompt i judged correct).
+
+    Raises:
+        ValueError: no prompt, or prompts with different sample counts.
+    """
+    if not correct:
+        raise ValueError("no held-out prompt to compute pass@k over")
+    n = len(correct[0])
+    if any(len(c) != n for c in correct):
+        raise ValueError(f"every prompt needs the same number of samples, got {sorted({len(c) for c in correct})}")
+    counts = [sum(1 for x in c if x) for c in correct]
+    out = {f"eval/pass@{k}": sum(pass_at_k(n, c, k) for c in counts) / len(counts) for k in reported_ks(n)}
+    out[f"eval/mean@{n}"] = sum(c / n for c in counts) / len(counts)
+    return out
+
+
+def evaluate_sampled(fleet: Any, rewards: Any, rows: list[PromptRow], k: int, seed: int) -> dict[str, float]:
+    """Sample ``k`` completions per held-out prompt at the rollout temperature (seeded with ``seed``), score
+    them with the reward pool and return ``sampled_metrics`` plus ``eval/sampled_response_length_mean``
+    (tokens). ``fleet``: ``cluster.services.EngineFleet``; ``rewards``: ``reward.pool.RewardPool``."""
+    from cluster.collect import score
+
+    comps = fleet.generate(rows, k, seed=seed)
+    results = score(rewards, {r.uid: r for r in rows}, comps)
+    rewards.metrics()  # eval's counters are not the step's
+    correct = [[bool(r.correct) for r in results[i * k : (i + 1) * k]] for i in range(len(rows))]
+    out = sampled_metrics(correct)
+    out["eval/sampled_response_length_mean"] = sum(len(c.response_token_ids) for c in comps) / max(len(comps), 1)
+    return out
