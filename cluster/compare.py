@@ -393,7 +393,11 @@ def plot_runs(results: list[RunResult], out: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.compare", description=__doc__.splitlines()[0])
+    """The ``gspo-compare`` command (``python -m cluster.compare``); relative paths are from the working
+    directory. Returns the exit code."""
+    from cluster.train import absolute_paths
+
+    parser = argparse.ArgumentParser(prog="gspo-compare", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides applied to every run")
     parser.add_argument("--algorithms", default="gspo,grpo", help=f"comma-separated, from {', '.join(ALGORITHMS)}")
@@ -420,9 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.output_dir) / name
     runs_dir = (out_dir / "runs").resolve()
     try:
-        base = load_config(args.config, args.overrides)
+        base = absolute_paths(load_config(args.config, args.overrides))
         # Every run's config is checked before the first one starts.
-        configs = {(a, k): load_config(args.config, args.overrides + run_overrides(a, k, base, runs_dir))
+        configs = {(a, k): absolute_paths(load_config(args.config, args.overrides + run_overrides(a, k, base, runs_dir)))
                    for k in range(args.seeds) for a in algos if not (a == "grpo_rr" and not routing_replay_supported()[0])}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

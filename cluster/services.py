@@ -17,24 +17,39 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster import console
 from cluster.common import REPO_ROOT
 from cluster.config import Config
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
 
+# Ray's job manager hands a submitted job's config (its runtime env among it) to the driver in this variable
+# (``ray._private.runtime_env.constants.RAY_JOB_CONFIG_JSON_ENV_VAR``; ``ray.init`` merges it with its own
+# runtime env and refuses a key that both set).
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def user_pythonpath() -> list[str]:
+    """The services' ``PYTHONPATH``: the repository first, then the entries of the user's own ``PYTHONPATH``
+    (the folders a user verifier may import its helpers from, on this node)."""
+    entries = [str(REPO_ROOT)]
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and entry not in entries:
+            entries.append(entry)
+    return entries
 
 
 def actor_env(threads: int) -> dict[str, str]:
     """Environment of a service process: one thread pool of ``threads`` threads, CPU accelerator for
-    DeepSpeed when there is no GPU, offline hubs."""
+    DeepSpeed when there is no GPU, offline hubs, the repository and the user's ``PYTHONPATH``."""
     env = {
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONPATH": os.pathsep.join(user_pythonpath()),
         "WANDB_SILENT": "true",
     }
     for key in ("DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE", "RAY_DEDUP_LOGS"):
@@ -52,28 +67,45 @@ def resource_demand(cfg: Config) -> float:
     )
 
 
-def init_ray(cfg: Config, run_dir: Path) -> None:
+def init_ray(cfg: Config, run_dir: Path, py_modules: list[str] | None = None, verbose: bool = True) -> None:
     """Connect to a cluster (``trainer.ray_address``, or ``RAY_ADDRESS`` inside a job) or start a local one
     with no dashboard, its node address set to ``trainer.bind_host``. Ray 2.60 still opens its GCS and raylet
     ports on all interfaces (it protects them with token authentication, on by default): see docs/cluster.md
     before running on a machine reachable from a network. A local cluster gets as many logical CPUs as the
-    actors reserve (at least the machine's cores): phases run one after another, so they share the cores."""
+    actors reserve (at least the machine's cores): phases run one after another, so they share the cores.
+
+    ``py_modules``: the user modules every worker must import (``cluster.user_code``), shipped with Ray's
+    runtime env to every node; inside a Ray job they come with the job's runtime env instead
+    (``cluster.submit``), which a driver's own ``py_modules`` would conflict with. ``verbose=False``: the
+    actors' output goes to ``console.worker_log_dir(run_dir)`` (a worker setup hook), not to this terminal.
+    """
     if ray.is_initialized():
         return
+    runtime_env: dict[str, Any] = {}
+    in_job = JOB_CONFIG_ENV in os.environ  # set by Ray's job manager for a submitted job's driver
+    if py_modules and not in_job:
+        runtime_env["py_modules"] = list(py_modules)
+    if not verbose:
+        console.through_root("ray")
+        runtime_env["worker_process_setup_hook"] = console.WORKER_SETUP_HOOK
+        runtime_env["env_vars"] = {console.LOG_DIR_ENV: str(console.worker_log_dir(run_dir))}
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=verbose, runtime_env=runtime_env or None)
         return
+    runtime_env["env_vars"] = {**actor_env(1), **runtime_env.get("env_vars", {})}
     num_cpus = max(os.cpu_count() or 1, int(resource_demand(cfg) + 0.999))
     ray.init(
         num_cpus=num_cpus,
         num_gpus=0 if cfg.learner.num_gpus_per_rank == 0 and cfg.rollout.num_gpus_per_engine == 0 else None,
         include_dashboard=False,
         _node_ip_address=cfg.trainer.bind_host,
-        runtime_env={"env_vars": actor_env(1)},
+        runtime_env=runtime_env,
         _temp_dir=None,
-        log_to_driver=True,
-        configure_logging=True,
+        log_to_driver=verbose,
+        # Quiet: Ray's own records go through the root logger (its warnings to the run's driver.log, its
+        # errors to the terminal too: cluster.console); verbose: Ray's handler prints its warnings as before.
+        configure_logging=verbose,
         logging_level=logging.WARNING,
     )
 

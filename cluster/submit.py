@@ -1,9 +1,10 @@
-"""Submit training as a Ray job: ``python -m cluster.submit CONFIG [dotted.key=value ...]``.
+"""Submit training as a Ray job: ``python -m cluster.submit CONFIG [dotted.key=value ...]`` (``gspo-submit``).
 
 The job's entry point is ``python -m cluster.train CONFIG overrides`` run by the cluster's job server (the Ray
 Jobs API, ``ray job submit`` semantics): the repository is shipped as the job's ``working_dir`` (without
-``.venv``, ``outputs``, ``.git`` and caches), the driver connects to the cluster through the ``RAY_ADDRESS``
-that the job server sets, this command follows the job's logs and exits with its status.
+``.venv``, ``outputs``, ``.git`` and caches), user ``module:function`` verifiers found outside it (in the
+working directory or on ``PYTHONPATH``) as ``py_modules``, the driver connects to the cluster through the
+``RAY_ADDRESS`` that the job server sets, this command follows the job's logs and exits with its status.
 
 Where the job goes:
 
@@ -36,6 +37,7 @@ from typing import Any
 
 from cluster.common import REPO_ROOT
 from cluster.config import ConfigError, load_config
+from cluster.user_code import check_user_verifiers, verifier_names
 # The local head and the Jobs API client; re-exported (cluster.submit.LocalHead etc.).
 from cluster.local_head import (
     HEAD_STATE_FILE,
@@ -92,20 +94,26 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
 
 
-def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The job's runtime env: the repository as ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the
+def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
+                    py_modules: list[str] | None = None) -> dict[str, Any]:
+    """The job's runtime env: the repository as ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the user
+    verifier modules as ``py_modules`` (``cluster.user_code.check_user_verifiers``: files or folders outside
+    the repository, shipped to every node and put on the job's and its workers' ``PYTHONPATH``), the
     ``FORWARDED_ENV`` variables set in this shell, ``extra_env``, and ``extra`` merged on top (for example
-    ``{"pip": [...]}`` or ``{"image_uri": ...}``; ``env_vars`` and ``excludes`` are merged, not replaced)."""
+    ``{"pip": [...]}`` or ``{"image_uri": ...}``; ``env_vars``, ``excludes`` and ``py_modules`` are merged,
+    not replaced)."""
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.setdefault("GSPO_PROGRESS", "0")  # no live progress bar in job logs: one log line per step
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra_env or {})
     rt: dict[str, Any] = {"working_dir": str(REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES), "env_vars": env}
+    if py_modules:
+        rt["py_modules"] = list(py_modules)
     for key, value in (extra or {}).items():
         if key == "env_vars":
             rt["env_vars"].update(value)
-        elif key == "excludes":
-            rt["excludes"] += list(value)
+        elif key in ("excludes", "py_modules"):
+            rt[key] = rt.get(key, []) + list(value)
         else:
             rt[key] = value
     return rt
@@ -226,7 +234,7 @@ def _uses_gpus(config: str, overrides: list[str]) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cluster.submit", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="gspo-submit", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("config", nargs="?", help="YAML config inside the repository (configs/*.yaml)")
@@ -280,6 +288,7 @@ def _verb(args, address: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``gspo-submit`` command (``python -m cluster.submit``); returns the exit code."""
     args = build_parser().parse_args(argv)
     address = resolve_address(args.address)
     try:
@@ -296,12 +305,15 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --entrypoint replaces CONFIG and overrides; give one or the other", file=sys.stderr)
             return 2
         overrides = list(args.overrides)
+        py_modules: list[str] = []
         if args.config:
             overrides += path_overrides(args.config, overrides)
-            load_config(args.config, overrides)  # refuse a bad config here, before anything starts
+            cfg = load_config(args.config, overrides)  # refuse a bad config here, before anything starts
             _config_in_repo(args.config)
+            # User verifiers import here (or the config is refused naming them) and travel with the job.
+            py_modules = check_user_verifiers(verifier_names(cfg))
         extra = json.loads(args.runtime_env_json) if args.runtime_env_json else None
-        runtime_env = job_runtime_env(_parse_env(args.env), extra)
+        runtime_env = job_runtime_env(_parse_env(args.env), extra, py_modules)
     except (ConfigError, SubmitError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

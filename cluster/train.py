@@ -1,23 +1,29 @@
-"""The driver's command line: ``python -m cluster.train CONFIG [dotted.key=value ...] [--dry-run]``.
+"""The driver's command line: ``python -m cluster.train CONFIG [dotted.key=value ...] [--dry-run] [--verbose]``
+(installed as ``gspo-train``).
 
 Validates the config, then either prints the resolved config and placement plan (``--dry-run``) or runs the
-job (``cluster.trainer.Trainer``: services up, warm start, RL steps, checkpoints). Exit codes: 0 done, 2 bad
-config or plan (or a config the checkpoint to resume from refuses), 3 a learner rank died (resume from the
-last checkpoint), 4 the health guard stopped the run.
+job (``cluster.trainer.Trainer``: services up, warm start, RL steps, checkpoints). Relative paths (the config
+file, ``trainer.output_dir``, a ``model.path`` folder) are taken from the working directory, so it runs from
+any folder. The terminal shows the run's own progress and errors; the services' output goes to
+``<run>/logs/`` (``cluster.console``) unless ``--verbose``. Exit codes: 0 done, 2 bad config or plan (or a
+config the checkpoint to resume from refuses, or a user verifier that does not import), 3 a learner rank died
+(resume from the last checkpoint), 4 the health guard stopped the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
+from pathlib import Path
 
 import yaml
 
+from cluster import console
 from cluster.checkpoint import latest_checkpoint
-from cluster.config import ConfigError, load_config
+from cluster.config import Config, ConfigError, load_config
 from cluster.plan import plan
+from cluster.user_code import check_user_verifiers, verifier_names
 
 
 def is_learner_error(err: Exception) -> bool:
@@ -25,15 +31,33 @@ def is_learner_error(err: Exception) -> bool:
     return "LearnerRank" in str(err)
 
 
+def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
+    """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
+    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...``. (The data files resolve in
+    ``cluster.data``.) Returns ``cfg``."""
+    cwd = (cwd or Path.cwd()).resolve()
+    if not Path(cfg.trainer.output_dir).is_absolute():
+        cfg.trainer.output_dir = str(cwd / cfg.trainer.output_dir)
+    if not cfg.model.path.startswith("builtin:") and not Path(cfg.model.path).is_absolute():
+        cfg.model.path = str(cwd / cfg.model.path)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="YAML config (configs/*.yaml)")
+    """The ``gspo-train`` command (``python -m cluster.train``); returns the exit code."""
+    parser = argparse.ArgumentParser(prog="gspo-train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config (configs/*.yaml); a relative path is from the working directory")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, start nothing")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the services' own output (vLLM, torch, DeepSpeed) on the terminal too; by default "
+                        "it goes to <run>/logs/")
     args = parser.parse_intermixed_args(argv)  # options may stand between the overrides
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    console.setup_driver_logging(None, args.verbose)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = absolute_paths(load_config(args.config, args.overrides))
+        # The configured user verifiers import now (the data rows' own ones once the data is read).
+        check_user_verifiers(verifier_names(cfg))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -51,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.trainer import HealthStop, Trainer
 
-    trainer = Trainer(cfg)
+    logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
+    if not args.verbose:
+        print(f"logs: {logs} (the services' output; --verbose shows it here)", file=sys.stderr)
+    trainer = Trainer(cfg, verbose=args.verbose)
     try:
         trainer.start()
         summary = trainer.run()

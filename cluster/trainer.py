@@ -23,7 +23,7 @@ import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, services
+from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, services, user_code
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
@@ -109,10 +109,13 @@ def _tuple_state(state: Any) -> Any:
 
 
 class Trainer:
-    """Owns the actors, the prompt stream, logging and checkpoints of one run."""
+    """Owns the actors, the prompt stream, logging and checkpoints of one run. ``verbose=False``: the actors'
+    output goes to the run's ``logs/workers/`` instead of the terminal (``cluster.console``)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, verbose: bool = True):
         self.cfg = cfg
+        self.verbose = verbose
+        self.user_modules: list[str] = []  # user verifier modules shipped to the workers (cluster.user_code)
         self.t_start = time.perf_counter()
         self.run_dir = setup_run_dir(cfg)
         self.step = 0
@@ -139,6 +142,9 @@ class Trainer:
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
+        # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
+        self.user_modules = user_code.check_user_verifiers(
+            user_code.verifier_names(cfg, self.train_rows + self.eval_rows))
         data.dump_rows(self.eval_rows, self.run_dir / "eval_prompts.jsonl")
         log.info("data: %d training prompts, %d held-out prompts", len(self.train_rows), len(self.eval_rows))
 
@@ -169,7 +175,7 @@ class Trainer:
 
     def _start_services(self) -> None:
         cfg = self.cfg
-        services.init_ray(cfg, self.run_dir)
+        services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")

@@ -254,7 +254,9 @@ def format_report(result: AuditResult, tolerance: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m learner.audit", description=__doc__.splitlines()[0])
+    """The ``gspo-audit`` command (``python -m learner.audit``); ``run_dir`` is from the working directory.
+    Returns the exit code."""
+    parser = argparse.ArgumentParser(prog="gspo-audit", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="the run folder (holds audit/step_NNNNNNNN/)")
     parser.add_argument("--step", type=int, required=True, help="the RL step to audit (as in trainer.audit_steps)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,

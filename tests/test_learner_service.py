@@ -369,8 +369,10 @@ def test_bf16_training_runs(model_path, port):
     learner = _rank(model_path, cfg, port)
     before = learner.state_checksum()
     out = learner.train_rollout_batch([b], [s], [t])
-    # (moe/expert_load is a list of lists and moe/layers a list; every other value is a float)
-    assert all(torch.isfinite(torch.tensor(v)).all() for k, v in out.items() if k != "moe/layers")
+    # (moe/expert_load is a list of lists, moe/layers a list, actor/by_response_length a dict of per-length sums;
+    # every other value is a float)
+    assert all(torch.isfinite(torch.tensor(list(v.values()) if isinstance(v, dict) else v)).all()
+               for k, v in out.items() if k != "moe/layers")
     assert out["actor/grad_norm"] > 0
     assert learner.state_checksum() != before
     assert all(v.dtype == torch.bfloat16 for v in learner.checkpoint_state_dict().values())

@@ -1,0 +1,134 @@
+"""User code that the run imports by name: ``module:function`` verifiers (``reward.verifier``, the
+``reward.extra_terms``, a data row's own ``verifier``).
+
+Each one is imported on the driver before any actor starts, so that a missing module is a config error that
+names the key (``reward.verifier``) and the module, not an actor traceback a minute later. Its module is
+looked for where ``python -m`` looks: the working directory the run was started from, then ``PYTHONPATH``,
+then the installed packages. (A console script such as ``gspo-train`` has its own folder, not the working
+directory, first on ``sys.path``; ``with_working_dir_on_path`` puts the working directory back.)
+
+The workers get the module through Ray's ``runtime_env`` ``py_modules`` (Ray's way to ship local modules to
+every node; it prepends them to the workers' ``PYTHONPATH`` before the ``env_vars`` one: see
+``ray/_private/runtime_env/py_modules.py`` and ``working_dir.set_pythonpath_in_context``). What is shipped is
+the module's top-level file (``myrew.py``) or its top-level package folder (``mypkg/`` for
+``mypkg.scores:fn``); a verifier that imports sibling modules should be a package. A module inside the
+repository (already on the workers' ``PYTHONPATH``) or among the installed packages (in the workers'
+environment) is not shipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from cluster.common import REPO_ROOT
+from cluster.config import Config, ConfigError
+
+
+def verifier_names(cfg: Config, rows: Iterable[Any] = ()) -> dict[str, str]:
+    """The ``module:function`` verifiers the run uses, each with the config key (or data row) naming it.
+
+    Args:
+        cfg: the run config.
+        rows: the data rows (``PromptRow``); their own ``verifier`` counts only when ``reward.verifier`` is
+            unset (it overrides the rows' otherwise).
+
+    Returns:
+        ``{verifier name: where it is named}``, e.g. ``{"myrew:score": "reward.verifier"}``; built-in names
+        (``math``, ``exact``, ...) are left out.
+    """
+    rw = cfg.reward
+    named: dict[str, str] = {}
+    if rw.verifier is not None and ":" in rw.verifier:
+        named[rw.verifier] = "reward.verifier"
+    for i, term in enumerate(rw.extra_terms):
+        if ":" in term.verifier:
+            named.setdefault(term.verifier, f"reward.extra_terms[{i}].verifier")
+    if rw.verifier is None:
+        for row in rows:
+            if ":" in row.verifier:
+                named.setdefault(row.verifier, f"the 'verifier' of data row {row.uid!r}")
+    return named
+
+
+def with_working_dir_on_path(cwd: Path | None = None) -> Path:
+    """Put the working directory first on ``sys.path`` unless it is there (``python -m`` puts it there; a
+    console script does not). Returns the working directory."""
+    cwd = (cwd or Path.cwd()).resolve()
+    if not any(_same(entry, cwd) for entry in sys.path):
+        sys.path.insert(0, str(cwd))
+    return cwd
+
+
+def _same(entry: str, cwd: Path) -> bool:
+    try:
+        return Path(entry or ".").resolve() == cwd
+    except OSError:
+        return False
+
+
+def _shared_roots() -> list[Path]:
+    """Folders whose modules every worker already has: the repository and the interpreter's own paths."""
+    roots = [REPO_ROOT]
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.append(Path(path).resolve())
+    return roots
+
+
+def module_source(module: ModuleType) -> Path | None:
+    """What to ship for a top-level user module: its ``.py`` file or its package folder; None when the
+    workers already have it (inside the repository or the interpreter's paths) or it is not Python source
+    (a built-in or compiled module, which must be installed on the nodes)."""
+    paths = list(getattr(module, "__path__", None) or [])
+    if paths:
+        if len(paths) != 1:
+            return None  # a namespace package split over folders: Ray's py_modules takes one folder
+        src = Path(paths[0]).resolve()
+    else:
+        file = getattr(module, "__file__", None)
+        if not file or not file.endswith(".py"):
+            return None
+        src = Path(file).resolve()
+    if any(src == root or src.is_relative_to(root) for root in _shared_roots()):
+        return None
+    return src
+
+
+def check_user_verifiers(named: dict[str, str], cwd: Path | None = None) -> list[str]:
+    """Import every user verifier on the driver and list the modules the workers need shipped.
+
+    Args:
+        named: ``verifier_names``'s answer.
+        cwd: the working directory the run was started from (default: this process's); put on ``sys.path``.
+
+    Returns:
+        Paths for the runtime env's ``py_modules`` (files or folders, each once, in order).
+
+    Raises:
+        ConfigError: a verifier's module cannot be imported or has no such function; the message names the
+            config key, the verifier and the module, and where the module was looked for.
+    """
+    from reward.verifiers import get_verifier
+
+    cwd = with_working_dir_on_path(cwd)
+    ship: list[str] = []
+    for name, key in named.items():
+        module_name = name.partition(":")[0]
+        try:
+            get_verifier(name)
+        except ValueError as err:
+            raise ConfigError(
+                f"{key}={name!r}: {err}. A user verifier's module (here {module_name!r}) must be in the working "
+                f"directory ({cwd}), on PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'}) or installed"
+            ) from None
+        src = module_source(sys.modules[module_name.split(".")[0]])
+        if src is not None and str(src) not in ship:
+            ship.append(str(src))
+    return ship
