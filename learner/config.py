@@ -7,7 +7,7 @@ aggregation for GSPO live in the core, in its torch-free module ``learner/object
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from learner.health import GUARD_CHECKS
 from learner.objective_names import (
@@ -100,10 +100,13 @@ class LearnerConfig(Section):
         False, description="CPU only: DeepSpeed's JIT-built shared-memory all-reduce instead of plain gloo"
     )
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout; a dead peer fails after this")
-    routing_replay: bool = Field(
-        False,
-        description="MoE only: reuse the experts chosen in the pre-update (behaviour-policy) forward in the "
-        "training forwards of the rollout batch (GSPO paper section 5.3; the token-level baseline)",
+    routing_replay: Literal["off", "learner", "rollout"] = Field(
+        "off",
+        description="MoE only: experts forced in the training forwards of a rollout batch. 'learner' (R2): those "
+        "of the learner's own pre-update (behaviour-policy) forward (GSPO paper section 5.3); 'rollout' (R3, arXiv "
+        "2510.11370): those the rollout engine ran when it sampled (rollout.return_routed_experts), also in the "
+        "pre-update pass. Gate weights always come from the live router logits. true/false read as "
+        "'learner'/'off'",
     )
     moe_diagnostics: bool = Field(
         True, description="MoE only: log expert load (moe/load_*) and routing volatility (moe/routing_volatility*)"
@@ -114,6 +117,14 @@ class LearnerConfig(Section):
         description="ZeRO-3: parameters with fewer elements stay unpartitioned (None: DeepSpeed's default; "
         "0 partitions everything)",
     )
+
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _replay_bool(cls, value: object) -> object:
+        """Configs written before the three modes said true/false: read them as 'learner'/'off'."""
+        if isinstance(value, bool):
+            return "learner" if value else "off"
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
@@ -129,9 +140,10 @@ class LearnerConfig(Section):
                 "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; "
                 "use learner.pre_update_pass='auto' or change those keys"
             )
-        if self.gradient_checkpointing and self.routing_replay:
+        if self.gradient_checkpointing and self.routing_replay != "off":
             raise ValueError(
-                "learner.gradient_checkpointing=true with learner.routing_replay=true: the backward recomputes "
+                f"learner.gradient_checkpointing=true with learner.routing_replay={self.routing_replay!r}: the "
+                "backward recomputes "
                 "each checkpointed layer's forward outside the router tap's capture, so the recomputed layers "
                 "would route with the router's own choice instead of the replayed experts (a gradient of a "
                 "different forward); turn one of them off"
@@ -151,8 +163,8 @@ class LearnerConfig(Section):
         needs = []
         if self.old_logprob_source == "recompute":
             needs.append("learner.old_logprob_source='recompute'")
-        if self.routing_replay:
-            needs.append("learner.routing_replay=true")
+        if self.routing_replay != "off":
+            needs.append(f"learner.routing_replay={self.routing_replay!r}")
         if self.moe_diagnostics and is_moe:
             needs.append("learner.moe_diagnostics=true")
         for key in PRE_UPDATE_GUARD_KEYS:

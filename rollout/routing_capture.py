@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RoutingCapture", "routing_for_sequence"]
+__all__ = ["RoutingCapture", "index_records", "routing_for_sequence"]
 
 
 class RoutingCapture:
@@ -93,9 +93,10 @@ class RoutingCapture:
         """All routings recorded since the last ``take`` (then forgotten), one dict per request.
 
         Returns:
-            ``[{"tokens": int32 [T], "ids": int16 [T, layers, k]}, ...]``: for positions ``0 .. T-1`` of the
-            request, the input token and the experts each MoE layer ran for it; ``T`` is one past the highest
-            recorded position. A position never computed (prefix-cache hit) has token -1 and ids -1.
+            ``[{"tokens": list of T ints, "ids": bytes of int16 [T, layers, k], "shape": [T, layers, k]}, ...]``:
+            for positions ``0 .. T-1`` of the request, the input token and the experts each MoE layer ran for
+            it; ``T`` is one past the highest recorded position. A position never computed (prefix-cache hit)
+            has token -1 and ids -1.
         """
         per_req: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for step in self._steps:
@@ -115,7 +116,8 @@ class RoutingCapture:
             for pos, tok, rid in parts:
                 tokens[pos] = tok
                 ids[pos] = rid
-            out.append({"tokens": tokens, "ids": ids})
+            # plain bytes and lists: they cross vLLM's msgpack hop in multi-process mode unchanged
+            out.append({"tokens": tokens.tolist(), "ids": ids.tobytes(), "shape": list(ids.shape)})
         return out
 
 
@@ -145,6 +147,7 @@ def index_records(taken: list[dict[str, Any]]) -> dict[tuple[int, ...], np.ndarr
     tokens (identical samples) ran the same positions through the same weights: either record serves both."""
     out = {}
     for rec in taken:
-        if len(rec["tokens"]) and (rec["tokens"] >= 0).all():
-            out[tuple(int(t) for t in rec["tokens"])] = rec["ids"]
+        tokens = tuple(int(t) for t in rec["tokens"])
+        if tokens and min(tokens) >= 0:
+            out[tokens] = np.frombuffer(rec["ids"], dtype=np.int16).reshape(rec["shape"])
     return out
