@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from learner.health import GUARD_CHECKS
 from learner.objective_names import (
+    CORRECTIONS,
+    TOKEN_CORRECTIONS,
     ALGORITHMS,
     GSPO_LOSS_AGG,
     KL_ESTIMATORS,
@@ -108,6 +110,18 @@ class LearnerConfig(Section):
         "pre-update pass. Gate weights always come from the live router logits. true/false read as "
         "'learner'/'off'",
     )
+    rollout_correction: Literal[CORRECTIONS] = Field(  # type: ignore[valid-type]
+        "off",
+        description="training-vs-inference mismatch correction from d_t = log pi_train(theta_old) - log pi_engine "
+        "(learner/rollout_correction.py): 'token_tis' weight min(exp(d_t), rollout_correction_high); 'token_mis' "
+        "drop tokens with exp(d_t) outside the band; 'seq_mis' drop sequences with exp(sum d_t) outside it; "
+        "'seq_geo_rs' drop sequences with exp(mean d_t) outside it. token_* refused with gspo/gspo_token. The "
+        "mismatch/* metrics are logged whenever the pre-update pass runs",
+    )
+    rollout_correction_low: float = Field(0.5, gt=0, description="lower bound of the correction's ratio band")
+    rollout_correction_high: float = Field(
+        2.0, gt=0, description="upper bound of the correction's ratio band; the weight cap C of 'token_tis'"
+    )
     moe_diagnostics: bool = Field(
         True, description="MoE only: log expert load (moe/load_*) and routing volatility (moe/routing_volatility*)"
     )
@@ -140,6 +154,14 @@ class LearnerConfig(Section):
                 "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; "
                 "use learner.pre_update_pass='auto' or change those keys"
             )
+        if self.rollout_correction in TOKEN_CORRECTIONS and self.algorithm in SEQUENCE_LEVEL_ALGORITHMS:
+            raise ValueError(
+                f"learner.rollout_correction={self.rollout_correction!r} with learner.algorithm={self.algorithm!r}: "
+                "per-token weights or drops change GSPO's sequence-level aggregation; use 'seq_mis' or 'seq_geo_rs'"
+            )
+        if self.rollout_correction_low > self.rollout_correction_high:
+            raise ValueError(f"learner.rollout_correction_low={self.rollout_correction_low} > "
+                             f"learner.rollout_correction_high={self.rollout_correction_high}: empty band")
         if self.gradient_checkpointing and self.routing_replay != "off":
             raise ValueError(
                 f"learner.gradient_checkpointing=true with learner.routing_replay={self.routing_replay!r}: the "
@@ -165,6 +187,8 @@ class LearnerConfig(Section):
             needs.append("learner.old_logprob_source='recompute'")
         if self.routing_replay != "off":
             needs.append(f"learner.routing_replay={self.routing_replay!r}")
+        if self.rollout_correction != "off":
+            needs.append(f"learner.rollout_correction={self.rollout_correction!r}")
         if self.moe_diagnostics and is_moe:
             needs.append("learner.moe_diagnostics=true")
         for key in PRE_UPDATE_GUARD_KEYS:

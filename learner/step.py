@@ -33,6 +33,7 @@ from learner.moe import (expert_counts, load_metrics, response_positions, rollou
                          volatility_metrics)
 from learner.objectives import LOG_RATIO_CLAMP, combine_policy_metrics, kl_penalty, policy_loss, sequence_log_ratio
 from learner.replica import Replica
+from learner.rollout_correction import mismatch_metrics, mismatch_sums, rollout_correction
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class RolloutBatchStep:
         self.t = _Totals()
         self.pre_lps: list[list[torch.Tensor]] = []
         self.routes: list[list[torch.Tensor]] = []
+        self.corrections: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []  # per micro: (weights, kept)
         self.nonfinite = 0.0
 
     def run(self) -> dict[str, Any]:
@@ -126,15 +128,23 @@ class RolloutBatchStep:
         load_counts = torch.zeros((n_layers, n_experts), dtype=torch.float64)
         diff_sum, diff_count, ent_sum, nonfinite = 0.0, 0.0, 0.0, 0.0
         mismatch = [0.0, 0.0]  # (token, layer) pairs whose learner top-k set differs from the engine's, compared
+        mm_sum, mm_max = [0.0] * 5, [0.0, 0.0]  # learner/rollout_correction.mismatch_sums, summed / maxed
         for mb in self.minibatches:
             mb_routes: list[torch.Tensor] | None = [] if tap is not None else None
             micros, lps, ent = self.r.inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes)
             ent_sum += ent
             self.pre_lps.append(lps)
             self.routes.append(mb_routes or [])
+            self.corrections.append([])
             for k, (micro, lp) in enumerate(zip(micros, lps)):
                 diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
                 diff_count += float(micro.mask.sum())
+                weights, kept, dropped = rollout_correction(lp, micro.old_log_probs, micro.mask, self.cfg.rollout_correction,
+                                                            self.cfg.rollout_correction_low, self.cfg.rollout_correction_high)
+                self.corrections[-1].append((weights, kept))
+                sums = mismatch_sums(lp, micro.old_log_probs, micro.mask, dropped)
+                mm_sum = [a + b for a, b in zip(mm_sum, sums[:2] + sums[4:])]
+                mm_max = [max(a, b) for a, b in zip(mm_max, sums[2:4])]
                 if self.guard.on:
                     bad = ~(torch.isfinite(lp) & torch.isfinite(micro.old_log_probs))
                     nonfinite += float((bad & micro.mask).sum())
@@ -152,6 +162,8 @@ class RolloutBatchStep:
         }
         if pre[5] > 0:
             out["moe/rollout_routing_mismatch"] = pre[4] / pre[5]
+        mm = self.r.all_reduce(mm_sum)
+        out.update(mismatch_metrics(mm[:2] + [0.0, 0.0] + mm[2:], self.r.all_reduce(mm_max, "max")))
         if self.moe_diag:
             counts = torch.tensor(pre[6:], dtype=torch.float64).reshape(load_counts.shape)
             out.update(load_metrics(counts, tap.layers))
@@ -199,8 +211,10 @@ class RolloutBatchStep:
         logits = self.forward(m, k, mb, measure, vol)
         lp = token_log_probs(logits, mb.targets, self.r.temperature)
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
-        loss, metrics = policy_loss(lp, old, mb.advantages, mb.mask, algorithm=cfg.algorithm, clip_low=self.clip_low,
-                                    clip_high=self.clip_high, loss_agg=self.loss_agg, **norms)
+        # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
+        weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
+        loss, metrics = policy_loss(lp, old, mb.advantages, kept, algorithm=cfg.algorithm, clip_low=self.clip_low,
+                                    clip_high=self.clip_high, loss_agg=self.loss_agg, token_weights=weights, **norms)
         value = float(loss.detach())
         t.loss_sum += value
         if self.r.ref_model is not None:
