@@ -135,10 +135,17 @@ class LearnerConfig(Section):
     @field_validator("routing_replay", mode="before")
     @classmethod
     def _replay_bool(cls, value: object) -> object:
-        """Configs written before the three modes said true/false: read them as 'learner'/'off'."""
+        """Configs written before the three modes said true/false: read them as 'learner'/'off' (YAML also
+        reads a bare ``off`` as false)."""
         if isinstance(value, bool):
             return "learner" if value else "off"
         return value
+
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def _correction_off(cls, value: object) -> object:
+        """YAML reads a bare ``off`` as false: take it as 'off'."""
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
