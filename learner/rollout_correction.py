@@ -4,8 +4,8 @@ The rollout engine and the learner compute the behaviour policy's log-probs with
 MoE models, possibly different experts), so ``pi_engine != pi_train(theta_old)``. With the token log-ratio
 ``d_t = log pi_train(theta_old)[t] - log pi_engine[t]`` (``pi_train(theta_old)``: the learner's pre-update
 pass; ``pi_engine``: the rollout log-probs), the corrections are (as verl exposes them,
-``verl/trainer/ppo/rollout_corr_helper.py``: token/sequence importance sampling, token/sequence/geometric
-rejection; slime's off-policy sequence masking; Yao et al., "Your efficient RL framework secretly brings you
+``verl/trainer/ppo/rollout_corr_helper.py``, commit 0b4e2a8, ``compute_rollout_rejection_mask``: token, sequence
+and geometric rejection of ``log(pi_train / pi_rollout)`` outside ``[lower, upper]``; Yao et al., "Your efficient RL framework secretly brings you
 off-policy RL training", 2025, for truncated IS):
 
 - ``token_tis``: per-token weight ``w_t = min(exp(d_t), C)``, ``C = learner.rollout_correction_high``
