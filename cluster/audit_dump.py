@@ -123,7 +123,7 @@ def _objective_settings(cfg: Any) -> dict[str, Any]:
         "zero_stage": int(lc.zero_stage),
         "learner_dtype": lc.dtype,
         "rollout_dtype": cfg.rollout.dtype,
-        "routing_replay": bool(getattr(lc, "routing_replay", False)),
+        "routing_replay": getattr(lc, "routing_replay", "off") != "off",  # off / learner / rollout
         "config_clip_low": lc.clip_low,
         "config_clip_high": lc.clip_high,
         "config_loss_agg": lc.loss_agg,

@@ -63,7 +63,34 @@ def build_train_batch(
         rewards=rewards.to(torch.float32),
         prompt_uids=[c.prompt_uid for c in completions],
         weight_versions=torch.tensor([c.weight_version for c in completions], dtype=torch.long),
+        rollout_routes=rollout_routes(completions, L),
     )
+
+
+def rollout_routes(completions: list[Completion], width: int) -> torch.Tensor | None:
+    """The engine routings of ``completions`` padded into int16 ``[N, width, layers, k]`` (-1 where none:
+    padding and each row's last token), or None when no completion carries one.
+
+    Raises:
+        ValueError: some completions carry a routing and others not, or a routing whose shape is not
+            ``[P + R - 1, layers, k]`` with the same ``layers, k`` for all.
+    """
+    have = [c.routed_experts is not None for c in completions]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{have.count(False)} of {len(completions)} completions carry no routed_experts while the "
+                         "others do (rollout.return_routed_experts must be on in every engine)")
+    shape = tuple(completions[0].routed_experts.shape[1:])
+    out = torch.full((len(completions), width, *shape), -1, dtype=torch.int16)
+    for i, c in enumerate(completions):
+        ids = torch.as_tensor(c.routed_experts, dtype=torch.int16)
+        t = len(c.prompt_token_ids) + len(c.response_token_ids) - 1
+        if tuple(ids.shape) != (t, *shape):
+            raise ValueError(f"completion {c.prompt_uid}#{c.sample_index}: routed_experts has shape "
+                             f"{tuple(ids.shape)}, expected {(t, *shape)}")
+        out[i, :t] = ids
+    return out
 
 
 def build_sft_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int) -> SFTBatch:

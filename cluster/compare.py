@@ -1,5 +1,5 @@
-"""Equal-budget comparison: ``python -m cluster.compare CONFIG --algorithms gspo,grpo[,grpo_rr,dapo] [--seeds K]
-[--name NAME] [dotted.key=value ...]`` (also ``make compare CONFIG=... ARGS=...``).
+"""Equal-budget comparison: ``python -m cluster.compare CONFIG --algorithms gspo,grpo[,grpo_rr,grpo_r3,gspo_mc,dapo]
+[--seeds K] [--name NAME] [dotted.key=value ...]`` (also ``make compare CONFIG=... ARGS=...``).
 
 Trains the same config once per algorithm and seed, one run after the other in this process (a ``Trainer``
 each, Ray shut down between runs), and writes ``<output-dir>/<name>/report.md`` (a table with mean and spread
@@ -14,8 +14,12 @@ response length limit. What differs is only the objective:
 - ``gspo``: ``learner.algorithm=gspo`` with the paper's clip range (3e-4 / 4e-4 unless the config is a GSPO
   config with its own) and the sequence-mean loss;
 - ``grpo``: token-level ratios, clip 0.2 / 0.27 (the GSPO paper's GRPO baseline), our default token-mean loss;
-- ``grpo_rr``: ``grpo`` with ``learner.routing_replay=true`` (MoE models; skipped with a note when the learner
-  or the model does not support it);
+- ``grpo_rr``: ``grpo`` with ``learner.routing_replay=learner`` (R2: the learner's own pre-update experts; MoE
+  models; skipped with a note when the learner or the model does not support it);
+- ``grpo_r3``: ``grpo`` with ``learner.routing_replay=rollout`` and ``rollout.return_routed_experts=true`` (R3:
+  the experts the rollout engine ran; skipped like ``grpo_rr``);
+- ``gspo_mc``: ``gspo`` with ``learner.rollout_correction=seq_geo_rs`` (geometric-mean rejection of sequences
+  whose train-vs-engine ratio leaves ``[learner.rollout_correction_low, _high]``, from the config);
 - ``dapo``: ``grpo`` with clip 0.2 / 0.28, ``loss_agg=token_mean`` and dynamic sampling
   (``trainer.dynamic_sampling=true``).
 """
@@ -39,13 +43,16 @@ from cluster.config import Config, ConfigError, load_config
 
 log = logging.getLogger("cluster.compare")
 
-ALGORITHMS = ("gspo", "grpo", "grpo_rr", "dapo")
+ALGORITHMS = ("gspo", "grpo", "grpo_rr", "grpo_r3", "gspo_mc", "dapo")
+REPLAY_ARMS = ("grpo_rr", "grpo_r3")  # skipped with a note when the learner refuses Routing Replay
 DEFAULT_SPIKE_FACTOR = 5.0
 
 _DESCRIPTIONS = {
     "gspo": "GSPO: sequence ratio, clip {clip}, {agg}",
     "grpo": "GRPO: token ratios, clip {clip}, {agg}",
-    "grpo_rr": "GRPO + Routing Replay: token ratios, clip {clip}, {agg}",
+    "grpo_rr": "GRPO + Routing Replay (R2, learner's experts): token ratios, clip {clip}, {agg}",
+    "grpo_r3": "GRPO + rollout Routing Replay (R3, engine's experts): token ratios, clip {clip}, {agg}",
+    "gspo_mc": "GSPO + geometric-mean mismatch rejection: sequence ratio, clip {clip}, {agg}",
     "dapo": "DAPO: token ratios, clip {clip}, {agg}, dynamic sampling",
 }
 
@@ -68,18 +75,21 @@ def algorithm_overrides(algorithm: str, base: Config) -> list[str]:
     Raises:
         ValueError: an unknown algorithm name.
     """
-    rr = ["learner.routing_replay=false"] if routing_replay_supported()[0] else []
-    if algorithm == "gspo":
+    rr = (["learner.routing_replay=off", "rollout.return_routed_experts=false", "learner.rollout_correction=off"]
+          if routing_replay_supported()[0] else [])
+    if algorithm in ("gspo", "gspo_mc"):
         out = ["learner.algorithm=gspo", "learner.loss_agg=null", "trainer.dynamic_sampling=false"]
         if base.learner.algorithm not in ("gspo", "gspo_token"):
             out += ["learner.clip_low=null", "learner.clip_high=null"]  # the paper's defaults
-        return out + rr
+        return out + rr + (["learner.rollout_correction=seq_geo_rs"] if algorithm == "gspo_mc" else [])
     grpo = ["learner.algorithm=grpo", "learner.clip_low=0.2", "learner.clip_high=0.27", "learner.loss_agg=null",
             "trainer.dynamic_sampling=false"]
     if algorithm == "grpo":
         return grpo + rr
     if algorithm == "grpo_rr":
-        return grpo + ["learner.routing_replay=true"]
+        return grpo + rr + ["learner.routing_replay=learner"]
+    if algorithm == "grpo_r3":
+        return grpo + rr + ["learner.routing_replay=rollout", "rollout.return_routed_experts=true"]
     if algorithm == "dapo":
         return ["learner.algorithm=grpo", "learner.clip_low=0.2", "learner.clip_high=0.28",
                 "learner.loss_agg=token_mean", "trainer.dynamic_sampling=true"] + rr
@@ -103,7 +113,9 @@ def _settings(cfg: Config) -> str:
     lc = cfg.learner
     low, high, agg = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
     return f"{lc.algorithm}, clip [1-{low:g}, 1+{high:g}], {agg}" + (
-        ", routing replay" if getattr(lc, "routing_replay", False) else "") + (
+        f", routing replay {lc.routing_replay}" if getattr(lc, "routing_replay", "off") != "off" else "") + (
+        f", {lc.rollout_correction} [{lc.rollout_correction_low:g}, {lc.rollout_correction_high:g}]"
+        if getattr(lc, "rollout_correction", "off") != "off" else "") + (
         ", dynamic sampling" if cfg.trainer.dynamic_sampling else "")
 
 
@@ -160,7 +172,7 @@ def run_one(cfg: Config, algorithm: str, seed_index: int, warm_dir: Path) -> Run
         try:
             trainer.start()
         except Exception as e:  # noqa: BLE001 - a start-up refusal of Routing Replay is a skip, not a failure
-            if algorithm == "grpo_rr" and "routing_replay" in str(e):
+            if algorithm in REPLAY_ARMS and "routing_replay" in str(e):
                 result.status, result.note = "skipped", f"the learner refused Routing Replay: {_first_line(e)}"
                 return result
             raise
@@ -211,6 +223,10 @@ def summarise(history: list[dict[str, Any]], spike_factor: float = DEFAULT_SPIKE
     - ``clip_fraction``: mean ``actor/clip_fraction`` over the RL steps (sequences for GSPO, tokens for GRPO);
     - ``routing_volatility`` / ``routing_volatility_router``: mean ``moe/routing_volatility`` (experts used)
       and ``moe/routing_volatility_unreplayed`` (the router's own choice) over the steps that measured it;
+    - ``routing_volatility_per_update``: mean ``moe/routing_volatility_per_update`` (router's own changed share
+      per optimizer step); ``train_rollout_logprob_diff``: mean ``actor/train_rollout_logprob_diff`` (learner
+      pre-update vs engine log-probs, with R3 replay when on); ``masked_seq_share``: mean
+      ``mismatch/masked_seq_share`` (sequences a mismatch correction dropped);
     - ``grad_norm_spikes``: RL steps whose largest pre-clip gradient norm (``actor/grad_norm_max``) exceeds
       ``spike_factor`` x the median of the run's ``actor/grad_norm``;
     - ``rl_time_s``: sum of ``timing/step_s`` (rollout, reward, learner, weight sync; no evals);
@@ -243,6 +259,9 @@ def summarise(history: list[dict[str, Any]], spike_factor: float = DEFAULT_SPIKE
         "clip_fraction": _mean(_values(history, "actor/clip_fraction")),
         "routing_volatility": _mean(vol),
         "routing_volatility_router": _mean(vol_router),
+        "routing_volatility_per_update": _mean(_values(measured, "moe/routing_volatility_per_update")),
+        "train_rollout_logprob_diff": _mean(_values(history, "actor/train_rollout_logprob_diff")),
+        "masked_seq_share": _mean(_values(history, "mismatch/masked_seq_share")),
         "grad_norm_spikes": float(spikes),
         "rl_time_s": step_time,
         "tokens_per_s": sum(tokens) / step_time if tokens and step_time > 0 else float("nan"),
@@ -273,6 +292,9 @@ COLUMNS = [  # (summary key, header, digits)
     ("clip_fraction", "clip fraction", 4),
     ("routing_volatility", "routing vol. (used)", 3),
     ("routing_volatility_router", "routing vol. (router)", 3),
+    ("routing_volatility_per_update", "routing vol./update", 3),
+    ("train_rollout_logprob_diff", "train-rollout |Δlogp|", 6),
+    ("masked_seq_share", "seqs dropped", 3),
     ("grad_norm_spikes", "grad-norm spikes", 1),
     ("wall_s", "wall s", 1),
     ("tokens_per_s", "tokens/s", 0),
@@ -328,7 +350,10 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
         "- Routing volatility: mean `moe/routing_volatility` (share of (token, MoE layer) top-k expert sets that "
         "differ from the behaviour policy's, for the experts used; 0 under Routing Replay by construction) and "
         "`moe/routing_volatility_unreplayed` (the router's own choice). – when not logged (dense model, or one "
-        "minibatch and one epoch per step).",
+        "minibatch and one epoch per step). Under R3 (`grpo_r3`) the used experts are the engine's, so the first "
+        "column is the engine-vs-learner routing difference, not 0. Per update: `moe/routing_volatility_per_update`.",
+        "- Train-rollout |Δlogp|: mean `actor/train_rollout_logprob_diff` (learner pre-update log-probs, with the "
+        "engine's experts under R3, against the engine's). Seqs dropped: mean `mismatch/masked_seq_share`.",
         f"- Grad-norm spikes: RL steps whose largest pre-clip gradient norm exceeds {spike_factor:g} x the median "
         "of the run's per-step mean gradient norm.",
         "- Wall s: `Trainer.run()` of the run (RL steps, evaluations, checkpoints; not service start-up or the "
@@ -427,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         base = absolute_paths(load_config(args.config, args.overrides))
         # Every run's config is checked before the first one starts.
         configs = {(a, k): absolute_paths(load_config(args.config, args.overrides + run_overrides(a, k, base, runs_dir)))
-                   for k in range(args.seeds) for a in algos if not (a == "grpo_rr" and not routing_replay_supported()[0])}
+                   for k in range(args.seeds) for a in algos if not (a in REPLAY_ARMS and not routing_replay_supported()[0])}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -345,7 +345,15 @@ class Config(Section):
                              f"{self.rollout.max_response_tokens} (a bucket holds at least one length)")
         self._check_lengths()
         self._check_temperature()
+        self._check_routing_replay()
         return self
+
+    def _check_routing_replay(self) -> None:
+        if self.learner.routing_replay == "rollout" and not self.rollout.return_routed_experts:
+            raise ValueError(
+                "learner.routing_replay='rollout' (R3) needs rollout.return_routed_experts=true: the engines must "
+                "report the experts they ran for every sampled sequence"
+            )
 
     def _check_lengths(self) -> None:
         """Every prompt the data admits plus a full-length response fits the engine's context, and DAPO's

@@ -7,10 +7,12 @@ aggregation for GSPO live in the core, in its torch-free module ``learner/object
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from learner.health import GUARD_CHECKS
 from learner.objective_names import (
+    CORRECTIONS,
+    TOKEN_CORRECTIONS,
     ALGORITHMS,
     GSPO_LOSS_AGG,
     KL_ESTIMATORS,
@@ -100,10 +102,25 @@ class LearnerConfig(Section):
         False, description="CPU only: DeepSpeed's JIT-built shared-memory all-reduce instead of plain gloo"
     )
     dist_timeout_s: float = Field(300.0, gt=0, description="collective timeout; a dead peer fails after this")
-    routing_replay: bool = Field(
-        False,
-        description="MoE only: reuse the experts chosen in the pre-update (behaviour-policy) forward in the "
-        "training forwards of the rollout batch (GSPO paper section 5.3; the token-level baseline)",
+    routing_replay: Literal["off", "learner", "rollout"] = Field(
+        "off",
+        description="MoE only: experts forced in the training forwards of a rollout batch. 'learner' (R2): those "
+        "of the learner's own pre-update (behaviour-policy) forward (GSPO paper section 5.3); 'rollout' (R3, arXiv "
+        "2510.11370): those the rollout engine ran when it sampled (rollout.return_routed_experts), also in the "
+        "pre-update pass. Gate weights always come from the live router logits. true/false read as "
+        "'learner'/'off'",
+    )
+    rollout_correction: Literal[CORRECTIONS] = Field(  # type: ignore[valid-type]
+        "off",
+        description="training-vs-inference mismatch correction from d_t = log pi_train(theta_old) - log pi_engine "
+        "(learner/rollout_correction.py): 'token_tis' weight min(exp(d_t), rollout_correction_high); 'token_mis' "
+        "drop tokens with exp(d_t) outside the band; 'seq_mis' drop sequences with exp(sum d_t) outside it; "
+        "'seq_geo_rs' drop sequences with exp(mean d_t) outside it. token_* refused with gspo/gspo_token. The "
+        "mismatch/* metrics are logged whenever the pre-update pass runs",
+    )
+    rollout_correction_low: float = Field(0.5, gt=0, description="lower bound of the correction's ratio band")
+    rollout_correction_high: float = Field(
+        2.0, gt=0, description="upper bound of the correction's ratio band; the weight cap C of 'token_tis'"
     )
     moe_diagnostics: bool = Field(
         True, description="MoE only: log expert load (moe/load_*) and routing volatility (moe/routing_volatility*)"
@@ -114,6 +131,21 @@ class LearnerConfig(Section):
         description="ZeRO-3: parameters with fewer elements stay unpartitioned (None: DeepSpeed's default; "
         "0 partitions everything)",
     )
+
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _replay_bool(cls, value: object) -> object:
+        """Configs written before the three modes said true/false: read them as 'learner'/'off' (YAML also
+        reads a bare ``off`` as false)."""
+        if isinstance(value, bool):
+            return "learner" if value else "off"
+        return value
+
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def _correction_off(cls, value: object) -> object:
+        """YAML reads a bare ``off`` as false: take it as 'off'."""
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
@@ -136,9 +168,18 @@ class LearnerConfig(Section):
                 "every rank, next to a policy ZeRO-3 partitions; use learner.kl_coef=0 (the GSPO paper's setting) or "
                 "a ZeRO stage that keeps whole weights on every rank anyway (learner.zero_stage <= 2)"
             )
-        if self.gradient_checkpointing and self.routing_replay:
+        if self.rollout_correction in TOKEN_CORRECTIONS and self.algorithm in SEQUENCE_LEVEL_ALGORITHMS:
             raise ValueError(
-                "learner.gradient_checkpointing=true with learner.routing_replay=true: the backward recomputes "
+                f"learner.rollout_correction={self.rollout_correction!r} with learner.algorithm={self.algorithm!r}: "
+                "per-token weights or drops change GSPO's sequence-level aggregation; use 'seq_mis' or 'seq_geo_rs'"
+            )
+        if self.rollout_correction_low > self.rollout_correction_high:
+            raise ValueError(f"learner.rollout_correction_low={self.rollout_correction_low} > "
+                             f"learner.rollout_correction_high={self.rollout_correction_high}: empty band")
+        if self.gradient_checkpointing and self.routing_replay != "off":
+            raise ValueError(
+                f"learner.gradient_checkpointing=true with learner.routing_replay={self.routing_replay!r}: the "
+                "backward recomputes "
                 "each checkpointed layer's forward outside the router tap's capture, so the recomputed layers "
                 "would route with the router's own choice instead of the replayed experts (a gradient of a "
                 "different forward); turn one of them off"
@@ -158,8 +199,10 @@ class LearnerConfig(Section):
         needs = []
         if self.old_logprob_source == "recompute":
             needs.append("learner.old_logprob_source='recompute'")
-        if self.routing_replay:
-            needs.append("learner.routing_replay=true")
+        if self.routing_replay != "off":
+            needs.append(f"learner.routing_replay={self.routing_replay!r}")
+        if self.rollout_correction != "off":
+            needs.append(f"learner.rollout_correction={self.rollout_correction!r}")
         if self.moe_diagnostics and is_moe:
             needs.append("learner.moe_diagnostics=true")
         for key in PRE_UPDATE_GUARD_KEYS:

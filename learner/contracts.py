@@ -29,6 +29,9 @@ class TrainBatch:
         rewards: float32 ``[N]`` (NaN = invalid sample), for metrics.
         prompt_uids: length-N list of ``PromptRow.uid``.
         weight_versions: int64 ``[N]``, weight version that generated each sequence.
+        rollout_routes: None, or int16 ``[N, L, layers, k]``: the experts the rollout engine's MoE layers ran
+            for input position ``t`` (``Completion.routed_experts``), -1 where it ran none (padding, and the
+            last token of each row, which is sampled but never fed back). For R3 replay.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +42,7 @@ class TrainBatch:
     rewards: torch.Tensor
     prompt_uids: list[str]
     weight_versions: torch.Tensor
+    rollout_routes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -55,6 +59,7 @@ class TrainBatch:
             rewards=self.rewards[idx],
             prompt_uids=[self.prompt_uids[i] for i in idx.tolist()],
             weight_versions=self.weight_versions[idx],
+            rollout_routes=None if self.rollout_routes is None else self.rollout_routes[idx],
         )
 
 

@@ -45,7 +45,8 @@ def batch_problem(batch: TrainBatch, name: str) -> str | None:
 class MicroBatch:
     """One micro-batch on this rank, trimmed to its longest real sequence (right padding)."""
 
-    __slots__ = ("input_ids", "attention_mask", "targets", "mask", "old_log_probs", "advantages", "rows", "width")
+    __slots__ = ("input_ids", "attention_mask", "targets", "mask", "old_log_probs", "advantages", "rows", "width",
+                 "rollout_routes")
 
     def __init__(self, batch: TrainBatch | SFTBatch, lo: int, hi: int, device: torch.device, field: str):
         am = batch.attention_mask[lo:hi]
@@ -65,6 +66,8 @@ class MicroBatch:
             self.advantages = batch.advantages[lo:hi].to(device, torch.float32)
         else:
             self.old_log_probs = self.advantages = None
+        routes = getattr(batch, "rollout_routes", None)
+        self.rollout_routes = None if routes is None else routes[lo:hi, :width]  # int16 [b, w, layers, k], CPU
 
 
 def row_widths(attention_mask: torch.Tensor) -> list[int]:

@@ -43,6 +43,7 @@ __all__ = [
     "response_positions",
     "load_metrics",
     "volatility_metrics",
+    "rollout_replay_ids",
 ]
 
 
@@ -377,3 +378,29 @@ def volatility_metrics(vol_tot: list[list[float]], vol_updates: list[int]) -> di
         "moe/routing_volatility_per_update": sum(per_update) / n if n else 0.0,
         "moe/routing_volatility_passes": float(n),
     }
+
+
+def rollout_replay_ids(routes: Tensor, top_k: int) -> Tensor:
+    """R3 replay ids of one micro-batch from the engine's routing (``TrainBatch.rollout_routes``).
+
+    Args:
+        routes: int16 ``[b, w, layers, k]``, -1 where the engine ran no expert (padding, each row's last token).
+        top_k: the learner routers' ``k``.
+
+    Returns:
+        int16 ``[layers, b * w, k]`` (row-major over ``[b, w]``, the layout ``RouterTap.capture(replay=...)``
+        takes). Positions without an engine routing get experts ``0 .. k-1``: they are right padding or a row's
+        last token, whose hidden states no response log-prob depends on (causal attention), so any valid choice
+        gives the same loss.
+
+    Raises:
+        ValueError: ``routes`` not 4-D with last dimension ``top_k``.
+    """
+    if routes.dim() != 4 or routes.shape[-1] != top_k:
+        raise ValueError(f"rollout routes have shape {tuple(routes.shape)}, expected [b, w, layers, {top_k}] (the "
+                         "engine's top-k differs from the learner's?)")
+    b, w, layers, k = routes.shape
+    ids = routes.permute(2, 0, 1, 3).reshape(layers, b * w, k)
+    missing = (ids < 0).any(-1, keepdim=True)
+    fill = torch.arange(k, dtype=ids.dtype).expand_as(ids)
+    return torch.where(missing, fill, ids)

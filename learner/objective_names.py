@@ -38,3 +38,8 @@ def check_loss_agg(algorithm: str, loss_agg: str | None, prefix: str = "") -> No
             f"{prefix}loss_agg={loss_agg!r} is refused with {prefix}algorithm={algorithm!r}: GSPO's objective "
             f"(Eq. 5) is a mean over sequences of a length-normalised ratio, i.e. loss_agg={GSPO_LOSS_AGG!r}"
         )
+
+# Training-vs-inference mismatch corrections (learner/rollout_correction.py); the token-level ones change how a
+# sequence's tokens enter GSPO's s_i and are refused with the sequence-level algorithms.
+CORRECTIONS = ("off", "token_tis", "token_mis", "seq_mis", "seq_geo_rs")
+TOKEN_CORRECTIONS = ("token_tis", "token_mis")

@@ -221,6 +221,7 @@ def policy_loss(
     num_sequences: float | None = None,
     num_tokens: float | None = None,
     return_per_sequence: bool = False,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]] | tuple[Tensor, dict[str, float], dict[str, Tensor]]:
     """Clipped policy-gradient loss (negative surrogate objective, to minimise) and its metrics.
 
@@ -253,6 +254,8 @@ def policy_loss(
         num_sequences, num_tokens: global normalisers (minibatch totals across micro-batches and ranks, see
             :func:`loss_normalisers`); None: this call's own counts.
         return_per_sequence: also return the per-sequence clip counts (for metrics sliced by length).
+        token_weights: None, or float ``[B, T]`` detached per-token weights multiplying each token's clipped
+            surrogate (``"grpo"`` only: the truncated-IS mismatch correction, ``learner.rollout_correction``).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, float64 for float64 inputs). ``metrics``
@@ -269,10 +272,13 @@ def policy_loss(
 
     Raises:
         ValueError: unknown algorithm or loss_agg, GSPO with another loss_agg, negative clip values, shapes
-            that do not match, ``[B, T]`` advantages with ``"gspo"``, or a normaliser smaller than this call's
-            own count.
+            that do not match, ``[B, T]`` advantages with ``"gspo"``, a normaliser smaller than this call's
+            own count, or ``token_weights`` with a sequence-level algorithm (it would change GSPO's aggregation).
     """
     clip_low, clip_high, loss_agg = resolve_objective(algorithm, clip_low, clip_high, loss_agg)
+    if token_weights is not None and algorithm in SEQUENCE_LEVEL_ALGORITHMS:
+        raise ValueError(f"token_weights with algorithm={algorithm!r}: per-token weights change GSPO's "
+                         "sequence-level aggregation")
     mask, dtype = _mask_and_dtype(log_probs, old_log_probs, response_mask, ("log_probs", "old_log_probs"))
     adv = _advantages(advantages, mask, algorithm, dtype)
     lengths = mask.sum(-1)
@@ -283,9 +289,13 @@ def policy_loss(
     # Sanitise first: nothing at a masked position (NaN, inf) takes part in any later op or gradient.
     lp = torch.where(mask, log_probs.to(dtype), 0.0)
     old = torch.where(mask, old_log_probs.to(dtype), 0.0)
-    objective = _sequence_level_loss if algorithm in SEQUENCE_LEVEL_ALGORITHMS else _token_level_loss
-    loss, units = objective(algorithm, lp, old, adv, mask, lengths, 1.0 - clip_low, 1.0 + clip_high, loss_agg,
-                            seq_den, tok_den)
+    if algorithm in SEQUENCE_LEVEL_ALGORITHMS:
+        loss, units = _sequence_level_loss(algorithm, lp, old, adv, mask, lengths, 1.0 - clip_low, 1.0 + clip_high,
+                                           loss_agg, seq_den, tok_den)
+    else:
+        weights = None if token_weights is None else torch.where(mask, token_weights.detach().to(dtype), 0.0)
+        loss, units = _token_level_loss(algorithm, lp, old, adv, mask, lengths, 1.0 - clip_low, 1.0 + clip_high,
+                                        loss_agg, seq_den, tok_den, weights)
 
     metrics = _ratio_metrics(units.mask, units.ratio.detach(), units.abs_log_ratio.detach(), units.clip_low,
                              units.clip_high)
@@ -342,13 +352,17 @@ def _sequence_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, m
 
 
 def _token_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, lengths: Tensor,
-                      low: float, high: float, loss_agg: str, seq_den: float, tok_den: float) -> tuple[Tensor, _Units]:
+                      low: float, high: float, loss_agg: str, seq_den: float, tok_den: float,
+                      weights: Tensor | None = None) -> tuple[Tensor, _Units]:
     """GRPO / DAPO on sanitised ``[B, T]`` inputs, as documented in :func:`policy_loss`: per-token clipped
-    ratios aggregated by ``loss_agg`` (``algorithm`` and ``lengths`` are taken for the common signature)."""
+    ratios (times ``weights`` when given) aggregated by ``loss_agg`` (``algorithm`` and ``lengths`` are taken
+    for the common signature)."""
     dtype = lp.dtype
     token_log_ratio = lp - old
     ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # r_i,t
     surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
+    if weights is not None:
+        surrogate = surrogate * weights
     loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
     unit_clip_lo, unit_clip_hi = (clip_lo & mask).to(dtype), (clip_hi & mask).to(dtype)
     return loss, _Units(mask, ratio, token_log_ratio.abs(), unit_clip_lo, unit_clip_hi)

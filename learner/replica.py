@@ -21,7 +21,7 @@ from learner import state
 from learner.contracts import SFTBatch, TrainBatch
 from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.microbatch import MicroBatch, batch_problem, micro_slices
-from learner.moe import RouterTap
+from learner.moe import RouterTap, rollout_replay_ids
 from learner.objectives import loss_normalisers
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -136,7 +136,9 @@ class Replica:
         Returns ``(micros, log_probs, entropy_sum)``: the micro-batches, their ``[b, w-1]`` float32 log-probs
         (0 outside the response mask) and, when ``entropy_den`` is given, sum over micro-batches of
         ``entropy_from_logits(..., num_tokens=entropy_den)``. With ``routes`` (a list) and an MoE model, the
-        experts each micro-batch's tokens were routed to are appended to it (``[layers, b*w, k]`` on the CPU).
+        experts the routers chose for each micro-batch's tokens are appended to it (``[layers, b*w, k]`` on the
+        CPU); with ``learner.routing_replay='rollout'`` the forward runs the engine's experts (R3) and ``routes``
+        still gets the routers' own choice.
         """
         slices = self.slices(batch)
         (n_passes,) = self.aligned_counts([len(slices)], collective)
@@ -147,9 +149,10 @@ class Replica:
                 continue
             mb = MicroBatch(batch, *slices[k], self.device, "response_mask")
             if routes is not None and self.tap is not None:
-                with self.tap.capture() as record:
+                replay = self.rollout_replay(mb) if self.cfg.routing_replay == "rollout" else None
+                with self.tap.capture(replay=replay) as record:
                     logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
-                routes.append(record.used_tensor().cpu())
+                routes.append(record.router_tensor().cpu())
             else:
                 logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
             lp = token_log_probs(logits, mb.targets, self.temperature)
@@ -158,6 +161,22 @@ class Replica:
             micros.append(mb)
             lps.append(torch.where(mb.mask, lp, 0.0))
         return micros, lps, ent
+
+    def rollout_replay(self, mb: MicroBatch) -> torch.Tensor:
+        """R3: the engine's experts for ``mb`` as replay ids ``[layers, b*w, k]`` (``learner.moe.rollout_replay_ids``).
+
+        Raises:
+            ValueError: the batch carries no engine routing (``rollout.return_routed_experts`` off), or one whose
+                layer count differs from the learner's MoE layers.
+        """
+        if mb.rollout_routes is None:
+            raise ValueError("learner.routing_replay='rollout' but the batch carries no engine routing: set "
+                             "rollout.return_routed_experts=true")
+        ids = rollout_replay_ids(mb.rollout_routes, self.tap.top_k)
+        if ids.shape[0] != len(self.tap.layers):
+            raise ValueError(f"the engine reported routing for {ids.shape[0]} MoE layers, the learner has "
+                             f"{len(self.tap.layers)}")
+        return ids
 
     # -- optimizer ----------------------------------------------------------------------------------------
     def optimizer_step(self) -> float:

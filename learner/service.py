@@ -127,8 +127,9 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
         hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds a weak reference while it is alive
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.config.use_cache = False
-    if cfg.routing_replay and not find_routers(model):
-        raise ValueError(f"learner.routing_replay=true needs an MoE model; {model_path!r} has no expert router")
+    if cfg.routing_replay != "off" and not find_routers(model):
+        raise ValueError(f"learner.routing_replay={cfg.routing_replay!r} needs an MoE model; {model_path!r} has no "
+                         "expert router")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(
@@ -150,13 +151,14 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
         ref_model.eval().requires_grad_(False)
     # MoE: forward hooks on the routers (expert load, routing volatility, Routing Replay); None if dense.
     tap = None
-    if cfg.routing_replay or cfg.moe_diagnostics:
+    if cfg.routing_replay != "off" or cfg.moe_diagnostics:
         tap = RouterTap(engine.module)
         if not tap.is_moe:
             tap.remove()
             tap = None
-    if cfg.routing_replay and (tap is None or not tap.can_replay):
-        raise ValueError(f"learner.routing_replay=true: the routers of {model_path!r} do not support replay")
+    if cfg.routing_replay != "off" and (tap is None or not tap.can_replay):
+        raise ValueError(f"learner.routing_replay={cfg.routing_replay!r}: the routers of {model_path!r} do not "
+                         "support replay")
     return Replica(engine, cfg, rank=rank, world_size=world_size, device=device, temperature=temperature,
                    ref_model=ref_model, tap=tap)
 

@@ -29,9 +29,11 @@ from learner.contracts import SFTBatch, TrainBatch
 from learner.health import GuardDecision
 from learner.logprobs import token_log_probs
 from learner.microbatch import MicroBatch
-from learner.moe import expert_counts, load_metrics, response_positions, topk_set_changes, volatility_metrics
+from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
+                         volatility_metrics)
 from learner.objectives import LOG_RATIO_CLAMP, combine_policy_metrics, kl_penalty, policy_loss, sequence_log_ratio
 from learner.replica import Replica
+from learner.rollout_correction import mismatch_metrics, mismatch_sums, rollout_correction
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class RolloutBatchStep:
         self.t = _Totals()
         self.pre_lps: list[list[torch.Tensor]] = []
         self.routes: list[list[torch.Tensor]] = []
+        self.corrections: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []  # per micro: (weights, kept)
         self.nonfinite = 0.0
 
     def run(self) -> dict[str, Any]:
@@ -126,28 +129,45 @@ class RolloutBatchStep:
         n_layers, n_experts = (len(tap.layers), tap.num_experts) if tap is not None else (0, 0)
         load_counts = torch.zeros((n_layers, n_experts), dtype=torch.float64)
         diff_sum, diff_count, ent_sum, nonfinite = 0.0, 0.0, 0.0, 0.0
+        mismatch = [0.0, 0.0]  # (token, layer) pairs whose learner top-k set differs from the engine's, compared
+        mm_sum, mm_max = [0.0] * 5, [0.0, 0.0]  # learner/rollout_correction.mismatch_sums, summed / maxed
         for mb in self.minibatches:
             mb_routes: list[torch.Tensor] | None = [] if tap is not None else None
             micros, lps, ent = self.r.inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes)
             ent_sum += ent
             self.pre_lps.append(lps)
             self.routes.append(mb_routes or [])
+            self.corrections.append([])
             for k, (micro, lp) in enumerate(zip(micros, lps)):
                 diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
                 diff_count += float(micro.mask.sum())
+                weights, kept, dropped = rollout_correction(lp, micro.old_log_probs, micro.mask, self.cfg.rollout_correction,
+                                                            self.cfg.rollout_correction_low, self.cfg.rollout_correction_high)
+                self.corrections[-1].append((weights, kept))
+                sums = mismatch_sums(lp, micro.old_log_probs, micro.mask, dropped)
+                mm_sum = [a + b for a, b in zip(mm_sum, sums[:2] + sums[4:])]
+                mm_max = [max(a, b) for a, b in zip(mm_max, sums[2:4])]
                 if self.guard.on:
                     bad = ~(torch.isfinite(lp) & torch.isfinite(micro.old_log_probs))
                     nonfinite += float((bad & micro.mask).sum())
                 if self.moe_diag:
                     load_counts += expert_counts(mb_routes[k], response_positions(micro.mask).cpu(), n_experts)
-        pre = self.r.all_reduce([diff_sum, diff_count, ent_sum, nonfinite] + load_counts.reshape(-1).tolist())
+                if tap is not None and micro.rollout_routes is not None:
+                    changed, compared = topk_set_changes(mb_routes[k], rollout_replay_ids(micro.rollout_routes, tap.top_k),
+                                                         response_positions(micro.mask).cpu())
+                    mismatch[0], mismatch[1] = mismatch[0] + changed, mismatch[1] + compared
+        pre = self.r.all_reduce([diff_sum, diff_count, ent_sum, nonfinite, *mismatch] + load_counts.reshape(-1).tolist())
         diff_sum, diff_count, ent_sum, self.nonfinite = pre[:4]
         out: dict[str, Any] = {
             "actor/entropy": ent_sum,
             "actor/train_rollout_logprob_diff": diff_sum / diff_count if diff_count else 0.0,
         }
+        if pre[5] > 0:
+            out["moe/rollout_routing_mismatch"] = pre[4] / pre[5]
+        mm = self.r.all_reduce(mm_sum)
+        out.update(mismatch_metrics(mm[:2] + [0.0, 0.0] + mm[2:], self.r.all_reduce(mm_max, "max")))
         if self.moe_diag:
-            counts = torch.tensor(pre[4:], dtype=torch.float64).reshape(load_counts.shape)
+            counts = torch.tensor(pre[6:], dtype=torch.float64).reshape(load_counts.shape)
             out.update(load_metrics(counts, tap.layers))
         return out
 
@@ -193,9 +213,11 @@ class RolloutBatchStep:
         logits = self.forward(m, k, mb, measure, vol)
         lp = token_log_probs(logits, mb.targets, self.r.temperature)
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
-        loss, metrics, per_seq = policy_loss(lp, old, mb.advantages, mb.mask, algorithm=cfg.algorithm,
+        # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
+        weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
+        loss, metrics, per_seq = policy_loss(lp, old, mb.advantages, kept, algorithm=cfg.algorithm,
                                              clip_low=self.clip_low, clip_high=self.clip_high, loss_agg=self.loss_agg,
-                                             return_per_sequence=True, **norms)
+                                             token_weights=weights, return_per_sequence=True, **norms)
         value = float(loss.detach())
         t.loss_sum += value
         if self.r.ref_model is not None:
@@ -215,13 +237,16 @@ class RolloutBatchStep:
         return value, finite
 
     def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
-        """Training forward of micro-batch ``k`` of minibatch ``m`` (with Routing Replay when configured);
-        adds the routing changes against the pre-update pass to ``vol`` when ``measure``."""
+        """Training forward of micro-batch ``k`` of minibatch ``m`` with Routing Replay when configured (R2:
+        the pre-update pass's experts; R3: the engine's); adds the routing changes against the routers' own
+        pre-update choice to ``vol`` when ``measure``."""
         r, tap = self.r, self.tap
         if tap is None or not self.routes:
             return r.logits(r.engine, mb.input_ids, mb.attention_mask)
         before = self.routes[m][k]
-        with tap.capture(replay=before if self.cfg.routing_replay else None) as record:
+        mode = self.cfg.routing_replay
+        replay = before if mode == "learner" else r.rollout_replay(mb) if mode == "rollout" else None
+        with tap.capture(replay=replay) as record:
             logits = r.logits(r.engine, mb.input_ids, mb.attention_mask)
         if measure:
             sel = response_positions(mb.mask).cpu()

@@ -33,6 +33,13 @@ class RolloutConfig(Section):
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (fast start)")
     in_process: bool = Field(True, description="run vLLM's engine core inside the actor process (CPU: faster start)")
     seed: int = Field(0, description="base sampling seed; engine i uses seed + i")
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE only: each completion carries the experts every MoE layer of the engine ran per input "
+        "position (Completion.routed_experts; rollout/routing_capture.py), for learner.routing_replay='rollout' "
+        "(set it there). Turns the engine's prefix caching off: positions served from the cache are not "
+        "computed, so they would have no routing",
+    )
     pieces_per_engine: int = Field(
         1, ge=1, description="training rollouts: each engine's prompts go out in this many calls, and each call's "
         "completions are scored as soon as it returns (scoring overlaps the generation of the rest; the samples "

@@ -50,6 +50,9 @@ class Completion:
         response_text: the decoded response (special tokens removed).
         finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (cut at the response limit).
         weight_version: version of the weights that generated it (0 = initial weights, +1 per sync).
+        routed_experts: None, or (``rollout.return_routed_experts``) int16 numpy ``[P + R - 1, layers, k]``:
+            the expert ids each MoE layer of the engine ran for input position ``t`` (prompt then response
+            tokens; the last sampled token is never fed back, so it has none), in the engine's layer order.
     """
 
     prompt_uid: str
@@ -60,6 +63,7 @@ class Completion:
     response_text: str
     finish_reason: str
     weight_version: int
+    routed_experts: Any = None
 
     @property
     def truncated(self) -> bool:

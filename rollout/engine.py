@@ -162,8 +162,13 @@ class RolloutEngine:
             **llm_kwargs(cfg, self._seed),
             worker_extension_cls="rollout.weight_sync.RolloutWorkerExtension",
             weight_transfer_config=WeightTransferConfig(backend=weight_sync.BACKEND),
+            # routing capture: a prefix-cache hit skips positions, which then have no recorded experts
+            enable_prefix_caching=not cfg.return_routed_experts,
         )
         self._llm.init_weight_transfer_engine({"init_info": {}})
+        self._routing_layers: list[int] = []
+        if cfg.return_routed_experts:
+            self._routing_layers = self._llm.collective_rpc("rollout_enable_routing_capture")[0]
         hf_config = self._llm.llm_engine.model_config.hf_config
         self._tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Sampling stops on every EOS id the model declares (vLLM itself stops on the tokenizer's and adds the
@@ -216,6 +221,7 @@ class RolloutEngine:
         if not prompts:
             return []
         outputs = self._llm.generate(self._prompt_inputs(prompts), params, use_tqdm=False)
+        routes = self._take_routing() if self._routing_layers else None
         completions: list[Completion] = []
         for row, out in zip(prompts, outputs, strict=True):
             samples = sorted(out.outputs, key=lambda o: o.index)
@@ -236,9 +242,24 @@ class RolloutEngine:
                         response_text=sample.text,
                         finish_reason="length" if sample.finish_reason == "length" else "stop",
                         weight_version=self._version,
+                        routed_experts=None if routes is None else self._sequence_routing(routes, row, token_ids),
                     )
                 )
         return completions
+
+    def _take_routing(self) -> dict:
+        from rollout.routing_capture import index_records
+
+        return index_records(self._llm.collective_rpc("rollout_take_routing")[0])
+
+    def _sequence_routing(self, routes: dict, row: PromptRow, token_ids: list[int]) -> Any:
+        from rollout.routing_capture import routing_for_sequence
+
+        try:
+            return routing_for_sequence(routes, list(row.prompt_token_ids) + token_ids)
+        except KeyError as e:
+            raise RuntimeError(f"prompt uid={row.uid!r}: rollout.return_routed_experts=true but the engine recorded "
+                               f"no complete routing for this completion ({e.args[0]})") from None
 
     def generate(
         self,
@@ -321,7 +342,7 @@ class RolloutEngine:
             raise ValueError(f"max_tokens={max_tokens} must be >= 1")
         params = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, logprobs=0,
                                 stop_token_ids=self.stop_token_ids)
-        return self._sample(prompts, [params] * len(prompts), 1)
+        return self._sample(prompts, [params] * len(prompts), 1)  # with routing capture: carries routes too
 
     def sequence_logprobs(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (temperature 1, nats) of ``token_ids[start:]``, each given all tokens before it.
@@ -347,6 +368,8 @@ class RolloutEngine:
             temperature=1.0, top_p=1.0, top_k=-1, max_tokens=1, prompt_logprobs=0, detokenize=False
         )
         (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        if self._routing_layers:
+            self._take_routing()  # drop what this prefill recorded
         steps = out.prompt_logprobs
         return [float(steps[t][ids[t]].logprob) for t in range(start, len(ids))]
 

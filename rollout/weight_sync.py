@@ -134,6 +134,20 @@ class RolloutWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return sorted(getattr(engine, "received", set()))
 
+    def rollout_enable_routing_capture(self) -> list[int]:
+        """Bind ``rollout.routing_capture.RoutingCapture`` to this worker's MoE routers (idempotent); returns
+        the captured layer ids."""
+        from rollout.routing_capture import RoutingCapture
+
+        if getattr(self, "_routing_capture", None) is None:
+            self._routing_capture = RoutingCapture(self.model_runner)
+        return list(self._routing_capture.layer_ids)
+
+    def rollout_take_routing(self) -> list[dict]:
+        """Per-request routings recorded since the last call (``RoutingCapture.take``); [] when capture is off."""
+        capture = getattr(self, "_routing_capture", None)
+        return [] if capture is None else capture.take()
+
 
 def register() -> None:
     """Register ``ObjectRefTransfer`` as vLLM backend ``"ray_object"`` in this process (idempotent).

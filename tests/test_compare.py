@@ -41,7 +41,14 @@ def test_algorithm_settings(tmp_path):
     supported, _ = compare.routing_replay_supported()
     if supported:
         cfg = load_config(CONFIG, compare.run_overrides("grpo_rr", 0, base, tmp_path))
-        assert cfg.learner.routing_replay and _resolved(cfg)[:3] == ("grpo", 0.2, 0.27)
+        assert cfg.learner.routing_replay == "learner" and _resolved(cfg)[:3] == ("grpo", 0.2, 0.27)
+        cfg = load_config(CONFIG, compare.run_overrides("grpo_r3", 0, base, tmp_path))
+        assert cfg.learner.routing_replay == "rollout" and cfg.rollout.return_routed_experts
+        assert _resolved(cfg)[:3] == ("grpo", 0.2, 0.27)
+        cfg = load_config(CONFIG, compare.run_overrides("gspo_mc", 0, base, tmp_path))
+        assert cfg.learner.rollout_correction == "seq_geo_rs" and _resolved(cfg)[:3] == ("gspo", 3e-4, 4e-4)
+        cfg = load_config(CONFIG, compare.run_overrides("grpo", 0, base, tmp_path))
+        assert cfg.learner.routing_replay == "off" and cfg.learner.rollout_correction == "off"
     # A GRPO base config gets GSPO's own clip range, not GRPO's.
     grpo_base = load_config(CONFIG, ["learner.algorithm=grpo", "learner.clip_low=0.1", "learner.clip_high=0.1"])
     cfg = load_config(CONFIG, ["learner.algorithm=grpo", "learner.clip_low=0.1", "learner.clip_high=0.1"]
