@@ -249,7 +249,9 @@ class TrainerConfig(Section):
         0, ge=0, le=1,
         description="0: on-policy steps, one phase after another (deterministic); 1: one-step off-policy, the "
         "rollout of step k+1 runs while the learner trains on step k, so a sample is at most 1 weight version old "
-        "(GSPO's ratio is taken against the sampling engine's log-probs; needs learner.old_logprob_source=rollout)")
+        "(with learner.old_logprob_source=rollout GSPO's ratio is taken against the sampling engine's log-probs; "
+        "with recompute against the learner's weights before the update, the decoupled anchor of AReaL, arXiv "
+        "2505.24298, which keeps the clip fraction of the on-policy loop; mismatch/* logs the sample's staleness)")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     eval_samples: int = Field(
         0, ge=0, description="k samples per held-out prompt at the rollout temperature at every eval, for "
@@ -329,11 +331,6 @@ class Config(Section):
             raise ValueError(
                 f"trainer.audit_steps={t.audit_steps} is refused with trainer.max_staleness={t.max_staleness}: the "
                 "audit recomputes a step at the weights that sampled it, which the overlapped mode has already updated"
-            )
-        if t.max_staleness and lr.old_logprob_source != "rollout":
-            raise ValueError(
-                f"trainer.max_staleness={t.max_staleness} needs learner.old_logprob_source='rollout' (got "
-                f"{lr.old_logprob_source!r}): a recompute at the learner's weights is not the policy that sampled"
             )
         if self.sync.engine_timeout_s >= lr.dist_timeout_s:
             raise ValueError(

@@ -267,6 +267,7 @@ def test_audit_steps_refused_in_the_overlapped_mode():
     """The audit recomputes a step at the weights that sampled it; overlapped steps train on older samples."""
     with pytest.raises(ConfigError, match="trainer.audit_steps"):
         load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1", "trainer.audit_steps=[2]"])
-    with pytest.raises(ConfigError, match="learner.old_logprob_source"):
-        load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1",
-                                                              "learner.old_logprob_source=recompute"])
+    # the decoupled anchor (learner's pre-update weights) is allowed beside the overlapped mode
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1",
+                                                                "learner.old_logprob_source=recompute"])
+    assert "learner.old_logprob_source='recompute'" in cfg.learner.pre_update_pass_needs(None)
