@@ -242,7 +242,7 @@ def main() -> int:
     torch.set_num_threads(1)
     cfg = load_config(args.config, args.overrides)
     m = cfg.model
-    build = m.model_dump(exclude={"path", "build_seed", "num_params_b"})
+    build = m.build_kwargs()
     model_path = str(ensure_model(m.path, Path(tempfile.mkdtemp(prefix="bench-learner-")) / "model",
                                   seed=m.build_seed, **build))
     load_before = tuple(round(x, 2) for x in os.getloadavg())

@@ -248,7 +248,7 @@ def prepare(workload: str, root: Path, steps: int) -> tuple[Path, dict]:
     work.mkdir(parents=True)
     cfg = load_cfg(workload, work, steps)
     m = cfg.model
-    build = m.model_dump(exclude={"path", "build_seed", "num_params_b"})
+    build = m.build_kwargs()
     model = str(ensure_model(m.path, work / "model", seed=m.build_seed, **build))
     (work / "model_path").write_text(model)
     lc, tc, ro = cfg.learner, cfg.trainer, cfg.rollout

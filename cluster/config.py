@@ -81,6 +81,11 @@ class ModelConfig(Section):
         None, description="architecture of a model folder for the --dry-run memory plan (builtin:tiny_moe: "
         "taken from the keys above); None: KV tokens, activations and logits are not planned")
 
+    def build_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``cluster.tiny_model.ensure_model`` for a ``builtin:`` model: every key of
+        this section but the path, the seed and the dry-run-only ones (``num_params_b``, ``shape``)."""
+        return self.model_dump(exclude={"path", "build_seed", "num_params_b", "shape"})
+
 
 class DataConfig(Section):
     """Where prompts come from, how rows become prompts, and how they are split.

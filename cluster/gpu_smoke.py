@@ -91,7 +91,7 @@ def _engine_kv_tokens(cfg) -> int:
     from cluster.tiny_model import ensure_model
 
     m = cfg.model
-    build = m.model_dump(exclude={"path", "build_seed", "num_params_b", "shape"})
+    build = m.build_kwargs()
     path = ensure_model(m.path, cfg.run_dir / "model", seed=m.build_seed, **build)  # the run's folder, already built
     ray.init(ignore_reinit_error=True, include_dashboard=False)
     try:

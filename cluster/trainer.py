@@ -137,7 +137,7 @@ class Trainer:
         cfg = self.cfg
         random.seed(cfg.trainer.seed)
         m = cfg.model
-        build = m.model_dump(exclude={"path", "build_seed", "num_params_b", "shape"})
+        build = m.build_kwargs()
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **build))
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
