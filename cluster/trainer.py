@@ -237,7 +237,7 @@ class Trainer:
             batch = build_sft_batch(prompts, responses, self.pad_id)
             lr = ws.lr * min(1.0, (s + 1) / ws.warmup_steps) if ws.warmup_steps else ws.lr
             if lr != current_lr:  # one round trip to the ranks only when the schedule changes the lr
-                self.learners.call("set_lr", lr)
+                self.learners.call("set_lr", lr, False)  # router_lr_scale acts in RL only
                 current_lr = lr
             losses.append(self.learners.sft_step(batch, int(batch.loss_mask.sum()))["loss/sft"])
             if (s + 1) % max(1, ws.steps // 10) == 0 or s + 1 == ws.steps:

@@ -88,6 +88,10 @@ class LearnerConfig(Section):
     )
     lr: float = Field(1e-6, gt=0, description="RL learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    router_lr_scale: float = Field(
+        1.0, gt=0, description="MoE only: the expert routers' RL learning rate is learner.lr x this (the warm start keeps "
+        "warm_start.lr for every parameter); "
+        "> 1 makes routing move faster per update, for studying routing volatility")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2)")
     grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (paper: 0)")

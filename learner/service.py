@@ -86,6 +86,26 @@ def build_partitioned(cfg: LearnerConfig, on_gpu: bool) -> bool:
     return cfg.zero_stage == 3 and on_gpu
 
 
+def param_groups(model: torch.nn.Module, cfg: LearnerConfig) -> list[dict]:
+    """The optimizer's parameter groups: everything trainable at ``learner.lr`` and, when
+    ``learner.router_lr_scale != 1`` on an MoE model, the expert routers' parameters in a second group with
+    ``lr = learner.lr x router_lr_scale`` (``lr_scale`` kept in the group for ``set_lr``). One group otherwise,
+    exactly as before the key existed.
+
+    Raises:
+        ValueError: ``router_lr_scale != 1`` on a model without expert routers.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.router_lr_scale == 1.0:
+        return [{"params": params, "lr_scale": 1.0}]
+    routers = {id(p) for _, _, m in find_routers(model) for p in m.parameters() if p.requires_grad}
+    if not routers:
+        raise ValueError(f"learner.router_lr_scale={cfg.router_lr_scale} needs an MoE model (no expert router found)")
+    return [{"params": [p for p in params if id(p) not in routers], "lr_scale": 1.0},
+            {"params": [p for p in params if id(p) in routers], "lr": cfg.lr * cfg.router_lr_scale,
+             "lr_scale": cfg.router_lr_scale}]
+
+
 def _keep_checkpointing_on(model: torch.nn.Module) -> int:
     """Put the checkpointed decoder layers of an ``eval()`` model back in training mode, and only them.
 
@@ -132,10 +152,8 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
                          "expert router")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.adam_betas),
-        weight_decay=cfg.weight_decay,
-    )
+    optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                  weight_decay=cfg.weight_decay)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
@@ -308,8 +326,10 @@ class LearnerRank:
         """
         return sft_step(self.replica, batch, num_tokens)
 
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every parameter group (takes effect at the next optimizer step).
+    def set_lr(self, lr: float, scaled: bool = True) -> None:
+        """Set the learning rate of every parameter group, times the group's ``lr_scale`` (the routers'
+        ``learner.router_lr_scale``) when ``scaled`` (RL; the warm start passes False); takes effect at the
+        next optimizer step.
 
         Raises:
             ValueError: ``lr`` not a finite number > 0.
@@ -319,12 +339,12 @@ class LearnerRank:
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr={lr!r} must be a finite number > 0")
         for group in self.replica.base_optimizer().param_groups:
-            group["lr"] = float(lr)
+            group["lr"] = float(lr) * (group.get("lr_scale", 1.0) if scaled else 1.0)
         for group in getattr(self.engine.optimizer, "param_groups", []):
-            group["lr"] = float(lr)
+            group["lr"] = float(lr) * (group.get("lr_scale", 1.0) if scaled else 1.0)
 
     def get_lr(self) -> float:
-        """The learning rate of the first parameter group."""
+        """The learning rate of the first parameter group (the non-router parameters)."""
         return float(self.replica.base_optimizer().param_groups[0]["lr"])
 
     def reset_optimizer_state(self) -> None:

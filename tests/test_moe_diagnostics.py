@@ -270,3 +270,18 @@ def test_routing_replay_needs_an_moe_model(tmp_path):
     b = make_batch(str(tmp_path / "dense"), 3, seed=1)
     out = _train(dense, [b])
     assert not any(k.startswith("moe/") for k in out)
+
+
+def test_router_lr_scale_puts_the_routers_in_their_own_group(model_path):
+    from learner.service import param_groups
+
+    model = _ref_model(model_path)
+    one = param_groups(model, LearnerConfig(lr=1e-4))
+    assert len(one) == 1 and len(one[0]["params"]) == sum(1 for p in model.parameters() if p.requires_grad)
+    rest, routers = param_groups(model, LearnerConfig(lr=1e-4, router_lr_scale=10.0))
+    router_ids = {id(p) for _, _, m in find_routers(model) for p in m.parameters()}
+    assert {id(p) for p in routers["params"]} == router_ids and len(router_ids) == 2  # one gate per layer
+    assert routers["lr"] == pytest.approx(1e-3) and routers["lr_scale"] == 10.0
+    assert len(rest["params"]) + len(routers["params"]) == len(one[0]["params"])
+    with pytest.raises(ValueError, match="learner.router_lr_scale=10.0 needs an MoE model"):
+        param_groups(torch.nn.Linear(2, 2), LearnerConfig(router_lr_scale=10.0))
