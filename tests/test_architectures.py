@@ -18,6 +18,7 @@ import torch
 
 from learner.config import LearnerConfig
 from rollout.config import RolloutConfig
+from tests.test_weight_sync import learner_logprobs
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -35,24 +36,12 @@ def _params(arch: str):
     return pytest.param(arch, marks=marks, id=arch)
 
 
-def _learner_logprobs(ray, learner, seq: list[int]) -> torch.Tensor:
-    """Learner log-probs (temperature 1) of ``seq[START:]``, float32 ``[len(seq) - START]``."""
-    from learner.contracts import TrainBatch
-
-    ids = torch.tensor([seq])
-    resp = torch.zeros((1, len(seq) - 1), dtype=torch.bool)
-    resp[0, START - 1 :] = True
-    batch = TrainBatch(ids, torch.ones_like(ids), resp, torch.zeros(resp.shape), torch.zeros(1), torch.zeros(1), ["s"],
-                       torch.zeros(1, dtype=torch.long))
-    return ray.get(learner.compute_log_probs.remote(batch))[0][resp[0]]
-
-
 def _max_diff(ray, learner, engine) -> tuple[float, torch.Tensor]:
     """(max |engine - learner| over the fixed sequences, the engine's log-probs concatenated)."""
     diffs, engine_all = [], []
     for seq in FIXED:
         e = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, START)))
-        diffs.append((e - _learner_logprobs(ray, learner, seq)).abs().max().item())
+        diffs.append((e - learner_logprobs(ray, learner, seq, START)).abs().max().item())
         engine_all.append(e)
     return max(diffs), torch.cat(engine_all)
 
