@@ -188,7 +188,7 @@ class RolloutEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if cache_dir is not None:
             root = Path(cache_dir)
-            for sub in ("vllm", "inductor", "tmp"):
+            for sub in ("vllm", "inductor"):  # the temp folder: _short_tmp
                 (root / sub).mkdir(parents=True, exist_ok=True)
             os.environ["VLLM_CACHE_ROOT"] = str(root / "vllm")
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
