@@ -22,7 +22,8 @@ accumulation), as our ``learner.num_minibatches=M`` does. Ours: ``cluster.traine
 inherits the other's thread settings, imports or Ray state), TRL first. On a busy machine a process with
 several torch threads slows down far more than one with one thread per process (cpu-stack.md), and our learner
 ranks use one thread each: compare on an idle machine, or pass ``--trl-threads 1`` to see the effect. Seconds
-per step are means over steps 2..N (step 1 is a warm-up); a TRL step is one generation plus its M optimizer
+per step are means over steps 2..N (step 1 is a warm-up); in our overlapped mode the last step's learner has no
+rollout beside it, so the steady state (steps 2..N-1) is printed too; a TRL step is one generation plus its M optimizer
 steps. The last line is one JSON object with everything printed.
 """
 
@@ -193,8 +194,11 @@ def run_ours(cfg, steps: int) -> dict:
         ray.shutdown()
     keys = [*OUR_PHASES, "response/length_mean", "throughput/rollout_tokens_per_s"]
     rows = [{k: m[k] for k in keys} for m in ms]
+    # overlapped: the last step's learner runs with no rollout beside it (nothing left to generate), so the
+    # steady state is steps 2..N-1; equal to the mean when the phases run one after another
+    steady = rows[1:-1] if cfg.trainer.max_staleness and len(rows) >= 3 else timed_steps(rows)
     return {**{k: statistics.mean(r[k] for r in timed_steps(rows)) for k in keys}, "steps": rows,
-            "startup_s": startup}
+            "step_s_steady": statistics.mean(r["timing/step_s"] for r in steady), "startup_s": startup}
 
 
 def child(args) -> int:
@@ -240,13 +244,14 @@ def num_params(model_path: str) -> int:
     return n
 
 
-def prepare(workload: str, root: Path, steps: int) -> tuple[Path, dict]:
-    """Build the workload's model folder (as Trainer.start would) and return its work dir and settings."""
+def prepare(workload: str, root: Path, steps: int, ours: tuple[str, ...] = ()) -> tuple[Path, dict]:
+    """Build the workload's model folder (as Trainer.start would) and return its work dir and settings (ours
+    with the ``--ours`` settings applied)."""
     from cluster.tiny_model import ensure_model
 
     work = root / workload
     work.mkdir(parents=True)
-    cfg = load_cfg(workload, work, steps)
+    cfg = load_cfg(workload, work, steps, ours=ours)
     m = cfg.model
     build = m.build_kwargs()
     model = str(ensure_model(m.path, work / "model", seed=m.build_seed, **build))
@@ -256,6 +261,7 @@ def prepare(workload: str, root: Path, steps: int) -> tuple[Path, dict]:
                 "L": ro.max_response_tokens, "M": lc.num_minibatches, "lr": lc.lr, "temperature": ro.temperature,
                 "algorithm": lc.algorithm, "ours": {"engines": ro.num_engines, "threads_per_engine":
                 ro.threads_per_engine, "learner_ranks": lc.world_size, "threads_per_rank": lc.threads_per_rank,
+                "max_threads_per_rank": lc.max_threads_per_rank, "max_staleness": tc.max_staleness,
                 "zero_stage": lc.zero_stage, "micro_batch_size": lc.micro_batch_size,
                 "reward_workers": cfg.reward.num_workers}}
     return work, settings
@@ -294,9 +300,11 @@ def report(workload: str, s: dict, trl: dict | None, ours: dict | None, steps: i
               f"{ours['timing/weight_sync_s']:.3f}   (response length {ours['response/length_mean']:.1f}; "
               f"start-up {ours['startup_s']:.1f} s)")
     ratio = ours["timing/step_s"] / trl["step_s"] if trl and ours else None
+    steady = ours["step_s_steady"] / trl["step_s"] if trl and ours else None
     if ratio is not None:
-        print(f"   ratio ours / TRL: {ratio:.2f}x")
-    return {"settings": s, "trl": trl, "ours": ours, "ratio_ours_over_trl": ratio}
+        print(f"   ratio ours / TRL: {ratio:.2f}x (steady state, steps 2..N-1 when overlapped: "
+              f"{ours['step_s_steady']:.3f} s/step, {steady:.2f}x)")
+    return {"settings": s, "trl": trl, "ours": ours, "ratio_ours_over_trl": ratio, "ratio_steady": steady}
 
 
 def main() -> int:
@@ -329,12 +337,15 @@ def main() -> int:
                  "workloads": {}}
     try:
         for w in ["tiny", "small"] if args.workload == "both" else [args.workload]:
-            work, s = prepare(w, root, args.steps)
+            work, s = prepare(w, root, args.steps, tuple(args.ours))
             o = s["ours"]
+            elastic = f" (elastic up to {o['max_threads_per_rank']})" if o["max_threads_per_rank"] else ""
+            phases = ("rollout k+1 overlaps learner k (max_staleness " + str(o["max_staleness"]) + ")"
+                      if o["max_staleness"] else "our phases run one after another")
             note = (f"both sides pinned to cores {args.cores} (sched_setaffinity, inherited by Ray's processes); "
                     f"TRL: 1 process x {args.trl_threads} torch thread(s); ours: {o['engines']} vLLM engine(s) x "
                     f"{o['threads_per_engine']} threads, {o['learner_ranks']} learner ranks x {o['threads_per_rank']} "
-                    f"thread(s), {o['reward_workers']} reward worker(s); our phases run one after another")
+                    f"thread(s){elastic}, {o['reward_workers']} reward worker(s); {phases}")
             trl = None if args.skip_trl else run_side("trl", w, work, args)
             ours = None if args.skip_ours else run_side("ours", w, work, args)
             out["workloads"][w] = report(w, s, trl, ours, args.steps, note)

@@ -5,7 +5,8 @@ of the whole rollout batch). ``micro_slices`` decides where the micro-batches st
 rows (``learner.micro_batch_size``) or a token budget (``learner.max_tokens_per_micro_batch``); it is the one
 slicing function of the pre-update pass, the training passes, ``compute_log_probs`` and the SFT step, so all of
 them cut a minibatch the same way. ``MicroBatch`` cuts rows ``lo:hi`` and trims them to their own longest real
-row, so no forward pays for padding beyond it. ``batch_problem`` says why a batch cannot be trained on.
+row, so no forward pays for padding beyond it; ``length_order`` is the longest-first order in which
+``learner.group_by_length`` trains a shard, so that rows of like length share a micro-batch. ``batch_problem`` says why a batch cannot be trained on.
 
 How rows are cut does not change the gradient: every loss divides by the minibatch's global normalisers
 (``learner.objectives.loss_normalisers`` summed over all micro-batches and ranks), so the micro-batch losses
@@ -79,6 +80,18 @@ def row_widths(attention_mask: torch.Tensor) -> list[int]:
     cols = torch.arange(1, length + 1).expand(n, length)
     last = torch.where(attention_mask.cpu() != 0, cols, 0).amax(-1) if length else torch.zeros(n, dtype=torch.long)
     return [max(int(w), 2) for w in last.tolist()]
+
+
+def length_order(attention_mask: torch.Tensor) -> list[int]:
+    """Row indices of a right-padded ``[N, L]`` attention mask, longest row first (``row_widths``; ties keep
+    their order): the order in which ``learner.group_by_length`` trains a rank's shard, so that consecutive
+    micro-batches hold rows of like length and each pads only to its own longest row.
+
+    Raises:
+        ValueError: ``attention_mask`` is not 2-D.
+    """
+    widths = row_widths(attention_mask)
+    return sorted(range(len(widths)), key=lambda i: -widths[i])
 
 
 def micro_slices(attention_mask: torch.Tensor, micro_batch_size: int,

@@ -153,13 +153,16 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
     if partitioned:
         del hf_ds
     engine.eval()  # no dropout anywhere: training, recompute and reference passes see one policy
+    if world_size == 1 and cfg.zero_stage == 0:
+        # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy every gradient per step
+        engine.enable_backward_allreduce = False
     if cfg.gradient_checkpointing:
         _keep_checkpointing_on(engine.module)
     ref_model = None

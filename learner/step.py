@@ -28,7 +28,7 @@ import torch
 from learner.contracts import SFTBatch, TrainBatch
 from learner.health import GuardDecision
 from learner.logprobs import token_log_probs
-from learner.microbatch import MicroBatch
+from learner.microbatch import MicroBatch, length_order
 from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
                          volatility_metrics)
 from learner.objectives import LOG_RATIO_CLAMP, combine_policy_metrics, kl_penalty, policy_loss, sequence_log_ratio
@@ -71,6 +71,8 @@ class RolloutBatchStep:
         self.r, self.cfg = replica, replica.cfg
         self.guard = GuardDecision(guard)
         replica.check_normalisers(minibatches, num_sequences, num_tokens)
+        if self.cfg.group_by_length:  # longest rows first: micro-batches of like length pad little
+            minibatches = [mb.select(length_order(mb.attention_mask)) for mb in minibatches]
         self.minibatches, self.num_sequences, self.num_tokens = minibatches, num_sequences, num_tokens
         self.clip_low, self.clip_high, self.loss_agg = clip
         self.tap = replica.tap
@@ -84,6 +86,7 @@ class RolloutBatchStep:
 
     def run(self) -> dict[str, Any]:
         """The phases in order; returns the step's metrics (the same dict on every rank)."""
+        self.r.start_update()
         out = self.pre_update_pass() if self.run_pre_update else self.rollout_checks()
         refused = self.guard.refuse_before_update(out, self.nonfinite)
         counts = self.r.aligned_counts([len(self.r.slices(mb)) for mb in self.minibatches])
@@ -189,6 +192,7 @@ class RolloutBatchStep:
         vol = [0.0, 0.0, 0.0]
         bad_loss, step_loss = False, 0.0
         for k in range(n_passes):
+            self.r.before_micro_batch()
             engine.set_gradient_accumulation_boundary(k == n_passes - 1)
             if k >= len(slices):
                 self.r.dummy_pass(with_grad=True)
@@ -312,6 +316,9 @@ class RolloutBatchStep:
         }
         if r.ref_model is not None:
             out["loss/kl"] = kl_sum / max(steps, 1)
+        if r.elastic is not None:  # mean torch threads per micro-batch, over the ranks
+            n, total = r.all_reduce([len(r.thread_counts), sum(r.thread_counts)])
+            out["perf/learner_threads_mean"] = total / n if n else float(cfg.threads_per_rank)
         if self.moe_diag:
             out.update(volatility_metrics(vol_tot, t.vol_updates))
         return out
