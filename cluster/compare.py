@@ -9,7 +9,10 @@ checkpoints, plots) is ``<output-dir>/<name>/runs/<algorithm>_seed<k>``.
 What is held equal within a seed: the model and its supervised warm start (run once, by the seed's first run,
 saved as a checkpoint that the other algorithms resume from), the prompt stream and sampling seeds
 (``trainer.seed`` and ``rollout.seed`` are the config's plus ``k``), rollouts per step, the reward and the
-response length limit. What differs is only the objective:
+response length limit. With ``--shared-warm-start`` every seed resumes from one warm start (seed 0's) and keeps
+the config's ``trainer.seed`` (the prompt order, which a checkpoint's stream position fixes); only the sampling
+seed ``rollout.seed`` moves with ``k``: the spread is then RL's own, not the warm start's. What differs is only
+the objective:
 
 - ``gspo``: ``learner.algorithm=gspo`` with the paper's clip range (3e-4 / 4e-4 unless the config is a GSPO
   config with its own) and the sequence-mean loss;
@@ -96,12 +99,14 @@ def algorithm_overrides(algorithm: str, base: Config) -> list[str]:
     raise ValueError(f"algorithm {algorithm!r} is not one of {ALGORITHMS}")
 
 
-def run_overrides(algorithm: str, seed_index: int, base: Config, runs_dir: Path) -> list[str]:
-    """Output folder, run name, seeds (config's + ``seed_index``) and the algorithm's settings."""
+def run_overrides(algorithm: str, seed_index: int, base: Config, runs_dir: Path,
+                  shared_warm_start: bool = False) -> list[str]:
+    """Output folder, run name, seeds (config's + ``seed_index``; ``trainer.seed`` stays the config's with a
+    shared warm start) and the algorithm's settings."""
     return [
         f"trainer.output_dir={runs_dir}",
         f"trainer.run_name={algorithm}_seed{seed_index}",
-        f"trainer.seed={base.trainer.seed + seed_index}",
+        f"trainer.seed={base.trainer.seed + (0 if shared_warm_start else seed_index)}",
         f"rollout.seed={base.rollout.seed + seed_index}",
         "trainer.resume=false",
     ] + algorithm_overrides(algorithm, base)
@@ -427,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides applied to every run")
     parser.add_argument("--algorithms", default="gspo,grpo", help=f"comma-separated, from {', '.join(ALGORITHMS)}")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (trainer.seed and rollout.seed + k)")
+    parser.add_argument("--shared-warm-start", action="store_true",
+                        help="one warm start for every seed (seed 0's); only rollout.seed moves with the seed")
     parser.add_argument("--name", default=None, help="report folder name (default: the config's file name)")
     parser.add_argument("--output-dir", default="outputs/compare", help="parent of the report folder")
     parser.add_argument("--spike-factor", type=float, default=DEFAULT_SPIKE_FACTOR,
@@ -451,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = absolute_paths(load_config(args.config, args.overrides))
         # Every run's config is checked before the first one starts.
-        configs = {(a, k): absolute_paths(load_config(args.config, args.overrides + run_overrides(a, k, base, runs_dir)))
+        configs = {(a, k): absolute_paths(load_config(args.config, args.overrides + run_overrides(
+                       a, k, base, runs_dir, args.shared_warm_start)))
                    for k in range(args.seeds) for a in algos if not (a in REPLAY_ARMS and not routing_replay_supported()[0])}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -460,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[RunResult] = []
     for k in range(args.seeds):
-        warm_dir = out_dir.resolve() / "warm_start" / f"seed{k}"
-        if warm_dir.exists():
+        warm_dir = out_dir.resolve() / "warm_start" / ("shared" if args.shared_warm_start else f"seed{k}")
+        if warm_dir.exists() and (k == 0 or not args.shared_warm_start):
             shutil.rmtree(warm_dir)  # this invocation's warm start, not an earlier one's
         for a in algos:
             if (a, k) not in configs:
@@ -483,7 +491,8 @@ def _write_outputs(out_dir: Path, results: list[RunResult], args, base: Config, 
     t, ro = base.trainer, base.rollout
     shared = {
         "model": base.model.path,
-        "warm start": f"{base.warm_start.steps} steps (one checkpoint per seed)",
+        "warm start": f"{base.warm_start.steps} steps (" + ("one checkpoint shared by every seed; trainer.seed "
+                      "fixed, rollout.seed + k" if args.shared_warm_start else "one checkpoint per seed") + ")",
         "RL steps": t.total_steps,
         "prompts/step": t.prompts_per_step,
         "rollouts/prompt": t.group_size,

@@ -38,6 +38,10 @@ def test_algorithm_settings(tmp_path):
         assert cfg.trainer.prompts_per_step == base.trainer.prompts_per_step
         assert cfg.rollout.max_response_tokens == base.rollout.max_response_tokens
         assert cfg.warm_start == base.warm_start and cfg.reward == base.reward
+        # one warm start for every seed: the prompt order (trainer.seed) is the config's, only sampling moves
+        shared = load_config(CONFIG, ["trainer.seed=7", "rollout.seed=3"]
+                             + compare.run_overrides(algo, 2, base, tmp_path, shared_warm_start=True))
+        assert shared.trainer.seed == 7 and shared.rollout.seed == 5
     supported, _ = compare.routing_replay_supported()
     if supported:
         cfg = load_config(CONFIG, compare.run_overrides("grpo_rr", 0, base, tmp_path))
