@@ -1,7 +1,12 @@
 """Step time of our pipeline against TRL's GRPOTrainer set up as GSPO, side by side in one invocation.
 
-    python bench/trl_compare.py [--workload tiny|small|both] [--steps N] [--skip-trl] [--skip-ours] [--cores 0,1]
+    python bench/trl_compare.py [--workload tiny|small|both] [--steps N] [--profile lean|config] [--ours K=V ...]
+                                [--skip-trl] [--skip-ours] [--cores 0,1]
     make bench-trl ARGS="--workload tiny --steps 3"
+
+Our side runs the ``lean`` profile unless ``--profile config``: the CPU split chosen by measurement (``LEAN``
+below: overlapped step, one ZeRO-0 learner rank beside a 1-thread engine, no diagnostics or guard; on the
+small workload a token budget and elastic threads), printed before each run; ``--ours`` settings go on top.
 
 Both sides get the same model folder (built once here with ``cluster.tiny_model``), the same prompts in the
 same order (our ``PromptStream``), the same P (prompts per step), G (group size), L (max response tokens),
@@ -57,6 +62,16 @@ WORKLOADS: dict[str, list[str]] = {
         "learner.micro_batch_size=16",  # 128 / (4 minibatches x 2 ranks): one micro-batch per rank
         "rollout.max_response_tokens=128", "rollout.max_model_len=156", "rollout.kv_cache_gb=0.5",
     ],
+}
+# Our side's settings unless --profile config: the CPU split chosen by measurement on this 2-core machine (README,
+# "Benchmarks"): the overlapped step, one learner rank (ZeRO-0) beside a 1-thread engine, no MoE diagnostics or
+# health guard (so no pre-update pass); on the small workload also a 1280-token micro-batch budget and elastic
+# learner threads (2 once the engine is done generating). P, G, L, M, lr and temperature are untouched.
+LEAN = ["trainer.max_staleness=1", "learner.moe_diagnostics=false", "health.enabled=false", "learner.world_size=1",
+        "learner.zero_stage=0", "rollout.threads_per_engine=1"]
+PROFILES: dict[str, dict[str, list[str]]] = {
+    "lean": {"tiny": LEAN, "small": [*LEAN, "learner.max_tokens_per_micro_batch=1280", "learner.max_threads_per_rank=2"]},
+    "config": {"tiny": [], "small": []},
 }
 CONFIG = "configs/tiny_moe.yaml"
 OUR_PHASES = ["timing/rollout_s", "timing/reward_s", "timing/learner_s", "timing/weight_sync_s", "timing/step_s"]
@@ -267,8 +282,9 @@ def prepare(workload: str, root: Path, steps: int, ours: tuple[str, ...] = ()) -
     return work, settings
 
 
-def run_side(side: str, workload: str, work: Path, args) -> dict:
-    """Run one side of ``workload`` as a child process of this script and return its result."""
+def run_side(side: str, workload: str, work: Path, args, ours: list[str]) -> dict:
+    """Run one side of ``workload`` as a child process of this script (our side with the settings ``ours``)
+    and return its result."""
     res = work / f"{side}.json"
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true", "RAY_USAGE_STATS_ENABLED": "0",
@@ -277,7 +293,7 @@ def run_side(side: str, workload: str, work: Path, args) -> dict:
         env["OMP_NUM_THREADS"] = str(args.trl_threads)
     cmd = [sys.executable, __file__, "--side", side, "--workload", workload, "--steps", str(args.steps),
            "--work-dir", str(work), "--result", str(res), "--cores", ",".join(map(str, args.cores)),
-           "--trl-threads", str(args.trl_threads), *[f"--ours={o}" for o in args.ours]]
+           "--trl-threads", str(args.trl_threads), *[f"--ours={o}" for o in ours]]
     t = time.perf_counter()
     subprocess.run(cmd, env=env, cwd=REPO, check=True)
     print(f"[{workload}] {side}: child finished in {time.perf_counter() - t:.0f} s", file=sys.stderr)
@@ -317,6 +333,9 @@ def main() -> int:
                     default=sorted(os.sched_getaffinity(0)), help="CPU cores both sides run on (default: all)")
     ap.add_argument("--trl-threads", type=int, default=None,
                     help="torch threads of the TRL process (default: one per core in --cores)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="lean",
+                    help="our side's settings: 'lean' = the CPU split chosen by measurement (LEAN), 'config' = "
+                         "configs/tiny_moe.yaml as it is (2 learner ranks, ZeRO-2, diagnostics, guard, on-policy)")
     ap.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of our side only, e.g. --ours trainer.max_staleness=1 (repeatable)")
     ap.add_argument("--side", choices=["trl", "ours"], help=argparse.SUPPRESS)
@@ -337,7 +356,11 @@ def main() -> int:
                  "workloads": {}}
     try:
         for w in ["tiny", "small"] if args.workload == "both" else [args.workload]:
-            work, s = prepare(w, root, args.steps, tuple(args.ours))
+            ours_w = [*PROFILES[args.profile][w], *args.ours]
+            print(f"[{w}] our settings ({args.profile} profile + --ours): {' '.join(ours_w) or 'the config as it is'}",
+                  file=sys.stderr)
+            work, s = prepare(w, root, args.steps, tuple(ours_w))
+            s["ours_overrides"] = ours_w
             o = s["ours"]
             elastic = f" (elastic up to {o['max_threads_per_rank']})" if o["max_threads_per_rank"] else ""
             phases = ("rollout k+1 overlaps learner k (max_staleness " + str(o["max_staleness"]) + ")"
@@ -346,8 +369,8 @@ def main() -> int:
                     f"TRL: 1 process x {args.trl_threads} torch thread(s); ours: {o['engines']} vLLM engine(s) x "
                     f"{o['threads_per_engine']} threads, {o['learner_ranks']} learner ranks x {o['threads_per_rank']} "
                     f"thread(s){elastic}, {o['reward_workers']} reward worker(s); {phases}")
-            trl = None if args.skip_trl else run_side("trl", w, work, args)
-            ours = None if args.skip_ours else run_side("ours", w, work, args)
+            trl = None if args.skip_trl else run_side("trl", w, work, args, ours_w)
+            ours = None if args.skip_ours else run_side("ours", w, work, args, ours_w)
             out["workloads"][w] = report(w, s, trl, ours, args.steps, note)
             out["workloads"][w]["threads"] = note
     finally:
