@@ -352,7 +352,7 @@ def main() -> int:
     os.sched_setaffinity(0, args.cores)
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     out: dict = {"versions": versions(), "cores": args.cores, "trl_threads": args.trl_threads, "steps": args.steps,
-                 "ours_overrides": args.ours,
+                 "profile": args.profile, "ours_extra": args.ours,  # per workload: settings.ours_overrides
                  "workloads": {}}
     try:
         for w in ["tiny", "small"] if args.workload == "both" else [args.workload]:

@@ -6,7 +6,8 @@ rows (``learner.micro_batch_size``) or a token budget (``learner.max_tokens_per_
 slicing function of the pre-update pass, the training passes, ``compute_log_probs`` and the SFT step, so all of
 them cut a minibatch the same way. ``MicroBatch`` cuts rows ``lo:hi`` and trims them to their own longest real
 row, so no forward pays for padding beyond it; ``length_order`` is the longest-first order in which
-``learner.group_by_length`` trains a shard, so that rows of like length share a micro-batch. ``batch_problem`` says why a batch cannot be trained on.
+``learner.group_by_length`` trains a shard, so that rows of like length share a micro-batch. ``batch_problem``
+says why a batch cannot be trained on.
 
 How rows are cut does not change the gradient: every loss divides by the minibatch's global normalisers
 (``learner.objectives.loss_normalisers`` summed over all micro-batches and ranks), so the micro-batch losses
