@@ -213,6 +213,35 @@ def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list
 # -------------------------------------------------------------------------------------------- plan
 
 
+def cpu_oversubscription(cfg: Config, cores: int) -> str | None:
+    """A warning when a CPU-only run would keep more compute threads busy at once than ``cores``, else None.
+
+    The overlapped step (``trainer.max_staleness >= 1``) runs the engines beside the learner ranks, so their
+    threads add up; the on-policy step alternates them. Oversubscribed cores slow both sides (measured on 2
+    cores: the overlapped ``make train`` with a 2-thread engine beside 2 learner ranks was slower than on-policy;
+    README, "Speed").
+
+    Args:
+        cfg: a validated config.
+        cores: CPU cores the run's actors share (the local machine's, for a run that starts its own Ray).
+    """
+    lc, rc = cfg.learner, cfg.rollout
+    if lc.num_gpus_per_rank or rc.num_gpus_per_engine:
+        return None
+    engines, learner = rc.num_engines * rc.threads_per_engine, lc.world_size * lc.threads_per_rank
+    overlapped = cfg.trainer.max_staleness >= 1
+    busy = engines + learner if overlapped else max(engines, learner)
+    if busy <= cores:
+        return None
+    return (f"{busy} compute threads at once on {cores} CPU cores: rollout.num_engines={rc.num_engines} x "
+            f"rollout.threads_per_engine={rc.threads_per_engine}"
+            + (f" beside learner.world_size={lc.world_size} x learner.threads_per_rank={lc.threads_per_rank} "
+               f"(trainer.max_staleness={cfg.trainer.max_staleness} overlaps them)" if overlapped else
+               f" or learner.world_size={lc.world_size} x learner.threads_per_rank={lc.threads_per_rank}")
+            + "; oversubscribed cores slow both sides. Fewer threads or ranks fit (on 2 cores the measured split is "
+            "rollout.threads_per_engine=1 learner.world_size=1 learner.zero_stage=0 learner.max_threads_per_rank=2)")
+
+
 def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
          gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> dict[str, Any]:
     """The placement plan per node and the per-GPU memory check, without starting anything.

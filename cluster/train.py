@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import yaml
 from cluster import console
 from cluster.checkpoint import latest_checkpoint
 from cluster.config import Config, ConfigError, load_config
-from cluster.plan import plan
+from cluster.plan import cpu_oversubscription, plan
 from cluster.user_code import check_user_verifiers, verifier_names
 
 
@@ -41,6 +43,13 @@ def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     if not cfg.model.path.startswith("builtin:") and not Path(cfg.model.path).is_absolute():
         cfg.model.path = str(cwd / cfg.model.path)
     return cfg
+
+
+def _local_cpu_warning(cfg: Config) -> str | None:
+    """``plan.cpu_oversubscription`` against this machine's cores, for a run that starts its own Ray."""
+    if cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
+        return None
+    return cpu_oversubscription(cfg, len(os.sched_getaffinity(0)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(yaml.safe_dump({"config": cfg.model_dump(mode="json"), "plan": resources}, sort_keys=False))
+        if warning := _local_cpu_warning(cfg):
+            print(f"warning: {warning}", file=sys.stderr)
         return 0
     # The run's modules import Ray, torch and transformers: only here, so that --dry-run (and a
     # config error) answers in a second without them.
@@ -78,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
     if not args.verbose:
         print(f"logs: {logs} (the services' output; --verbose shows it here)", file=sys.stderr)
+    if warning := _local_cpu_warning(cfg):
+        logging.getLogger("cluster.train").warning(warning)
     trainer = Trainer(cfg, verbose=args.verbose)
     try:
         trainer.start()

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster.config import load_config
-from cluster.plan import PlanError, learner_memory_gib, plan, rollout_weights_gib
+from cluster.plan import PlanError, cpu_oversubscription, learner_memory_gib, plan, rollout_weights_gib
 from tests.conftest import REPO_ROOT
 
 GPU_CONFIGS = {
@@ -301,3 +301,23 @@ def test_gpu_smoke_dry_run_and_refusal_without_cuda():
     r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
+
+
+def test_cpu_oversubscription_counts_overlapped_threads_together():
+    """The overlapped step adds engine and learner threads; the on-policy step alternates them; GPUs never warn."""
+    cfg = load_config(REPO_ROOT / "configs/tiny_moe.yaml")  # 1 engine x 2 threads, 2 ranks x 1 thread
+    assert cpu_oversubscription(cfg, 2) is None  # on-policy: max(2, 2) threads
+    over = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["trainer.max_staleness=1"])
+    msg = cpu_oversubscription(over, 2)
+    assert msg.startswith("4 compute threads at once on 2 CPU cores")
+    assert "rollout.threads_per_engine=2" in msg and "learner.world_size=2" in msg and "max_staleness=1" in msg
+    assert cpu_oversubscription(over, 4) is None
+    lean = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["trainer.max_staleness=1", "rollout.threads_per_engine=1",
+                                                             "learner.world_size=1", "learner.zero_stage=0"])
+    assert cpu_oversubscription(lean, 2) is None
+    assert cpu_oversubscription(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml"), 1) is None
+
+
+def test_dry_run_warns_about_oversubscribed_cores():
+    r = dry_run("configs/tiny_moe.yaml", "trainer.max_staleness=1", "rollout.threads_per_engine=64")
+    assert r.returncode == 0 and "warning: " in r.stderr and "rollout.threads_per_engine=64" in r.stderr
