@@ -11,7 +11,13 @@ import pytest
 import yaml
 
 from cluster.config import load_config
-from cluster.plan import PlanError, cpu_oversubscription, learner_memory_gib, plan, rollout_weights_gib
+from cluster.plan import (
+    PlanError,
+    cpu_oversubscription,
+    learner_memory_gib,
+    plan,
+    rollout_weights_gib,
+)
 from tests.conftest import REPO_ROOT
 
 GPU_CONFIGS = {
