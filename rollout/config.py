@@ -37,8 +37,8 @@ class RolloutConfig(Section):
         False,
         description="MoE only: each completion carries the experts every MoE layer of the engine ran per input "
         "position (Completion.routed_experts; rollout/routing_capture.py), for learner.routing_replay='rollout' "
-        "(set it there). Turns the engine's prefix caching off: positions served from the cache are not "
-        "computed, so they would have no routing",
+        "(set it there). Prefix caching stays on: positions served from the cache get the experts of the earlier "
+        "request (same weight version) that computed that KV",
     )
     pieces_per_engine: int = Field(
         1, ge=1, description="training rollouts: each engine's prompts go out in this many calls, and each call's "

@@ -27,6 +27,8 @@ import torch
 
 from rollout.config import RolloutConfig
 from rollout.contracts import Completion, PromptRow
+from rollout.routing_capture import RoutingStore
+
 
 def checkpoint_weight_names(model_path: str | os.PathLike) -> set[str] | None:
     """Tensor names of a Hugging Face folder's safetensors checkpoint, or None when it has none.
@@ -162,11 +164,10 @@ class RolloutEngine:
             **llm_kwargs(cfg, self._seed),
             worker_extension_cls="rollout.weight_sync.RolloutWorkerExtension",
             weight_transfer_config=WeightTransferConfig(backend=weight_sync.BACKEND),
-            # routing capture: a prefix-cache hit skips positions, which then have no recorded experts
-            enable_prefix_caching=not cfg.return_routed_experts,
         )
         self._llm.init_weight_transfer_engine({"init_info": {}})
         self._routing_layers: list[int] = []
+        self._routing = RoutingStore()  # this weight version's engine routings (prefix-cache hits filled in)
         if cfg.return_routed_experts:
             self._routing_layers = self._llm.collective_rpc("rollout_enable_routing_capture")[0]
         hf_config = self._llm.llm_engine.model_config.hf_config
@@ -221,7 +222,8 @@ class RolloutEngine:
         if not prompts:
             return []
         outputs = self._llm.generate(self._prompt_inputs(prompts), params, use_tqdm=False)
-        routes = self._take_routing() if self._routing_layers else None
+        if self._routing_layers:
+            self._take_routing()
         completions: list[Completion] = []
         for row, out in zip(prompts, outputs, strict=True):
             samples = sorted(out.outputs, key=lambda o: o.index)
@@ -242,21 +244,23 @@ class RolloutEngine:
                         response_text=sample.text,
                         finish_reason="length" if sample.finish_reason == "length" else "stop",
                         weight_version=self._version,
-                        routed_experts=None if routes is None else self._sequence_routing(routes, row, token_ids),
+                        routed_experts=self._sequence_routing(row, token_ids) if self._routing_layers else None,
                     )
                 )
         return completions
 
-    def _take_routing(self) -> dict:
-        from rollout.routing_capture import index_records
+    def _take_routing(self) -> None:
+        self._routing.add(self._llm.collective_rpc("rollout_take_routing")[0])
 
-        return index_records(self._llm.collective_rpc("rollout_take_routing")[0])
+    def routing_stats(self) -> dict[str, int]:
+        """Routing capture since the last weight sync: ``filled_positions`` (positions served from the prefix
+        cache whose experts came from the request that computed them) and ``unresolved`` (records with no such
+        request; a completion among them fails with an error). Zeros when capture is off."""
+        return {"filled_positions": self._routing.filled_positions, "unresolved": self._routing.unresolved}
 
-    def _sequence_routing(self, routes: dict, row: PromptRow, token_ids: list[int]) -> Any:
-        from rollout.routing_capture import routing_for_sequence
-
+    def _sequence_routing(self, row: PromptRow, token_ids: list[int]) -> Any:
         try:
-            return routing_for_sequence(routes, list(row.prompt_token_ids) + token_ids)
+            return self._routing.get(list(row.prompt_token_ids) + token_ids)
         except KeyError as e:
             raise RuntimeError(f"prompt uid={row.uid!r}: rollout.return_routed_experts=true but the engine recorded "
                                f"no complete routing for this completion ({e.args[0]})") from None
@@ -369,7 +373,7 @@ class RolloutEngine:
         )
         (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         if self._routing_layers:
-            self._take_routing()  # drop what this prefill recorded
+            self._take_routing()  # its KV may serve later requests from the prefix cache: a donor
         steps = out.prompt_logprobs
         return [float(steps[t][ids[t]].logprob) for t in range(start, len(ids))]
 
@@ -379,6 +383,7 @@ class RolloutEngine:
         """Open a weight-sync session (vLLM's ``start_weight_update``): sampling is refused until
         ``finish_weight_update`` succeeds."""
         self._syncing = True
+        self._routing.clear()
         self._llm.start_weight_update()
 
     def update_weights(self, meta: Mapping[str, list], buffers: list[Any]) -> float:
@@ -432,6 +437,7 @@ class RolloutEngine:
                              f"{sorted(missing)[:5]}")
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
+        self._routing.clear()  # no later request can hit KV (or routings) of the old weights
         self._version = int(version)
         self._syncing = False
         return len(received)

@@ -17,8 +17,9 @@ Cost: per forward and MoE layer one ``[tokens, k]`` int16 copy; per step a few s
 What is recorded, exactly: for every request and every input position the engine COMPUTED, the ``[layers, k]``
 expert ids of that position (the position's hidden state at layer ``l`` went through those experts). A sampled
 response's positions are ``0 .. P + R - 2`` (prompt plus all response tokens but the last, which is sampled and
-never fed back). Positions served from the prefix cache are not computed, so they have no routing: the engine
-turns prefix caching off when capture is on (``RolloutEngine``), and ``take`` refuses a sequence with a gap.
+never fed back). Positions served from the prefix cache are not computed here; ``take`` keeps their input
+tokens and ``RoutingStore`` fills their experts from the earlier request of the same weight version that computed
+that KV (see its docstring): prefix caching stays on under capture. A sequence with any other gap is refused.
 
 Runs inside vLLM's worker (``worker_extension_cls``); imports vLLM lazily.
 """
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RoutingCapture", "index_records", "routing_for_sequence"]
+__all__ = ["RoutingCapture", "RoutingStore"]
 
 
 class RoutingCapture:
@@ -64,6 +65,7 @@ class RoutingCapture:
         for m in layers:
             m.router.set_capture_fn(self._make_fn(int(m.layer_id)))
         self._steps: list[dict[str, Any]] = []
+        self._prefix_tokens: dict[str, np.ndarray] = {}  # request -> input tokens it took from the prefix cache
 
     def _make_fn(self, layer_id: int):
         def capture(topk_ids: torch.Tensor) -> None:
@@ -79,15 +81,28 @@ class RoutingCapture:
         slot = self._slot[layer_id]
         if slot == 0:
             total = int(runner.query_start_loc.np[num_reqs])
-            self._steps.append({
+            step = {
                 "req_ids": list(runner.input_batch.req_ids[:num_reqs]),
                 "req_index": np.array(runner.req_indices.np[:total], copy=True),
                 "positions": runner.positions[:total].cpu().numpy().copy(),
                 "tokens": runner.input_ids.cpu[:total].numpy().copy(),
                 "ids": [None] * len(self.layer_ids),
-            })
+            }
+            self._steps.append(step)
+            self._note_prefix_hits(step, runner.query_start_loc.np[:num_reqs])
         step = self._steps[-1]
         step["ids"][slot] = topk_ids[: len(step["positions"])].detach().to("cpu", torch.int16).numpy().copy()
+
+    def _note_prefix_hits(self, step: dict[str, Any], starts: np.ndarray) -> None:
+        """For a request seen for the first time whose first computed position ``p0`` is above 0 (positions
+        ``0 .. p0-1`` served from the prefix cache), keep those input tokens from the persistent batch: the
+        driver finds, by them, the request whose computation filled those cache blocks (``RoutingStore``)."""
+        token_ids = self._runner.input_batch.token_ids_cpu
+        for r, req_id in enumerate(step["req_ids"]):
+            if req_id in self._prefix_tokens:
+                continue
+            p0 = int(step["positions"][int(starts[r])])
+            self._prefix_tokens[req_id] = np.array(token_ids[r, :p0], dtype=np.int32, copy=True)
 
     def take(self) -> list[dict[str, Any]]:
         """All routings recorded since the last ``take`` (then forgotten), one dict per request.
@@ -95,8 +110,9 @@ class RoutingCapture:
         Returns:
             ``[{"tokens": list of T ints, "ids": bytes of int16 [T, layers, k], "shape": [T, layers, k]}, ...]``:
             for positions ``0 .. T-1`` of the request, the input token and the experts each MoE layer ran for
-            it; ``T`` is one past the highest recorded position. A position never computed (prefix-cache hit)
-            has token -1 and ids -1.
+            it; ``T`` is one past the highest recorded position. Positions served from the prefix cache (a
+            leading run ``0 .. p0-1``) have ids -1 and their input tokens; a position missing otherwise has
+            token -1 and ids -1.
         """
         per_req: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for step in self._steps:
@@ -108,11 +124,15 @@ class RoutingCapture:
                 per_req.setdefault(req_id, []).append((step["positions"][rows], step["tokens"][rows], stacked[rows]))
         self._steps = []
         out = []
-        for parts in per_req.values():
+        prefix_tokens, self._prefix_tokens = self._prefix_tokens, {}
+        for req_id, parts in per_req.items():
             length = int(max(int(p.max()) for p, _, _ in parts if len(p)) + 1) if any(len(p) for p, _, _ in parts) else 0
             k = parts[0][2].shape[-1]
             tokens = np.full(length, -1, dtype=np.int32)
             ids = np.full((length, len(self.layer_ids), k), -1, dtype=np.int16)
+            prefix = prefix_tokens.get(req_id)
+            if prefix is not None and len(prefix) <= length:
+                tokens[: len(prefix)] = prefix  # their ids stay -1: served from the prefix cache
             for pos, tok, rid in parts:
                 tokens[pos] = tok
                 ids[pos] = rid
@@ -121,33 +141,83 @@ class RoutingCapture:
         return out
 
 
-def routing_for_sequence(records: dict[tuple[int, ...], np.ndarray], token_ids: list[int]) -> np.ndarray:
-    """The engine routing of one sampled sequence, from ``index_records(RoutingCapture.take())``.
+class RoutingStore:
+    """The engine routings of one weight version, keyed by input tokens, with prefix-cache hits filled in.
 
-    Args:
-        records: ``{tuple of input tokens: int16 [T, layers, k]}``.
-        token_ids: the completion's prompt + response token ids (length ``P + R``); its input positions are the
-            first ``P + R - 1`` (the last sampled token is never fed back).
+    A request that took positions ``0 .. p0-1`` from the prefix cache did not compute them; the KV it attended
+    to there was computed by an earlier request of the same weight version (the prefix cache is reset at every
+    weight sync) with the same tokens at those positions. Routing at a position depends only on the tokens up
+    to it and the weights, and that earlier request recorded the experts that produced the cached KV: its ids
+    for ``0 .. p0-1`` are exactly the ones the hitting request's forward used. ``add`` fills them in (donors
+    from this take or any earlier one since ``clear``; requests with shorter cached prefixes first, so a donor
+    that itself hit the cache is complete before it is used).
 
-    Returns:
-        int16 ``[P + R - 1, layers, k]``.
-
-    Raises:
-        KeyError: no recorded request has exactly those input tokens (not captured, or a position served from
-            the prefix cache).
+    Memory: one ``[T, layers, k]`` int16 array per distinct sequence until ``clear`` (call it at each sync).
     """
-    key = tuple(int(t) for t in token_ids[:-1])
-    if key not in records:
-        raise KeyError(f"no engine routing recorded for a sequence of {len(key)} input tokens")
-    return records[key]
 
+    def __init__(self):
+        self.clear()
 
-def index_records(taken: list[dict[str, Any]]) -> dict[tuple[int, ...], np.ndarray]:
-    """``{tuple(tokens): ids}`` over fully computed requests (no -1 position). Two requests with the same input
-    tokens (identical samples) ran the same positions through the same weights: either record serves both."""
-    out = {}
-    for rec in taken:
-        tokens = tuple(int(t) for t in rec["tokens"])
-        if tokens and min(tokens) >= 0:
-            out[tokens] = np.frombuffer(rec["ids"], dtype=np.int16).reshape(rec["shape"])
-    return out
+    def clear(self) -> None:
+        """Forget every routing (the prefix cache was reset: no later request can hit an earlier one's KV)."""
+        self._records: dict[tuple[int, ...], np.ndarray] = {}
+        self._by_prefix: dict[int, dict[tuple[int, ...], np.ndarray]] = {}
+        self.filled_positions = 0  # positions taken from a donor since the last clear
+        self.unresolved = 0  # records left out: no donor, or a gap other than a leading cached run
+
+    def add(self, taken: list[dict[str, Any]]) -> None:
+        """Index ``RoutingCapture.take()``'s records, filling each leading prefix-cache run from a donor."""
+        pending = []
+        for rec in taken:
+            tokens = np.asarray(rec["tokens"], dtype=np.int64)
+            ids = np.frombuffer(rec["ids"], dtype=np.int16).reshape(rec["shape"])
+            computed = ids[:, 0, 0] >= 0
+            p0 = int(np.argmax(computed)) if computed.any() else len(tokens)
+            if len(tokens) == 0 or (tokens < 0).any() or not computed[p0:].all():
+                self.unresolved += 1
+            elif p0 == 0:
+                self._put(tuple(tokens.tolist()), ids)
+            else:
+                pending.append((p0, tokens, ids))
+        for p0, tokens, ids in sorted(pending, key=lambda item: item[0]):
+            donor = self._prefix(p0).get(tuple(tokens[:p0].tolist()))
+            if donor is None:
+                self.unresolved += 1
+                continue
+            full = ids.copy()
+            full[:p0] = donor[:p0]
+            self.filled_positions += p0
+            self._put(tuple(tokens.tolist()), full)
+
+    def _put(self, key: tuple[int, ...], ids: np.ndarray) -> None:
+        self._records[key] = ids
+        for p0, index in self._by_prefix.items():
+            if len(key) >= p0:
+                index.setdefault(key[:p0], ids)
+
+    def _prefix(self, p0: int) -> dict[tuple[int, ...], np.ndarray]:
+        if p0 not in self._by_prefix:
+            self._by_prefix[p0] = {}
+            for key, ids in self._records.items():
+                if len(key) >= p0:
+                    self._by_prefix[p0].setdefault(key[:p0], ids)
+        return self._by_prefix[p0]
+
+    def get(self, token_ids: list[int]) -> np.ndarray:
+        """The engine routing of one sampled sequence.
+
+        Args:
+            token_ids: the completion's prompt + response token ids (length ``P + R``); its input positions are
+                the first ``P + R - 1`` (the last sampled token is never fed back).
+
+        Returns:
+            int16 ``[P + R - 1, layers, k]`` (shared with the store: do not modify).
+
+        Raises:
+            KeyError: no recorded request has exactly those input tokens (not captured, or a cache hit whose
+                donor was not recorded).
+        """
+        key = tuple(int(t) for t in token_ids[:-1])
+        if key not in self._records:
+            raise KeyError(f"no engine routing recorded for a sequence of {len(key)} input tokens")
+        return self._records[key]

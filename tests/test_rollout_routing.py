@@ -1,7 +1,7 @@
 """R3, engine side: ``rollout.return_routed_experts`` reports the experts vLLM ran for every input position of a
 sampled sequence; they match a transformers forward of the same sequence at the same weights, before and after a
-weight sync (float32: top-2 sets agree exactly on the tiny MoE; vLLM's own routed-experts return needs Model
-Runner V2, which needs Triton and is refused on this CPU)."""
+weight sync, also for positions served from the prefix cache (float32: top-2 sets agree exactly on the tiny MoE;
+vLLM's own routed-experts return needs Model Runner V2, which needs Triton and is refused on this CPU)."""
 
 from __future__ import annotations
 
@@ -40,11 +40,16 @@ def test_engine_reports_the_experts_it_ran_before_and_after_a_sync(ray_cluster, 
         for version, weights in ((0, model), (1, perturbed(model, seed=2))):
             if version:
                 sync(ray_cluster, engine, checkpoint_state(weights), version)
-            comps = ray_cluster.get(engine.generate.remote(prompts, 3, seed=version))
-            for c in comps:
-                seq = c.prompt_token_ids + c.response_token_ids
-                assert c.routed_experts.shape == (len(seq) - 1, 2, 2) and c.routed_experts.dtype == np.int16
-                assert np.array_equal(np.sort(c.routed_experts, -1), hf_routing(weights, seq)), (version, c.sample_index)
+            # the second call of a version finds the prompts in the prefix cache: those positions' experts come
+            # from the first call's records, and must still be the ones a full forward runs
+            for call in range(2):
+                comps = ray_cluster.get(engine.generate.remote(prompts, 3, seed=10 * version + call))
+                for c in comps:
+                    seq = c.prompt_token_ids + c.response_token_ids
+                    assert c.routed_experts.shape == (len(seq) - 1, 2, 2) and c.routed_experts.dtype == np.int16
+                    assert np.array_equal(np.sort(c.routed_experts, -1), hf_routing(weights, seq)), (version, call)
+            stats = ray_cluster.get(engine.routing_stats.remote())
+            assert stats["filled_positions"] > 0 and stats["unresolved"] == 0, stats
         # greedy evaluation and prompt log-probs consume their own records (nothing leaks into the next call)
         ray_cluster.get(engine.generate_greedy.remote(prompts))
         comps = ray_cluster.get(engine.generate.remote(prompts[:1], 2, seed=9))
