@@ -337,7 +337,7 @@ class EngineFleet:
         died or failed during the sync is replaced by one that loads the same version.
 
         Returns:
-            the sync report (``bytes``, ``seconds``, ``buckets``, ``failed_engines``).
+            the sync report (``bytes``, ``seconds``, ``buckets``, ``engine_load_s``, ``failed_engines``).
 
         Raises:
             RuntimeError: no weight source, or an engine reports another version afterwards.

@@ -386,7 +386,8 @@ class LearnerRank:
     def sync_weights(self, engines: list, version: int, bucket_mb: float = 64.0, max_in_flight: int = 2,
                      engine_timeout_s: float | None = None) -> dict:
         """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``). Collective;
-        rank 0 returns the sync's bytes, seconds, buckets and failed engines, the others ``{}``.
+        rank 0 returns the sync's bytes, seconds, buckets, engine load seconds (``engine_load_s``) and failed
+        engines, the others ``{}``.
 
         Raises:
             ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.

@@ -121,13 +121,13 @@ class _Fanout:
     def call(self, method: str, *args) -> dict[int, Any]:
         return {i: getattr(e, method).remote(*args) for i, e in self.engines.items() if i not in self.failed}
 
-    def wait(self, calls: dict[int, Any]) -> int:
-        """Wait for each call; returns how many succeeded (the others are recorded in ``failed``)."""
-        done = 0
+    def wait(self, calls: dict[int, Any]) -> dict[int, Any]:
+        """Wait for each call; returns the results of those that succeeded by engine index (the others are
+        recorded in ``failed``)."""
+        done: dict[int, Any] = {}
         for i, ref in calls.items():
             try:
-                self.ray.get(ref, timeout=self.timeout_s)
-                done += 1
+                done[i] = self.ray.get(ref, timeout=self.timeout_s)
             except self.ray.exceptions.GetTimeoutError:
                 self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g}")
             except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
@@ -142,9 +142,13 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
 
     Returns:
         On rank 0: ``{"bytes": weight bytes loaded, summed over the engines that acknowledged each bucket,
-        "seconds": wall time, "buckets": count, "failed_engines": {index in engines: error text}}``; ``{}`` on
-        the other ranks. An engine that fails or does not answer a call within ``engine_timeout_s`` seconds
-        (None: wait forever) gets no further calls in this sync and is listed in ``failed_engines``.
+        "seconds": wall time, "buckets": count, "engine_load_s": seconds, "failed_engines": {index in engines:
+        error text}}``; ``{}`` on the other ranks. ``engine_load_s``: for each bucket the seconds the slowest
+        acknowledging engine spent in ``update_weights`` (its own timing: the load, not the transport or the
+        queueing), summed over the buckets; the rest of ``seconds`` is the learner's gather, conversion and
+        ``ray.put``, the round trips, start and finish, partly overlapped with the loads. An engine that fails
+        or does not answer a call within ``engine_timeout_s`` seconds (None: wait forever) gets no further
+        calls in this sync and is listed in ``failed_engines``.
 
     Raises:
         ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.
@@ -158,6 +162,7 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         fan.wait(fan.call("start_weight_update"))
     inflight: deque = deque()
     sent = buckets = 0
+    load_s = 0.0
     for bucket in checkpoint_buckets(rank, bucket_mb, keep):
         if not keep:
             continue
@@ -168,15 +173,22 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         inflight.append((calls, nbytes))
         del ref, buffers, bucket  # the object lives while an engine's call holds it
         if len(inflight) >= max_in_flight:
-            calls, nbytes = inflight.popleft()
-            sent += nbytes * fan.wait(calls)
+            sent, load_s = _acknowledge(fan, *inflight.popleft(), sent, load_s)
     if not keep:
         return {}
     while inflight:
-        calls, nbytes = inflight.popleft()
-        sent += nbytes * fan.wait(calls)
+        sent, load_s = _acknowledge(fan, *inflight.popleft(), sent, load_s)
     fan.wait(fan.call("finish_weight_update", int(version)))
-    return {"bytes": sent, "seconds": time.perf_counter() - t0, "buckets": buckets, "failed_engines": fan.failed}
+    return {"bytes": sent, "seconds": time.perf_counter() - t0, "buckets": buckets, "engine_load_s": load_s,
+            "failed_engines": fan.failed}
+
+
+def _acknowledge(fan: _Fanout, calls: dict[int, Any], nbytes: int, sent: int, load_s: float) -> tuple[int, float]:
+    """Wait for one bucket's ``update_weights`` calls: ``sent`` plus its bytes once per acknowledging engine,
+    ``load_s`` plus the slowest acknowledging engine's seconds (non-numeric answers count 0)."""
+    acks = fan.wait(calls)
+    seconds = [float(v) for v in acks.values() if isinstance(v, (int, float))]
+    return sent + nbytes * len(acks), load_s + max(seconds, default=0.0)
 
 
 def checkpoint_state_dict(rank, bucket_mb: float = 64.0) -> dict[str, torch.Tensor]:

@@ -108,6 +108,8 @@ def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero
             assert sorted(report["failed_engines"]) == [1, 2]  # dead and hung engines are reported, not raised
             assert "engine_timeout_s" in report["failed_engines"][2]
             assert report["buckets"] > 2
+            # the one live engine's own load seconds, summed over buckets: within the sync (its calls run in turn)
+            assert 0 < report["engine_load_s"] <= report["seconds"]
             assert report["bytes"] == checkpoint_bytes  # each byte once to the one live engine, no view blowup;
             # failed engines count nothing
             assert ray.get(engine.weight_version.remote()) == version
