@@ -199,7 +199,8 @@ class Trainer:
         seconds = time.perf_counter() - t
         self.last_sync = {"sync/bytes": float(report.get("bytes", 0)), "sync/seconds": seconds,
                           "sync/gb_per_s": report.get("bytes", 0) / seconds / 1e9 if seconds > 0 else 0.0,
-                          "sync/buckets": float(report.get("buckets", 0))}
+                          "sync/buckets": float(report.get("buckets", 0)),
+                          "sync/engine_load_s": float(report.get("engine_load_s", 0.0))}
         return seconds
 
     def evaluate(self) -> dict[str, float]:

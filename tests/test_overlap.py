@@ -39,7 +39,7 @@ def test_overlapped_run_bounds_staleness_and_resumes_exactly(tmp_path, ray_sessi
     assert [r["rollout/staleness_max"] for r in lines] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["rollout/staleness_mean"] == r["rollout/staleness_max"] for r in lines)
     assert all(r["weight_version"] == r["step"] + 1 for r in lines)  # warm start = version 1, one sync per step
-    assert all(r["sync/bytes"] > 0 for r in lines)
+    assert all(r["sync/bytes"] > 0 and 0 < r["sync/engine_load_s"] <= r["sync/seconds"] for r in lines)
     assert (run / "checkpoints" / "step_00000002" / PENDING_FILE).is_file()  # step 3's rollout, sampled ahead
     assert not (run / "checkpoints" / "step_00000004" / PENDING_FILE).exists()  # nothing sampled past the end
 
