@@ -108,6 +108,12 @@ def _tuple_state(state: Any) -> Any:
     return state
 
 
+def linear_warmup(lr: float, step: int, warmup_steps: int) -> float:
+    """The learning rate of 0-based ``step`` under a linear warm-up: ``lr x min(1, (step + 1) / warmup_steps)``;
+    ``lr`` itself when ``warmup_steps`` is 0."""
+    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
+
+
 class Trainer:
     """Owns the actors, the prompt stream, logging and checkpoints of one run. ``verbose=False``: the actors'
     output goes to the run's ``logs/workers/`` instead of the terminal (``cluster.console``)."""
@@ -129,6 +135,7 @@ class Trainer:
         self.learners: LearnerGroup | None = None
         self.last_sync: dict[str, float] = {}  # sync/* metrics of the last weight sync
         self.pending: Collected | None = None  # the next step's rollout, collected while the learner trained
+        self._rl_lr: float | None = None  # the RL lr last set by the warm-up schedule (None: not yet)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collect")  # the overlapped rollout
 
     # -- start-up -----------------------------------------------------------------------------------------
@@ -236,7 +243,7 @@ class Trainer:
             prompts = [r.prompt_token_ids for r in rows]
             responses = [self.tokenizer(r.meta["solution"], add_special_tokens=False)["input_ids"] + [eos] for r in rows]
             batch = build_sft_batch(prompts, responses, self.pad_id)
-            lr = ws.lr * min(1.0, (s + 1) / ws.warmup_steps) if ws.warmup_steps else ws.lr
+            lr = linear_warmup(ws.lr, s, ws.warmup_steps)
             if lr != current_lr:  # one round trip to the ranks only when the schedule changes the lr
                 self.learners.call("set_lr", lr, False)  # router_lr_scale acts in RL only
                 current_lr = lr
@@ -258,12 +265,25 @@ class Trainer:
         batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans) if self.step + 1 in tc.audit_steps else None
+        self._apply_rl_lr()
         t = time.perf_counter()
         m = self.learners.train(plans, cfg.health.guard())
         learner_s = time.perf_counter() - t
         if audit_dir is not None:
             audit_dump.save_outputs(self, audit_dir, m)
         return m, learner_s
+
+    def _apply_rl_lr(self) -> None:
+        """Set this step's RL learning rate (``learner.lr_warmup_steps``) when it differs from the last one set
+        here; the first call of a process always sets it (after a resume the optimizer's restored lr is the
+        checkpointed step's, not this one's)."""
+        lc = self.cfg.learner
+        if not lc.lr_warmup_steps:
+            return
+        lr = linear_warmup(lc.lr, self.step, lc.lr_warmup_steps)
+        if lr != self._rl_lr:
+            self.learners.call("set_lr", lr)
+            self._rl_lr = lr
 
     def after_train(self, m: dict[str, Any]) -> float:
         """Sync the new weights, or count a refused step (the engines keep their weights; a rollback throws
@@ -396,6 +416,7 @@ class Trainer:
         if ck is None or self.rollbacks_in_a_row >= hc.max_rollbacks:
             self._stop_for_health(ck)
         self.learners.load_checkpoint(str(ck / "learner"))
+        self._rl_lr = None  # the checkpoint brought its own lr back
         self._sync_weights(self.weight_version + 1)
         self.rollbacks += 1
         self.rollbacks_in_a_row += 1

@@ -107,6 +107,12 @@ class LearnerConfig(Section):
         "instead of keeping them: less memory, one more forward per training pass; refused with routing_replay",
     )
     lr: float = Field(1e-6, gt=0, description="RL learning rate (AdamW)")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="RL steps of linear learning-rate warm-up: RL step s (from 1) trains at lr x min(1, "
+        "s / lr_warmup_steps); 0 = the constant lr. verl's GPU recipes warm up for 10 optimizer steps "
+        "(actor.optim.lr_warmup_steps), OpenRLHF for a share of them (--lr_warmup_ratio); here a step's "
+        "num_minibatches updates share its lr",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     router_lr_scale: float = Field(
         1.0, gt=0, description="MoE only: the expert routers' RL learning rate is learner.lr x this (the warm start keeps "

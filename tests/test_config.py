@@ -271,3 +271,12 @@ def test_audit_steps_refused_in_the_overlapped_mode():
     cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1",
                                                                 "learner.old_logprob_source=recompute"])
     assert "learner.old_logprob_source='recompute'" in cfg.learner.pre_update_pass_needs(None)
+
+
+def test_linear_warmup_hand_values():
+    from cluster.trainer import linear_warmup
+
+    assert [linear_warmup(1e-6, s, 4) for s in range(6)] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6, 1e-6, 1e-6])
+    assert linear_warmup(3e-6, 0, 0) == 3e-6  # no warm-up: the constant lr
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        LearnerConfig(lr_warmup_steps=-1)

@@ -11,7 +11,9 @@ from tests.test_faults_resume import _trainer
 
 pytestmark = pytest.mark.slow
 
-OVERLAP = ["trainer.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2", "rollout.pieces_per_engine=2"]
+# with a learning-rate warm-up over all 4 steps: the resumed run (from step 2) must set step 3's lr itself
+OVERLAP = ["trainer.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2", "rollout.pieces_per_engine=2",
+           "learner.lr_warmup_steps=4"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,8 @@ def test_overlapped_run_bounds_staleness_and_resumes_exactly(tmp_path, ray_sessi
     assert [r["rollout/staleness_max"] for r in lines] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["rollout/staleness_mean"] == r["rollout/staleness_max"] for r in lines)
     assert all(r["weight_version"] == r["step"] + 1 for r in lines)  # warm start = version 1, one sync per step
+    lr = full.cfg.learner.lr
+    assert [r["actor/lr"] for r in lines] == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr], rel=1e-6)
     assert all(r["sync/bytes"] > 0 and 0 < r["sync/engine_load_s"] <= r["sync/seconds"] for r in lines)
     assert (run / "checkpoints" / "step_00000002" / PENDING_FILE).is_file()  # step 3's rollout, sampled ahead
     assert not (run / "checkpoints" / "step_00000004" / PENDING_FILE).exists()  # nothing sampled past the end
