@@ -280,3 +280,17 @@ def test_linear_warmup_hand_values():
     assert linear_warmup(3e-6, 0, 0) == 3e-6  # no warm-up: the constant lr
     with pytest.raises(ValueError, match="lr_warmup_steps"):
         LearnerConfig(lr_warmup_steps=-1)
+
+
+def test_correction_warning_names_the_band_above_half_dropped():
+    from cluster.trainer import correction_warning
+
+    lc = LearnerConfig(algorithm="gspo", rollout_correction="seq_geo_rs", rollout_correction_low=0.998,
+                       rollout_correction_high=1.002)
+    assert correction_warning({}, lc) is None  # no correction metrics: nothing to say
+    assert correction_warning({"mismatch/masked_seq_share": 0.25, "mismatch/masked_token_share": 0.1}, lc) is None
+    msg = correction_warning({"mismatch/masked_seq_share": 0.79, "mismatch/masked_token_share": 0.0}, lc)
+    assert msg.startswith("learner.rollout_correction='seq_geo_rs' dropped 79% of the step's sequences")
+    assert "[0.998, 1.002]" in msg
+    msg = correction_warning({"mismatch/masked_token_share": 0.6}, lc)
+    assert "60% of the step's tokens" in msg
