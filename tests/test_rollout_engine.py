@@ -275,6 +275,10 @@ def test_llm_kwargs_executor_and_kv_by_device():
     assert gpu["distributed_executor_backend"] == "mp" and gpu["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="rollout.kv_cache_gb=2.0 with rollout.num_gpus_per_engine=1.0"):
         RolloutConfig(num_gpus_per_engine=1, kv_cache_gb=2)
+    # routing capture reads the step's input tokens: no async scheduling (vLLM's GPU default) under it
+    assert "async_scheduling" not in gpu
+    r3 = llm_kwargs(RolloutConfig(num_gpus_per_engine=1, return_routed_experts=True), seed=0)
+    assert r3["async_scheduling"] is False and r3["enforce_eager"] is True
 
 
 def test_engine_tmp_folder_keeps_ipc_socket_paths_short(tmp_path):

@@ -12,6 +12,13 @@ from rollout.routing_capture import RoutingStore
 LAYERS, K = 2, 2
 
 
+@pytest.fixture(params=[2, 4, 16], ids=lambda b: f"block{b}")
+def store(request):
+    """A store whose KV block size makes the tests' cached prefixes (2, 3, 4, 8 tokens) block-aligned (indexed
+    lookup) or not (the scan)."""
+    return RoutingStore(block_size=request.param)
+
+
 def routing(length: int, base: int) -> np.ndarray:
     """Distinct int16 [length, LAYERS, K] ids: position p, layer l, slot j -> base + 4p + 2l + j."""
     p, l, j = np.meshgrid(np.arange(length), np.arange(LAYERS), np.arange(K), indexing="ij")
@@ -25,8 +32,7 @@ def record(tokens: list[int], ids: np.ndarray, cached: int = 0) -> dict:
     return {"tokens": list(tokens), "ids": ids.tobytes(), "shape": list(ids.shape)}
 
 
-def test_full_records_are_found_by_their_input_tokens():
-    store = RoutingStore()
+def test_full_records_are_found_by_their_input_tokens(store):
     ids = routing(4, 0)
     store.add([record([5, 6, 7, 8], ids)])
     # a completion of prompt + response [5, 6, 7, 8, 9]: its inputs are the first four tokens
@@ -36,8 +42,7 @@ def test_full_records_are_found_by_their_input_tokens():
     assert store.filled_positions == 0 and store.unresolved == 0
 
 
-def test_a_cache_hit_takes_the_donors_experts_for_the_cached_positions_only():
-    store = RoutingStore()
+def test_a_cache_hit_takes_the_donors_experts_for_the_cached_positions_only(store):
     donor, own = routing(5, 0), routing(6, 100)
     store.add([record([1, 2, 3, 4, 5], donor)])
     store.add([record([1, 2, 3, 4, 9, 9], own, cached=4)])  # a later call, same weight version
@@ -46,13 +51,12 @@ def test_a_cache_hit_takes_the_donors_experts_for_the_cached_positions_only():
     assert store.filled_positions == 4 and store.unresolved == 0
 
 
-def test_chains_of_hits_resolve_in_one_take_whatever_the_order():
+def test_chains_of_hits_resolve_in_one_take_whatever_the_order(store):
     """A computed 0..7; B hit A's first 4 and computed 4..9; C hit B's first 8 (4 of them B's own)."""
     a, b, c = routing(8, 0), routing(10, 1000), routing(10, 2000)
     tok_a = [1, 2, 3, 4, 5, 6, 7, 8]
     tok_b = [1, 2, 3, 4, 50, 60, 70, 80, 90, 91]
     tok_c = [1, 2, 3, 4, 50, 60, 70, 80, 11, 12]
-    store = RoutingStore()
     store.add([record(tok_c, c, cached=8), record(tok_b, b, cached=4), record(tok_a, a)])
     got_c = store.get(tok_c + [0])
     assert np.array_equal(got_c[:4], a[:4]) and np.array_equal(got_c[4:8], b[4:8])
@@ -60,8 +64,7 @@ def test_chains_of_hits_resolve_in_one_take_whatever_the_order():
     assert store.filled_positions == 12 and store.unresolved == 0
 
 
-def test_a_hit_without_a_donor_or_with_a_middle_gap_is_left_out_and_counted():
-    store = RoutingStore()
+def test_a_hit_without_a_donor_or_with_a_middle_gap_is_left_out_and_counted(store):
     store.add([record([1, 2, 3, 4], routing(4, 0))])
     no_donor = record([7, 7, 3, 4], routing(4, 10), cached=2)
     gap = routing(4, 20)
@@ -74,11 +77,25 @@ def test_a_hit_without_a_donor_or_with_a_middle_gap_is_left_out_and_counted():
             store.get(tokens)
 
 
-def test_clear_forgets_the_weight_versions_routings():
-    store = RoutingStore()
+def test_clear_forgets_the_weight_versions_routings(store):
     store.add([record([1, 2, 3, 4], routing(4, 0))])
     store.clear()
     with pytest.raises(KeyError):
         store.get([1, 2, 3, 4, 0])
     store.add([record([1, 2, 3, 9], routing(4, 50), cached=3)])  # the old version cannot donate any more
     assert store.unresolved == 1 and store.filled_positions == 0
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError, match="block_size=0"):
+        RoutingStore(block_size=0)
+
+
+def test_indexed_lookup_checks_the_tokens_not_only_the_hash(monkeypatch):
+    """Every chain hash equal (a forced collision): the donor must still be the record whose tokens match."""
+    store = RoutingStore(block_size=2)
+    monkeypatch.setattr(store, "_chain", lambda key: ((p, 0) for p in range(2, len(key) + 1, 2)))
+    wrong, right = routing(4, 0), routing(4, 50)
+    store.add([record([9, 9, 3, 4], wrong), record([1, 2, 3, 4], right)])
+    store.add([record([1, 2, 7, 7], routing(4, 100), cached=2)])
+    assert np.array_equal(store.get([1, 2, 7, 7, 0])[:2], right[:2])
