@@ -34,6 +34,7 @@ from cluster.prompting import PromptEncoder, PromptError
 from cluster.tiny_model import ensure_model
 from cluster.tracking import MetricsLogger, plot_curves, progress_line
 from learner.advantages import group_advantages
+from learner.objective_names import TOKEN_CORRECTIONS
 from reward.pool import RewardPool
 from rollout.contracts import PromptRow
 
@@ -126,7 +127,7 @@ def correction_warning(metrics: dict[str, Any], lc) -> str | None:
     a ``seq_geo_rs`` band of [0.998, 1.002] against a bf16 engine dropped 79% of sequences, and the runs fell
     below their start (README, MoE comparison with a bf16 engine)."""
     # token corrections drop tokens (a sequence counts as masked with one dropped token); sequence ones sequences
-    unit = "token" if lc.rollout_correction.startswith("token_") else "seq"
+    unit = "token" if lc.rollout_correction in TOKEN_CORRECTIONS else "seq"
     share = float(metrics.get(f"mismatch/masked_{unit}_share", 0.0))
     if share <= CORRECTION_DROP_WARN or metrics.get("health/skipped"):
         return None
