@@ -1,13 +1,15 @@
 """Weight-sync time and bytes against a plain in-memory copy of the same bytes, for MoE models of three sizes,
 and where the sync's time goes.
 
-    python bench/sync.py [--sizes 1m,50m,200m] [--syncs 3] [--engines 1]
+    python bench/sync.py [--sizes 1m,50m,200m] [--syncs 3] [--engines 1] [--transports object_store,collective]
 
 For each size it builds a random Qwen3-MoE (hidden 512 / 16 experts top-2 / moe_intermediate 512 / heads 8/4 /
 head_dim 64 for 50 M (4 layers) and 200 M (15 layers); the embedded tiny model for 1 M), starts one learner rank
 (DeepSpeed ZeRO-2, CPU) and ``--engines`` in-process vLLM engines as Ray actors, and times
-``LearnerRank.sync_weights`` (the production path: layer buckets through the object store, vLLM's layer-wise
-reload) over ``--syncs`` syncs after one warm-up (median). Beside it, from the same syncs and the same actors:
+``LearnerRank.sync_weights`` (the production path: layer buckets through the object store, or broadcast over
+a gloo group with ``collective``, vLLM's layer-wise reload) over ``--syncs`` syncs after one warm-up (median),
+for each of ``--transports`` in turn on the same actors (one result row each). Beside it, from the same syncs
+and the same actors:
 
 * ``engine_load_s``: the sync report's engine side (per bucket the slowest engine's seconds in
   ``update_weights``, summed);
@@ -149,7 +151,7 @@ def start_actors(ray, path: str, args, root: Path) -> tuple:
     return learner, engines
 
 
-def run_syncs(ray, learner, engines: list, args) -> list[dict]:
+def run_syncs(ray, learner, engines: list, args, transport: str) -> list[dict]:
     """One SFT step (new weights) and one ``sync_weights`` per sync, ``args.syncs`` + 1 of them (the first
     a warm-up, dropped). Returns the timed syncs' reports with ``wall_s`` (seconds seen by this driver)."""
     import torch
@@ -162,10 +164,11 @@ def run_syncs(ray, learner, engines: list, args) -> list[dict]:
     for v in range(1, args.syncs + 2):
         ray.get(learner.sft_step.remote(batch, 60))
         t = time.perf_counter()
-        rep = ray.get(learner.sync_weights.remote(engines, v, args.bucket_mb, 2))
+        rep = ray.get(learner.sync_weights.remote(engines, v, args.bucket_mb, 2, None, transport))
         rep["wall_s"] = time.perf_counter() - t
-        if rep["failed_engines"]:
-            raise RuntimeError(f"engines failed: {rep['failed_engines']}")
+        if rep["failed_engines"] or rep["transport"] != transport:
+            raise RuntimeError(f"sync over {transport}: engines failed {rep['failed_engines']}, carried by "
+                               f"{rep['transport']} ({rep['fallback']})")
         reports.append(rep)
     return reports[1:]
 
@@ -176,9 +179,9 @@ def export_medians(ray, learner, args) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def bench_size(ray, name: str, args, root: Path) -> dict:
-    """Build the model of size ``name``, time its syncs, the export alone and both copy baselines. Returns
-    the result row (seconds, bytes, ratios; see the module docstring)."""
+def bench_size(ray, name: str, args, root: Path) -> list[dict]:
+    """Build the model of size ``name``, time its syncs over each transport, the export alone and both copy
+    baselines. Returns one result row per transport (seconds, bytes, ratios; see the module docstring)."""
     import torch
     from safetensors import safe_open
 
@@ -191,15 +194,22 @@ def bench_size(ray, name: str, args, root: Path) -> dict:
     learner, engines = None, []
     try:
         learner, engines = start_actors(ray, path, args, root)
-        timed = run_syncs(ray, learner, engines, args)
+        timed_by = {t: run_syncs(ray, learner, engines, args, t) for t in args.transports.split(",")}
         export = export_medians(ray, learner, args)
     finally:
         for a in [learner, *engines]:
             if a is not None:
                 ray.kill(a)
-    sync_s = statistics.median(r["wall_s"] for r in timed)
     copy_s, clone_cold_s = warm_copy_seconds(shapes), clone_seconds(shapes)
-    return {"size": name, "params_m": nbytes / 4e6, "weight_bytes": nbytes, "engines": args.engines,
+    return [row(name, transport, timed, nbytes, args.engines, export, copy_s, clone_cold_s)
+            for transport, timed in timed_by.items()]
+
+
+def row(name: str, transport: str, timed: list[dict], nbytes: int, engines: int, export: dict[str, float],
+        copy_s: float, clone_cold_s: float) -> dict:
+    """One result row: the median of the timed syncs over ``transport`` beside the baselines."""
+    sync_s = statistics.median(r["wall_s"] for r in timed)
+    return {"size": name, "transport": transport, "params_m": nbytes / 4e6, "weight_bytes": nbytes, "engines": engines,
             "sync_bytes": timed[-1]["bytes"], "buckets": timed[-1]["buckets"], "sync_s": sync_s,
             "sync_s_all": [r["wall_s"] for r in timed], "gb_per_s": timed[-1]["bytes"] / sync_s / 1e9,
             "engine_load_s": statistics.median(r["engine_load_s"] for r in timed),
@@ -210,7 +220,7 @@ def bench_size(ray, name: str, args, root: Path) -> dict:
 
 def summary(r: dict) -> str:
     """Two printed lines for one result row of ``bench_size``."""
-    return (f"{r['size']:>5}: {r['params_m']:6.1f} M params, {r['weight_bytes'] / 1e6:7.1f} MB x {r['engines']} "
+    return (f"{r['size']:>5} {r['transport']}: {r['params_m']:6.1f} M params, {r['weight_bytes'] / 1e6:7.1f} MB x {r['engines']} "
             f"engine(s) in {r['buckets']} buckets: sync {r['sync_s']:.3f} s ({r['gb_per_s']:.2f} GB/s, bytes sent "
             f"{r['sync_bytes'] / 1e6:.1f} MB) | warm copy {r['copy_s']:.4f} s: ratio {r['ratio_to_copy']:.1f}x | "
             f"cold clone {r['clone_cold_s']:.4f} s: ratio {r['ratio_to_clone_cold']:.1f}x\n"
@@ -225,6 +235,7 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--transports", default="object_store,collective")
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import ray
@@ -236,9 +247,9 @@ def main() -> int:
     results = []
     try:
         for name in args.sizes.split(","):
-            r = bench_size(ray, name, args, root)
-            results.append(r)
-            print(summary(r), flush=True)
+            for r in bench_size(ray, name, args, root):
+                results.append(r)
+                print(summary(r), flush=True)
     finally:
         ray.shutdown()
     print(json.dumps({"load_avg_1m": os.getloadavg()[0], "results": results}))

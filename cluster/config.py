@@ -167,7 +167,14 @@ class DataConfig(Section):
 
 
 class SyncConfig(Section):
-    """Weight sync learner -> rollout engines through the Ray object store."""
+    """Weight sync learner -> rollout engines: metadata by Ray actor calls, bytes through the Ray object store
+    or a collective broadcast (``sync.transport``)."""
+
+    transport: Literal["object_store", "collective"] = Field(
+        "object_store", description="how the weight bytes travel: 'object_store' (each bucket ray.put once, read "
+        "zero-copy on the engine's node) or 'collective' (each bucket broadcast by learner rank 0 over a process "
+        "group with every engine worker: gloo on the CPU, NCCL on GPUs; kept across syncs while the engines stay "
+        "the same; a broadcast that fails hands the rest of that sync to the object store)")
 
     bucket_mb: float = Field(
         64.0, gt=0, description="weights per object-store bucket, MiB: consecutive layers are merged up to this "

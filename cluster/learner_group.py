@@ -122,10 +122,10 @@ class LearnerGroup:
         return self.call_sharded("sft_step", shards)[0]
 
     def sync_weights(self, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int,
-                     engine_timeout_s: float | None = None) -> dict[str, Any]:
+                     engine_timeout_s: float | None = None, transport: str = "object_store") -> dict[str, Any]:
         """Stream the weights to ``engines`` as ``version`` (every rank takes part: ZeRO-3 gathers); rank 0's
         report (``learner.weight_sync.sync_weights``)."""
-        return self.call("sync_weights", engines, version, bucket_mb, max_in_flight, engine_timeout_s)[0]
+        return self.call("sync_weights", engines, version, bucket_mb, max_in_flight, engine_timeout_s, transport)[0]
 
     def save_checkpoint(self, path: str) -> None:
         self.call("save_checkpoint", path)

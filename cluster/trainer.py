@@ -211,7 +211,7 @@ class Trainer:
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
         sc = cfg.sync
         self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
-            engines, version, sc.bucket_mb, sc.max_buckets_in_flight, sc.engine_timeout_s)
+            engines, version, sc.bucket_mb, sc.max_buckets_in_flight, sc.engine_timeout_s, sc.transport)
         self.fleet.start(cfg.rollout.num_engines)
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
@@ -230,7 +230,9 @@ class Trainer:
         self.last_sync = {"sync/bytes": float(report.get("bytes", 0)), "sync/seconds": seconds,
                           "sync/gb_per_s": report.get("bytes", 0) / seconds / 1e9 if seconds > 0 else 0.0,
                           "sync/buckets": float(report.get("buckets", 0)),
-                          "sync/engine_load_s": float(report.get("engine_load_s", 0.0))}
+                          "sync/engine_load_s": float(report.get("engine_load_s", 0.0)),
+                          # 1 when the bytes went by broadcast to the end (sync.transport=collective), 0 otherwise
+                          "sync/collective": float(report.get("transport") == "collective")}
         return seconds
 
     def evaluate(self) -> dict[str, float]:

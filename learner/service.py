@@ -384,15 +384,16 @@ class LearnerRank:
         return out
 
     def sync_weights(self, engines: list, version: int, bucket_mb: float = 64.0, max_in_flight: int = 2,
-                     engine_timeout_s: float | None = None) -> dict:
-        """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``). Collective;
-        rank 0 returns the sync's bytes, seconds, buckets, engine load seconds (``engine_load_s``) and failed
-        engines, the others ``{}``.
+                     engine_timeout_s: float | None = None, transport: str = "object_store") -> dict:
+        """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``) through
+        ``transport`` (``object_store`` or ``collective``). Collective; rank 0 returns the sync's bytes, seconds,
+        buckets, engine load seconds (``engine_load_s``), transport and failed engines, the others ``{}``.
 
         Raises:
-            ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.
+            ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
         """
-        return weight_sync.sync_weights(self, engines, version, bucket_mb, max_in_flight, engine_timeout_s)
+        return weight_sync.sync_weights(self, engines, version, bucket_mb, max_in_flight, engine_timeout_s,
+                                        transport)
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights in checkpoint names (CPU copies) on rank 0, ``{}`` on the others. Collective."""

@@ -18,11 +18,19 @@ How a sync moves the bytes (``sync_weights``; collective over the learner ranks,
    once, and each is released when every engine has loaded it;
 4. ``finish_weight_update(version)`` on every engine.
 
+With ``sync.transport=collective`` step 2 packs the bucket into one flat uint8 tensor and step 3 broadcasts it
+from rank 0 over a ``TransferGroup`` (gloo on the CPU, NCCL on GPUs) while every engine's ``update_weights``
+receives it; the engines' calls still carry the metadata. A group that cannot be built, or a broadcast that
+fails (a member died or timed out), hands the rest of that sync to the object store: the failed bucket is put
+again for every live engine, and engines skip a bucket index they already loaded. On GPUs NCCL's own watchdog
+may end the process on a failed collective before that fallback runs (not tried: no GPU here).
+
 An engine that fails during a sync (process death or an error) is reported, not raised: the driver replaces it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +38,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
 
 def to_checkpoint_format(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers in-memory names -> checkpoint names and layout (reverses its load-time conversions).
@@ -118,12 +127,15 @@ class _Fanout:
         self.failed: dict[int, str] = {}
         self.timeout_s = timeout_s
 
-    def call(self, method: str, *args) -> dict[int, Any]:
-        return {i: getattr(e, method).remote(*args) for i, e in self.engines.items() if i not in self.failed}
+    def live(self) -> list[int]:
+        return [i for i in self.engines if i not in self.failed]
 
-    def wait(self, calls: dict[int, Any]) -> dict[int, Any]:
+    def call(self, method: str, *args) -> dict[int, Any]:
+        return {i: getattr(self.engines[i], method).remote(*args) for i in self.live()}
+
+    def wait(self, calls: dict[int, Any], tolerate: str | None = None) -> dict[int, Any]:
         """Wait for each call; returns the results of those that succeeded by engine index (the others are
-        recorded in ``failed``)."""
+        recorded in ``failed``, except errors whose text contains ``tolerate``)."""
         done: dict[int, Any] = {}
         for i, ref in calls.items():
             try:
@@ -131,64 +143,210 @@ class _Fanout:
             except self.ray.exceptions.GetTimeoutError:
                 self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g}")
             except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
-                self.failed.setdefault(i, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+                if tolerate is None or tolerate not in str(err) or isinstance(err, self.ray.exceptions.RayActorError):
+                    self.failed.setdefault(i, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
         return done
 
 
+class TransferGroup:
+    """Learner rank 0's end of a collective transfer group with the workers of some engines (``sync.transport
+    = collective``): rank 0 here, each engine's tensor-parallel workers after it, in engine order. Built by
+    vLLM's ``stateless_init_torch_distributed_process_group`` (gloo on the CPU, NCCL when the learner's
+    weights are on a GPU), outside the learner's own DeepSpeed group.
+
+    Raises:
+        RuntimeError: an engine did not join (it is also recorded in ``fan.failed`` when it died or hung), or
+            the rendezvous timed out after ``timeout_s`` seconds.
+    """
+
+    def __init__(self, fan: _Fanout, key: tuple[str, ...], backend: str, timeout_s: float):
+        import socket
+        from datetime import timedelta
+
+        from vllm.distributed.utils import (
+            stateless_init_torch_distributed_process_group,
+        )
+
+        self.key, self.backend, self.pg = key, backend, None
+        sizes = fan.wait(fan.call("transfer_world_size"))
+        host = fan.ray.util.get_node_ip_address()
+        sock = socket.socket()
+        sock.bind((host, 0))
+        sock.listen()
+        port, world = sock.getsockname()[1], 1 + sum(sizes.values())
+        offsets = dict(zip(sizes, [1 + sum(list(sizes.values())[:k]) for k in range(len(sizes))]))
+        joins = {i: fan.engines[i].init_weight_transfer_group.remote(
+            {"master_address": host, "master_port": port, "rank_offset": offsets[i], "world_size": world,
+             "backend": backend, "timeout_s": timeout_s}) for i in sizes}
+        try:
+            self.pg = stateless_init_torch_distributed_process_group(
+                host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s))
+        finally:
+            joined = fan.wait(joins)
+        if len(joined) != len(sizes) or len(sizes) != len(fan.live()):
+            self.close()
+            raise RuntimeError(f"transfer group: {len(joined)} of {len(fan.live())} engines joined")
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        """Send ``flat`` (1-D uint8, on the device the group's backend serves) to every member; returns once
+        sent. Raises the backend's RuntimeError when a member died or the timeout passed."""
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([flat], opts).wait()
+
+    def close(self) -> None:
+        from vllm.distributed.utils import (
+            stateless_destroy_torch_distributed_process_group,
+        )
+
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                stateless_destroy_torch_distributed_process_group(pg)
+            except Exception:  # noqa: BLE001 - a group broken by a dead member may refuse a clean shutdown
+                pass
+
+
+def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None:
+    """Rank 0's transfer group with the engines still live in ``fan``: the one kept on ``rank`` when the
+    members are the same engines, else a new one (the old one closed). None, with a warning, when it cannot be
+    built: that sync goes through the object store."""
+    key = tuple(fan.engines[i]._actor_id.hex() for i in fan.live())
+    kept = getattr(rank, "transfer_group", None)
+    if kept is not None and kept.key == key:
+        return kept
+    if kept is not None:
+        kept.close()
+        rank.transfer_group = None
+    backend = "nccl" if next(rank.engine.module.parameters()).is_cuda else "gloo"
+    try:
+        rank.transfer_group = TransferGroup(fan, key, backend, timeout_s)
+    except Exception as err:  # noqa: BLE001 - any rendezvous failure: this sync uses the object store
+        log.warning("weight sync: no %s transfer group (%s); this sync goes through the object store", backend,
+                    str(err).splitlines()[0][:300])
+        return None
+    return rank.transfer_group
+
+
+def pack_flat(bucket: dict[str, torch.Tensor], index: int) -> tuple[dict[str, Any], torch.Tensor]:
+    """``(meta, flat)`` of a bucket for a broadcast: meta as ``pack_bucket``'s plus ``"bucket": index``, and
+    one 1-D uint8 tensor holding the tensors' bytes back to back (one copy, on the tensors' device)."""
+    meta = {"names": list(bucket), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
+            "shapes": [list(t.shape) for t in bucket.values()], "bucket": int(index)}
+    return meta, torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()])
+
+
+class _Sender:
+    """Rank 0's stream of buckets to the engines of one sync, through the transfer group while it works and
+    through the object store otherwise (from the start, or from the bucket whose broadcast failed on: that
+    bucket is put again for every live engine; engines skip a bucket index they already loaded)."""
+
+    def __init__(self, fan: _Fanout, max_in_flight: int, group: TransferGroup | None):
+        self.fan, self.max_in_flight, self.group = fan, max_in_flight, group
+        self.inflight: deque = deque()
+        self.sent = self.buckets = 0
+        self.load_s = 0.0
+        self.fallback = ""  # why the collective stopped mid-sync ('' if it did not)
+
+    def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
+        self.buckets += 1
+        if self.group is not None and self._broadcast(index, bucket):
+            return
+        meta, buffers, nbytes = pack_bucket(bucket)
+        ref = self.fan.ray.put(buffers)
+        self._queue(self.fan.call("update_weights", {**meta, "bucket": int(index)}, ref), nbytes)
+        del ref, buffers  # the object lives while an engine's call holds it
+
+    def _broadcast(self, index: int, bucket: dict[str, torch.Tensor]) -> bool:
+        from rollout.weight_sync import TRANSFER_ABORTED
+
+        meta, flat = pack_flat(bucket, index)
+        calls = self.fan.call("update_weights", meta, None)
+        try:
+            self.group.broadcast(flat)
+        except Exception as err:  # noqa: BLE001 - a dead or hung member: the rest of this sync via the object store
+            self.fallback = f"bucket {index}: {str(err).splitlines()[0][:300]}"
+            log.warning("weight sync: the collective transfer failed at %s; the object store takes over", self.fallback)
+            self.group.close()
+            self.group = None
+            self._queue(calls, 0, tolerate=TRANSFER_ABORTED)
+            return False
+        self._queue(calls, flat.numel())
+        return True
+
+    def _queue(self, calls: dict[int, Any], nbytes: int, tolerate: str | None = None) -> None:
+        self.inflight.append((calls, nbytes, tolerate))
+        if len(self.inflight) >= self.max_in_flight:
+            self._acknowledge()
+
+    def _acknowledge(self) -> None:
+        """Wait for the oldest bucket's ``update_weights`` calls: its bytes once per acknowledging engine, and
+        the slowest acknowledging engine's seconds (non-numeric answers count 0)."""
+        calls, nbytes, tolerate = self.inflight.popleft()
+        acks = self.fan.wait(calls, tolerate)
+        seconds = [float(v) for v in acks.values() if isinstance(v, (int, float))]
+        self.sent += nbytes * len(acks)
+        self.load_s += max(seconds, default=0.0)
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._acknowledge()
+
+
 def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int = 2,
-                 engine_timeout_s: float | None = None) -> dict[str, Any]:
+                 engine_timeout_s: float | None = None, transport: str = "object_store") -> dict[str, Any]:
     """Stream the current weights to ``engines`` (Ray actor handles of ``rollout.engine.RolloutEngine``) as
     weight version ``version``. Collective over the learner ranks; only rank 0 talks to the engines.
 
+    ``transport``: ``object_store`` (each bucket ``ray.put`` once) or ``collective`` (each bucket broadcast
+    over a ``TransferGroup`` of rank 0 and the engines' workers, kept across syncs while the engines stay the
+    same; when it cannot be built, or a broadcast fails, the object store carries the rest of that sync to the
+    engines still live; the group's timeout is half of ``engine_timeout_s``, 300 s without one).
+
     Returns:
         On rank 0: ``{"bytes": weight bytes loaded, summed over the engines that acknowledged each bucket,
-        "seconds": wall time, "buckets": count, "engine_load_s": seconds, "failed_engines": {index in engines:
-        error text}}``; ``{}`` on the other ranks. ``engine_load_s``: for each bucket the seconds the slowest
-        acknowledging engine spent in ``update_weights`` (its own timing: the load, not the transport or the
-        queueing), summed over the buckets; the rest of ``seconds`` is the learner's gather, conversion and
-        ``ray.put``, the round trips, start and finish, partly overlapped with the loads. An engine that fails
-        or does not answer a call within ``engine_timeout_s`` seconds (None: wait forever) gets no further
-        calls in this sync and is listed in ``failed_engines``.
+        "seconds": wall time, "buckets": count, "engine_load_s": seconds, "transport": what carried the last
+        bucket, "fallback": why the collective stopped mid-sync ('' if not), "failed_engines": {index in
+        engines: error text}}``; ``{}`` on the other ranks. ``engine_load_s``: for each bucket the seconds the
+        slowest acknowledging engine spent in ``update_weights`` (its own timing: the load, including a
+        collective receive, not the object store's transport or the queueing), summed over the buckets; the
+        rest of ``seconds`` is the learner's gather, conversion and sending, the round trips, start and finish,
+        partly overlapped with the loads. An engine that fails or does not answer a call within
+        ``engine_timeout_s`` seconds (None: wait forever) gets no further calls in this sync and is listed in
+        ``failed_engines``.
 
     Raises:
-        ValueError: ``bucket_mb`` not > 0 or ``max_in_flight`` < 1.
+        ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
     """
     if max_in_flight < 1:
         raise ValueError(f"sync.max_buckets_in_flight={max_in_flight!r} must be >= 1")
+    if transport not in ("object_store", "collective"):
+        raise ValueError(f"sync.transport={transport!r} must be 'object_store' or 'collective'")
     t0 = time.perf_counter()
     keep = rank.rank == 0
-    fan = _Fanout(engines, engine_timeout_s) if keep else None
+    sender = None
     if keep:
+        fan = _Fanout(engines, engine_timeout_s)
         fan.wait(fan.call("start_weight_update"))
-    inflight: deque = deque()
-    sent = buckets = 0
-    load_s = 0.0
-    for bucket in checkpoint_buckets(rank, bucket_mb, keep):
-        if not keep:
-            continue
-        meta, buffers, nbytes = pack_bucket(bucket)
-        ref = fan.ray.put(buffers)
-        calls = fan.call("update_weights", meta, ref)
-        buckets += 1
-        inflight.append((calls, nbytes))
-        del ref, buffers, bucket  # the object lives while an engine's call holds it
-        if len(inflight) >= max_in_flight:
-            sent, load_s = _acknowledge(fan, *inflight.popleft(), sent, load_s)
+        group = None
+        if transport == "collective" and fan.live():
+            group = transfer_group(rank, fan, engine_timeout_s / 2 if engine_timeout_s else 300.0)
+        sender = _Sender(fan, max_in_flight, group)
+    for index, bucket in enumerate(checkpoint_buckets(rank, bucket_mb, keep)):
+        if keep:
+            sender.send(index, bucket)
+        del bucket
     if not keep:
         return {}
-    while inflight:
-        sent, load_s = _acknowledge(fan, *inflight.popleft(), sent, load_s)
+    sender.drain()
+    if sender.fallback:
+        rank.transfer_group = None
     fan.wait(fan.call("finish_weight_update", int(version)))
-    return {"bytes": sent, "seconds": time.perf_counter() - t0, "buckets": buckets, "engine_load_s": load_s,
-            "failed_engines": fan.failed}
-
-
-def _acknowledge(fan: _Fanout, calls: dict[int, Any], nbytes: int, sent: int, load_s: float) -> tuple[int, float]:
-    """Wait for one bucket's ``update_weights`` calls: ``sent`` plus its bytes once per acknowledging engine,
-    ``load_s`` plus the slowest acknowledging engine's seconds (non-numeric answers count 0)."""
-    acks = fan.wait(calls)
-    seconds = [float(v) for v in acks.values() if isinstance(v, (int, float))]
-    return sent + nbytes * len(acks), load_s + max(seconds, default=0.0)
+    return {"bytes": sender.sent, "seconds": time.perf_counter() - t0, "buckets": sender.buckets,
+            "engine_load_s": sender.load_s, "transport": "collective" if sender.group is not None else "object_store",
+            "fallback": sender.fallback, "failed_engines": fan.failed}
 
 
 def checkpoint_state_dict(rank, bucket_mb: float = 64.0) -> dict[str, torch.Tensor]:

@@ -7,8 +7,9 @@
 * log-probs are requested in vLLM's ``processed_logprobs`` mode, i.e. ``log softmax(logits / temperature)``
   of the sampled token, the distribution the learner recomputes;
 * weight updates go through vLLM's own weight-transfer protocol with the ``"ray_object"`` backend of
-  ``rollout.weight_sync`` (buckets from the Ray object store, layer-wise reload, the CPU repairs there), and
-  are followed by ``reset_prefix_cache()`` (or KV computed with the old weights is reused);
+  ``rollout.weight_sync`` (buckets from the Ray object store, or broadcast over a transfer group joined with
+  ``init_weight_transfer_group``; layer-wise reload, the CPU repairs there), and are followed by
+  ``reset_prefix_cache()`` (or KV computed with the old weights is reused);
 * in the multi-process mode numpy arrays do not survive vLLM's msgpack hop to the engine core, so each
   tensor's bytes are copied into ``bytes`` there; in-process the object store's memory is used as it is.
 """
@@ -394,19 +395,38 @@ class RolloutEngine:
         self._routing.clear()
         self._llm.start_weight_update()
 
-    def update_weights(self, meta: Mapping[str, list], buffers: list[Any]) -> float:
+    def transfer_world_size(self) -> int:
+        """Processes of this engine that join a collective transfer group (its tensor-parallel workers)."""
+        return int(self.cfg.tensor_parallel_size)
+
+    def init_weight_transfer_group(self, info: Mapping[str, Any]) -> None:
+        """Join (or, with ``{}``, leave) a collective transfer group: every worker of this engine takes rank
+        ``info["rank_offset"] + its tensor-parallel rank`` (``rollout.weight_sync.ObjectRefInitInfo``). Blocks
+        until the whole group has joined.
+
+        Raises:
+            RuntimeError: the rendezvous failed or timed out.
+        """
+        self._llm.init_weight_transfer_engine({"init_info": dict(info)})
+
+    def update_weights(self, meta: Mapping[str, Any], buffers: list[Any] | None) -> float:
         """Load one bucket of checkpoint-format tensors (layer-wise: a layer is processed once complete).
 
         Args:
-            meta: ``{"names": [...], "dtype_names": [...], "shapes": [...]}`` (see
+            meta: ``{"names": [...], "dtype_names": [...], "shapes": [...]}`` and optionally ``"bucket"``: the
+                bucket's index in this session, after which a repeat of that index is skipped (see
                 ``rollout.weight_sync.ObjectRefUpdateInfo``), names as in the model folder's checkpoint.
-            buffers: one uint8 numpy array per tensor (Ray resolves the bucket's object ref into them, zero-copy).
+            buffers: one uint8 numpy array per tensor (Ray resolves the bucket's object ref into them, zero-copy),
+                or None: the bytes come by rank 0's broadcast over the transfer group
+                (``init_weight_transfer_group``).
 
         Returns:
             seconds taken.
 
         Raises:
-            RuntimeError: no session is open.
+            RuntimeError: no session is open; or, with text ``rollout.weight_sync.TRANSFER_ABORTED``, the
+                collective receive failed before any tensor of the bucket was loaded (the session stays open:
+                the same bucket may come again through the object store).
             ValueError: names not in the model's checkpoint, or a buffer that does not match its metadata.
         """
         t0 = time.perf_counter()
@@ -420,13 +440,21 @@ class RolloutEngine:
                     "learner.weight_sync.to_checkpoint_format)") if fused else ""
             raise ValueError(f"weight bucket for {self.model_path!r} holds names not in its checkpoint: "
                              f"{sorted(unknown)[:5]}{hint}")
-        if not self.cfg.in_process:
-            buffers = [bytes(memoryview(b)) for b in buffers]  # msgpack to the engine core keeps bytes, not arrays
+        collective = buffers is None
+        if collective:
+            info = {**meta, "buffers": [], "collective": True}
+        else:
+            if not self.cfg.in_process:  # msgpack to the engine core keeps bytes, not arrays
+                buffers = [bytes(memoryview(b)) for b in buffers]
+            info = {**meta, "buffers": list(buffers)}
         try:
-            self._llm.update_weights({"update_info": {**meta, "buffers": list(buffers)}})
+            self._llm.update_weights({"update_info": info})
+            aborted = [a for a in self._llm.collective_rpc("rollout_take_transfer_abort") if a] if collective else []
         except BaseException:
             self._close_session()
             raise
+        if aborted:
+            raise RuntimeError(aborted[0])
         return time.perf_counter() - t0
 
     def finish_weight_update(self, version: int) -> int:

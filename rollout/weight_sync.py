@@ -1,11 +1,19 @@
-"""Weight sync, engine side: vLLM 0.32's own weight-transfer protocol, fed from Ray object refs.
+"""Weight sync, engine side: vLLM 0.32's own weight-transfer protocol, fed from Ray object refs or a collective.
 
 vLLM's protocol is ``start_weight_update`` -> ``update_weights`` (one call per bucket) ->
 ``finish_weight_update``; its backends (``nccl``, ``ipc``, ``sharded_rdt``) need CUDA. ``ObjectRefTransfer``
-is a backend registered in vLLM's own ``WeightTransferEngineFactory`` under ``"ray_object"``: a bucket is a
-list of uint8 numpy arrays (one per tensor) that the learner ``ray.put`` once; the engine actor ``ray.get``s it
-(zero-copy, read-only views of the object store's shared memory on the same node) and the backend rebuilds the
-tensors as views (``dtype``, ``shape`` from the bucket's metadata) and hands them to ``model.load_weights``.
+is a backend registered in vLLM's own ``WeightTransferEngineFactory`` under ``"ray_object"``. The bucket's
+metadata always comes with the Ray actor call; its bytes come one of two ways (``sync.transport``):
+
+* ``object_store``: a list of uint8 numpy arrays (one per tensor) that the learner ``ray.put`` once; the engine
+  actor ``ray.get``s it (zero-copy, read-only views of the object store's shared memory on the same node);
+* ``collective``: one flat uint8 buffer per bucket, broadcast by learner rank 0 over a process group of the
+  learner's sender and every engine worker (``init_transfer_engine`` with a rendezvous; built by vLLM's
+  ``stateless_init_torch_distributed_process_group``, so it leaves vLLM's own groups alone): gloo on the CPU,
+  NCCL on GPUs (the same calls).
+
+Either way the backend rebuilds the tensors as views (``dtype``, ``shape`` from the metadata) and hands them
+to ``model.load_weights``.
 
 Loading is vLLM's layer-wise reload (``initialize_layerwise_reload`` at start, ``finalize_layerwise_reload``
 at the end): a layer is post-processed as soon as all its tensors have arrived, so no engine holds a staging
@@ -28,14 +36,28 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 BACKEND = "ray_object"
 
 
 @dataclass
 class ObjectRefInitInfo(WeightTransferInitInfo):
-    """No connection to set up: the buckets come through the object store."""
+    """Empty (the default): buckets come through the object store only. With ``master_address`` set: join a
+    collective transfer group as rank ``rank_offset + this worker's tensor-parallel rank`` of ``world_size``
+    (rank 0 is the learner's sender), backend ``backend`` (``gloo`` or ``nccl``), each operation timing out
+    after ``timeout_s`` seconds; a group joined before is shut down first."""
+
+    master_address: str | None = None
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    backend: str = "gloo"
+    timeout_s: float = 60.0
 
 
 @dataclass
@@ -48,6 +70,31 @@ class ObjectRefUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     buffers: list[Any] = field(default_factory=list)
+    collective: bool = False  # the bytes come by broadcast over the transfer group, not in ``buffers``
+    bucket: int = -1  # index of the bucket in this session (>= 0: a repeat of a loaded index is skipped)
+
+
+#: Text that marks a collective receive that failed before any tensor of its bucket was loaded; the session
+#: stays open, so the learner can send the same bucket through the object store (``learner.weight_sync``).
+TRANSFER_ABORTED = "weight transfer aborted"
+
+
+def _nbytes(dtype_name: str, shape: list[int]) -> int:
+    numel = int(np.prod(shape)) if shape else 1
+    return numel * getattr(torch, dtype_name).itemsize
+
+
+def flat_views(info: ObjectRefUpdateInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+    """One uint8 view of ``flat`` (1-D uint8, the bucket's tensors back to back) per tensor of the bucket.
+
+    Raises:
+        ValueError: ``flat`` does not hold exactly the bytes that the metadata's dtypes and shapes add up to.
+    """
+    sizes = [_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes)]
+    if flat.dim() != 1 or flat.dtype != torch.uint8 or flat.numel() != sum(sizes):
+        raise ValueError(f"weight bucket: flat buffer of {flat.numel()} bytes ({flat.dtype}), the metadata needs "
+                         f"{sum(sizes)}")
+    return list(torch.split(flat, sizes))
 
 
 def bucket_tensors(info: ObjectRefUpdateInfo) -> list[tuple[str, torch.Tensor]]:
@@ -62,13 +109,16 @@ def bucket_tensors(info: ObjectRefUpdateInfo) -> list[tuple[str, torch.Tensor]]:
                          f"{len(info.buffers)} buffers")
     out = []
     for name, dt, shape, buf in zip(info.names, info.dtype_names, info.shapes, info.buffers):
-        arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only object-store memory: vLLM's loaders only read it
-            t = torch.from_numpy(arr).view(getattr(torch, dt))
+        if isinstance(buf, torch.Tensor):
+            t = buf.view(getattr(torch, dt))
+        else:
+            arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only object-store memory: vLLM's loaders only read it
+                t = torch.from_numpy(arr).view(getattr(torch, dt))
         numel = int(np.prod(shape)) if shape else 1
         if t.numel() != numel:
-            raise ValueError(f"weight bucket: {name!r} has {arr.nbytes} bytes, not {dt} {list(shape)}")
+            raise ValueError(f"weight bucket: {name!r} has {t.numel() * t.element_size()} bytes, not {dt} {list(shape)}")
         out.append((name, t.view(*shape) if shape else t.view(())))
     return out
 
@@ -86,12 +136,35 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
     update_info_cls = ObjectRefUpdateInfo
 
     def init_transfer_engine(self, init_info: ObjectRefInitInfo) -> None:
+        """Reset the received names; join the collective transfer group when ``init_info`` names one (see
+        ``ObjectRefInitInfo``). Blocks until every member has joined or ``timeout_s`` passes.
+
+        Raises:
+            RuntimeError / DistStoreError: the rendezvous failed or timed out.
+        """
+        from datetime import timedelta
+
+        from vllm.distributed.utils import (
+            stateless_init_torch_distributed_process_group,
+        )
+
         self.received: set[str] = set()
+        self.loaded_buckets: set[int] = set()
+        self.aborted = ""
+        self.shutdown()
+        if init_info.master_address is None:
+            return
+        rank = int(init_info.rank_offset) + int(self.parallel_config.rank)
+        self.group = stateless_init_torch_distributed_process_group(
+            init_info.master_address, int(init_info.master_port), rank, int(init_info.world_size),
+            init_info.backend, timeout=timedelta(seconds=float(init_info.timeout_s)))
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.received = set()
+        self.loaded_buckets: set[int] = set()
+        self.aborted = ""
         if _is_cpu():
             for module in self.model.modules():
                 method = getattr(module, "quant_method", None)
@@ -104,13 +177,45 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
-    def receive_weights(self, info: ObjectRefUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    def _receive_flat(self, info: ObjectRefUpdateInfo) -> list[torch.Tensor] | None:
+        """The bucket's bytes from rank 0's broadcast over the transfer group, as one uint8 view per tensor;
+        None when there is no group or the broadcast failed or timed out (recorded in ``self.aborted``, the
+        group left: vLLM's worker would end the session if this raised, so it does not)."""
+        from torch.distributed import BroadcastOptions
 
+        group = getattr(self, "group", None)
+        if group is None:
+            self.aborted = f"{TRANSFER_ABORTED}: no transfer group (bucket {info.bucket})"
+            return None
+        total = sum(_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes))
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            group.broadcast([flat], opts).wait()
+        except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses with the cause
+            self.shutdown()
+            self.aborted = f"{TRANSFER_ABORTED} (bucket {info.bucket}): {str(err).splitlines()[0][:300]}"
+            return None
+        return flat_views(info, flat)
+
+    def receive_weights(self, info: ObjectRefUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        if info.bucket >= 0 and info.bucket in self.loaded_buckets:
+            return  # sent again through the object store after another member's collective receive failed
+        if info.collective:
+            info.buffers = self._receive_flat(info)
+            if info.buffers is None:
+                return
         tensors = bucket_tensors(info)
         with disable_mtp_completeness_check():
             self.model.load_weights(tensors)
         self.received.update(name for name, _ in tensors)
+        if info.bucket >= 0:
+            self.loaded_buckets.add(info.bucket)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -123,7 +228,17 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
                 lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def shutdown(self) -> None:
-        pass
+        """Leave the transfer group, if any (the object-store path needs none)."""
+        from vllm.distributed.utils import (
+            stateless_destroy_torch_distributed_process_group,
+        )
+
+        group, self.group = getattr(self, "group", None), None
+        if group is not None:
+            try:
+                stateless_destroy_torch_distributed_process_group(group)
+            except Exception:  # noqa: BLE001 - a group broken by a dead peer may refuse a clean shutdown
+                pass
 
 
 class RolloutWorkerExtension:
@@ -133,6 +248,12 @@ class RolloutWorkerExtension:
     def rollout_received_names(self) -> list[str]:
         engine = getattr(self, "weight_transfer_engine", None)
         return sorted(getattr(engine, "received", set()))
+
+    def rollout_take_transfer_abort(self) -> str:
+        """The failed collective receive since the last call ('' if none), then forget it."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        text, engine.aborted = getattr(engine, "aborted", ""), ""
+        return text
 
     def rollout_enable_routing_capture(self) -> list[int]:
         """Bind ``rollout.routing_capture.RoutingCapture`` to this worker's MoE routers (idempotent); returns

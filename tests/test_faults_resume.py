@@ -53,13 +53,16 @@ def ray_session():
 def test_engine_and_reward_worker_death_and_scaling(tmp_path, ray_session):
     import ray
 
+    # the weights go by broadcast (sync.transport=collective): the transfer group is rebuilt for every change of
+    # the engines (a death, a replacement, scaling down and up); the object store is the default, tested elsewhere
     t = _trainer(tmp_path, "faults", ["trainer.total_steps=5", "rollout.num_engines=2", "reward.num_workers=2",
-                                      "data.num_train=40"])
+                                      "data.num_train=40", "sync.transport=collective"])
     t.start()
     try:
         t.warm_start()
         m1 = t.rl_step()
         assert m1["fault/rollout_restarts"] == 0 and m1["rollout/num_engines"] == 2
+        assert t.last_sync["sync/collective"] == 1.0
         # an engine dies between steps: its share of the next step is generated again on a new engine
         _kill(t.fleet.pids()[1])
         m2 = t.rl_step()
@@ -78,6 +81,8 @@ def test_engine_and_reward_worker_death_and_scaling(tmp_path, ray_session):
         _kill(t.fleet.pids()[0])
         t._sync_weights(t.weight_version + 1)
         assert t.fleet.restarts == 2
+        t._sync_weights(t.weight_version + 1)  # both engines again, the new one included: a new group
+        assert t.last_sync["sync/collective"] == 1.0
         assert ray.get([e.weight_version.remote() for e in t.fleet.engines]) == [t.weight_version] * 2
         # a reward worker dies: replaced, its share rescored, nothing lost
         _kill(t.rewards.worker_pids()[0])

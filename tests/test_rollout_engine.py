@@ -12,7 +12,7 @@ from rollout.contracts import PromptRow
 from rollout.config import RolloutConfig
 from learner.weight_sync import to_checkpoint_format
 from rollout.engine import RolloutEngine
-from rollout.weight_sync import ObjectRefUpdateInfo, bucket_tensors
+from rollout.weight_sync import ObjectRefUpdateInfo, bucket_tensors, flat_views
 
 TOL = 1e-4
 TEMPERATURE = 0.7
@@ -149,6 +149,26 @@ def test_bucket_tensors_are_views_of_arrays_and_bytes():
     bad = ObjectRefUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[3, 3]], buffers=info.buffers[:1])
     with pytest.raises(ValueError, match="'a' has 24 bytes"):
         bucket_tensors(bad)
+
+
+def test_flat_bucket_round_trip_and_size_check():
+    """A broadcast bucket (``sync.transport=collective``): the learner packs tensors back to back in one uint8
+    buffer; the engine cuts views at byte offsets 24 (2x3 float32), 32 (+4 bfloat16), 40 (+ one int64 scalar)."""
+    from learner.weight_sync import pack_flat
+
+    a, b, c = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.bfloat16), torch.tensor(7)
+    meta, flat = pack_flat({"a": a, "b": b.t(), "c": c}, 3)
+    assert meta == {"names": ["a", "b", "c"], "dtype_names": ["float32", "bfloat16", "int64"],
+                    "shapes": [[2, 3], [4], []], "bucket": 3}
+    assert flat.dtype == torch.uint8 and flat.shape == (40,)
+    info = ObjectRefUpdateInfo(names=meta["names"], dtype_names=meta["dtype_names"], shapes=meta["shapes"])
+    views = flat_views(info, flat)
+    assert [v.numel() for v in views] == [24, 8, 8] and views[1].data_ptr() == flat.data_ptr() + 24  # no copy
+    info.buffers = views
+    (_, ta), (_, tb), (_, tc) = bucket_tensors(info)
+    assert torch.equal(ta, a) and torch.equal(tb, b) and tc.item() == 7 and tc.shape == ()
+    with pytest.raises(ValueError, match="flat buffer of 39 bytes .* needs 40"):
+        flat_views(info, flat[:39])
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM

@@ -60,3 +60,42 @@ def test_tp2_engine_loads_a_sync_exactly(ray_cluster, tmp_path):
     finally:
         for e in engines.values():
             ray.kill(e)
+
+
+def test_tp2_engine_loads_a_collective_sync_exactly(ray_cluster, tmp_path):
+    """``sync.transport=collective`` with a TP=2 engine: both of its workers join the transfer group (ranks 2
+    and 3 after a TP=1 engine's rank 1; this process sends as rank 0 over gloo); every worker receives the
+    whole bucket and loads its shard; log-probs equal the TP=1 engine's after the sync."""
+    from cluster.tiny_model import build_tiny_moe
+    from learner.weight_sync import TransferGroup, _Fanout, pack_flat
+    from rollout.engine import RolloutEngine
+
+    ray = ray_cluster
+    build_tiny_moe(tmp_path / "m", seed=0)
+    path = str(tmp_path / "m")
+    env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
+    engines = [ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(
+        path, RolloutConfig(max_model_len=64, max_response_tokens=4, tensor_parallel_size=tp, in_process=tp == 1),
+        engine_index=0, cache_dir=str(tmp_path / f"cache{tp}")) for tp in (1, 2)]
+    group = None
+    try:
+        before = [torch.tensor(ray.get(e.sequence_logprobs.remote(SEQ, START))) for e in engines]
+        fan = _Fanout(engines, timeout_s=120)
+        fan.wait(fan.call("start_weight_update"))
+        group = TransferGroup(fan, ("tp1", "tp2"), "gloo", timeout_s=60)
+        state = perturbed_state(path)
+        names = list(state)
+        for index, lo in enumerate(range(0, len(names), 7)):
+            meta, flat = pack_flat({n: state[n] for n in names[lo : lo + 7]}, index)
+            calls = fan.call("update_weights", meta, None)
+            group.broadcast(flat)
+            assert len(fan.wait(calls)) == 2, fan.failed
+        assert len(fan.wait(fan.call("finish_weight_update", 1))) == 2, fan.failed
+        after = [torch.tensor(ray.get(e.sequence_logprobs.remote(SEQ, START))) for e in engines]
+        assert (after[0] - before[0]).abs().max().item() > 0.1  # the sync changed the weights
+        assert (after[0] - after[1]).abs().max().item() < TOL
+    finally:
+        if group is not None:
+            group.close()
+        for e in engines:
+            ray.kill(e)

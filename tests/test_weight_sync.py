@@ -80,8 +80,10 @@ def learner_logprobs(ray, learner, seq: list[int], start: int) -> torch.Tensor:
     return ray.get(learner.compute_log_probs.remote(batch))[0][resp[0]]
 
 
-@pytest.mark.parametrize("kind,zero_stage", [("moe", 3), ("moe_tied", 2), ("dense_tied", 2)])
-def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero_stage):
+@pytest.mark.parametrize("kind,zero_stage,transport", [
+    ("moe", 3, "object_store"), ("moe_tied", 2, "object_store"), ("dense_tied", 2, "object_store"),
+    ("moe", 3, "collective"), ("moe_tied", 2, "collective")])
+def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero_stage, transport):
     from cluster.common import free_port
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
@@ -104,8 +106,9 @@ def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero
         seq, start = [1] + [5 + (i * 7) % 50 for i in range(30)], 6
         for version in (1, 2):
             ray.get(learner.sft_step.remote(sft_batch(version), 8 * 11))
-            report = ray.get(learner.sync_weights.remote([engine, dead, hung], version, 0.01, 2, 2.0))
+            report = ray.get(learner.sync_weights.remote([engine, dead, hung], version, 0.01, 2, 2.0, transport))
             assert sorted(report["failed_engines"]) == [1, 2]  # dead and hung engines are reported, not raised
+            assert (report["transport"], report["fallback"]) == (transport, "")  # the group left them out
             assert "engine_timeout_s" in report["failed_engines"][2]
             assert report["buckets"] > 2
             # the one live engine's own load seconds, summed over buckets: within the sync (its calls run in turn)
@@ -118,4 +121,72 @@ def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero
             assert diff < TOL, (kind, version, diff)
     finally:
         for a in (learner, engine, hung):
+            ray.kill(a)
+
+
+class DyingEngine:
+    """A real rollout engine whose process exits when asked to load bucket ``die_at`` of a sync."""
+
+    def __init__(self, *args, die_at: int, **kwargs):
+        from rollout.engine import RolloutEngine
+
+        self.engine, self.die_at = RolloutEngine(*args, **kwargs), die_at
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["engine"], name)
+
+    def transfer_world_size(self) -> int:
+        return self.engine.transfer_world_size()
+
+    def init_weight_transfer_group(self, info) -> None:
+        self.engine.init_weight_transfer_group(info)
+
+    def start_weight_update(self) -> None:
+        self.engine.start_weight_update()
+
+    def update_weights(self, meta, buffers) -> float:
+        import os
+
+        if meta.get("bucket") == self.die_at:
+            os._exit(1)
+        return self.engine.update_weights(meta, buffers)
+
+    def pid(self) -> int:
+        return self.engine.pid()
+
+
+def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path):
+    """``sync.transport=collective``: an engine process that dies half-way through a sync breaks the broadcast;
+    the object store carries the rest of the sync to the live engine, which ends exact; the dead one is reported.
+    The next sync builds a new group without it."""
+    from cluster.common import free_port
+    from learner.service import LearnerRank
+    from rollout.engine import RolloutEngine
+
+    ray = ray_cluster
+    path = build_model(tmp_path / "moe", "moe")
+    cfg = LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-2)
+    learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
+        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
+    env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
+    rc = RolloutConfig(max_model_len=64, max_response_tokens=4)
+    engine = ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(path, rc, cache_dir=str(tmp_path / "c1"))
+    dying = ray.remote(DyingEngine).options(num_cpus=0, runtime_env=env, max_restarts=0).remote(
+        path, rc, die_at=2, cache_dir=str(tmp_path / "c2"))
+    try:
+        ray.get([learner.pid.remote(), engine.pid.remote(), dying.pid.remote()])
+        seq, start = [1] + [5 + (i * 7) % 50 for i in range(30)], 6
+        ray.get(learner.sft_step.remote(sft_batch(1), 8 * 11))
+        report = ray.get(learner.sync_weights.remote([engine, dying], 1, 0.01, 2, 10.0, "collective"))
+        assert sorted(report["failed_engines"]) == [1]
+        assert report["fallback"].startswith("bucket ") and report["transport"] == "object_store"
+        engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
+        assert (engine_lp - learner_logprobs(ray, learner, seq, start)).abs().max().item() < TOL
+        ray.get(learner.sft_step.remote(sft_batch(2), 8 * 11))
+        report = ray.get(learner.sync_weights.remote([engine], 2, 0.01, 2, 10.0, "collective"))
+        assert (report["transport"], report["fallback"], report["failed_engines"]) == ("collective", "", {})
+        engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
+        assert (engine_lp - learner_logprobs(ray, learner, seq, start)).abs().max().item() < TOL
+    finally:
+        for a in (learner, engine, dying):
             ray.kill(a)
