@@ -91,7 +91,15 @@ class LearnerConfig(Section):
     fused_optimizer: bool = Field(
         True,
         description="torch's fused AdamW kernel (fused=True: one pass over each parameter; about 3.5x faster "
-        "than the per-tensor loop on this CPU, bench/learner.py); false = torch's default implementation",
+        "than the per-tensor loop on this CPU, bench/learner.py); false = torch's default implementation. "
+        "Unused with offload_optimizer='cpu' (DeepSpeed's CPU Adam steps instead)",
+    )
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        "none",
+        description="DeepSpeed ZeRO-Offload of the optimizer: 'cpu' keeps the fp32 master weights, Adam's moments "
+        "and the fp32 gradient partitions in host RAM (pinned on GPUs) and steps them with DeepSpeed's CPU Adam "
+        "(deepspeed.ops.adam.DeepSpeedCPUAdam, AdamW mode, the same lr, betas, weight decay and parameter groups; "
+        "JIT-built by DeepSpeed on first use); needs zero_stage >= 1. 'none' = the torch AdamW on the device",
     )
     pre_update_pass: Literal["auto", "always", "never"] = Field(
         "auto",
@@ -185,6 +193,11 @@ class LearnerConfig(Section):
                 "learner.dtype='bfloat16' with learner.zero_stage=0: DeepSpeed accumulates stage-0 bf16 gradients "
                 "in bf16 (fp32 accumulation, data_types.grad_accum_dtype='fp32', needs ZeRO stage 1, 2 or 3); "
                 "use learner.zero_stage >= 1 or learner.dtype='float32'"
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(
+                f"learner.offload_optimizer={self.offload_optimizer!r} with learner.zero_stage=0: DeepSpeed offloads "
+                "only a ZeRO optimizer's partitions; use learner.zero_stage >= 1 or learner.offload_optimizer='none'"
             )
         if self.max_threads_per_rank is not None and self.max_threads_per_rank < self.threads_per_rank:
             raise ValueError(f"learner.max_threads_per_rank={self.max_threads_per_rank} is below "

@@ -29,7 +29,10 @@ def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False) -
         bfloat16, gradients accumulated in fp32 whatever the dtype (``data_types.grad_accum_dtype``; DeepSpeed's
         default is the model's dtype, and it accumulates bf16 weights' gradients in fp32 at ZeRO stages 1-3
         only, which ``LearnerConfig`` enforces), global-norm gradient clipping ``cfg.grad_clip``, and a client
-        (torch) optimizer allowed.
+        optimizer allowed. With ``cfg.offload_optimizer == "cpu"``: ``zero_optimization.offload_optimizer =
+        {"device": "cpu", "pin_memory": on_gpu}`` (page-locked host buffers speed the GPU's copies; on the CPU
+        there is nothing to copy from); the client optimizer must then be DeepSpeed's CPU Adam, which DeepSpeed
+        checks itself (``zero_force_ds_cpu_optimizer``, left at its default).
 
     Raises:
         ValueError: ``world_size < 1``.
@@ -42,6 +45,8 @@ def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False) -
         zero.update({"overlap_comm": bool(on_gpu), "contiguous_gradients": True})
     if cfg.zero_stage == 3 and cfg.zero3_param_persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = int(cfg.zero3_param_persistence_threshold)
+    if cfg.offload_optimizer == "cpu":  # LearnerConfig refuses it at stage 0
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(on_gpu)}
     return {
         "train_micro_batch_size_per_gpu": int(cfg.micro_batch_size),
         "gradient_accumulation_steps": 1,

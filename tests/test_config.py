@@ -53,6 +53,7 @@ def test_overrides_are_typed():
         ("learner.kl_estimator=k4", "learner.kl_estimator"),
         ("rollout.top_p=0.9", "rollout.top_p=0.9"),
         ("learner.zero_stage=5", "learner.zero_stage"),
+        ("learner.offload_optimizer=gpu", "learner.offload_optimizer"),
         ("sync.engine_timeout_s=400", "sync.engine_timeout_s=400 must be below learner.dist_timeout_s=300"),
     ],
 )
@@ -60,6 +61,19 @@ def test_bad_values_name_key_and_value(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
     assert needle in str(err.value)
+
+
+def test_optimizer_offload_needs_a_zero_stage():
+    """learner.offload_optimizer: 'none' by default, 'cpu' at ZeRO stages 1-3; at stage 0 refused, naming both
+    keys and their values (DeepSpeed offloads a ZeRO optimizer's partitions only)."""
+    assert load_config(TINY).learner.offload_optimizer == "none"
+    for stage in (1, 2, 3):
+        cfg = load_config(TINY, [f"learner.zero_stage={stage}", "learner.offload_optimizer=cpu"])
+        assert cfg.learner.offload_optimizer == "cpu" and cfg.learner.zero_stage == stage
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["learner.zero_stage=0", "learner.offload_optimizer=cpu"])
+    assert "learner.offload_optimizer='cpu' with learner.zero_stage=0" in str(err.value)
+    assert LearnerConfig(zero_stage=0, offload_optimizer="none").zero_stage == 0
 
 
 def test_grpo_accepts_token_mean():

@@ -65,3 +65,34 @@ def test_partitioned_build_and_reference_refusal():
     with pytest.raises(ValueError, match="learner.kl_coef=0.1 with learner.zero_stage=3 on GPUs"):
         LearnerConfig(zero_stage=3, kl_coef=0.1, num_gpus_per_rank=1)
     assert LearnerConfig(zero_stage=3, kl_coef=0.1).kl_coef == 0.1  # the CPU keeps its unsharded reference
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_optimizer_offload_to_cpu(zero_stage):
+    """learner.offload_optimizer='cpu': ZeRO's offload_optimizer section, host memory pinned on GPUs only; the
+    CPU Adam that DeepSpeed insists on is built by learner.service.build_optimizer, so DeepSpeed's check
+    (zero_force_ds_cpu_optimizer) stays at its default; everything else is the config without offload."""
+    cfg = LearnerConfig(zero_stage=zero_stage, dtype="bfloat16", offload_optimizer="cpu")
+    on_cpu, on_gpu = build_ds_config(cfg, world_size=8), build_ds_config(cfg, world_size=8, on_gpu=True)
+    assert on_cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert on_gpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "zero_force_ds_cpu_optimizer" not in on_gpu
+    plain = build_ds_config(cfg.model_copy(update={"offload_optimizer": "none"}), world_size=8, on_gpu=True)
+    del on_gpu["zero_optimization"]["offload_optimizer"]
+    assert on_gpu == plain
+
+
+def test_no_offload_section_by_default():
+    for stage in (0, 1, 2, 3):
+        ds = build_ds_config(LearnerConfig(zero_stage=stage), world_size=1, on_gpu=True)
+        assert "offload_optimizer" not in ds["zero_optimization"]
+
+
+def test_deepspeed_reads_the_offload_section():
+    """DeepSpeed's own config parser turns the section into ZeRO-Offload to the CPU, pinned as asked."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    ds = build_ds_config(LearnerConfig(zero_stage=3, offload_optimizer="cpu"), world_size=2, on_gpu=True)
+    zero = DeepSpeedZeroConfig(**ds["zero_optimization"])
+    assert zero.offload_optimizer.device == OffloadDeviceEnum.cpu and zero.offload_optimizer.pin_memory is True
