@@ -206,6 +206,7 @@ class Replica:
             # float64 copy of every gradient took a sixth of the small workload's learner time).
             grads = [p.grad.detach() for p in self.engine.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else 0.0
+        state.reset_cpu_adam_cache(self.engine)  # CPU Adam (offload): no step history outside optimizer.state
         self.engine.step()
         self.optimizer_steps += 1
         if norm is None:
@@ -223,7 +224,7 @@ class Replica:
         self.capture.setdefault("steps", []).append(grads)
 
     def base_optimizer(self) -> torch.optim.Optimizer:
-        """The torch AdamW underneath DeepSpeed's wrappers."""
+        """The optimizer underneath DeepSpeed's wrappers (torch's AdamW, or CPU Adam with offload)."""
         return state.base_optimizer(self.engine)
 
     # -- exact snapshot / restore (health guard) -----------------------------------------------------------

@@ -106,6 +106,27 @@ def param_groups(model: torch.nn.Module, cfg: LearnerConfig) -> list[dict]:
              "lr_scale": cfg.router_lr_scale}]
 
 
+def build_optimizer(model: torch.nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """The client optimizer handed to ``deepspeed.initialize``: AdamW over ``param_groups(model, cfg)`` at
+    ``learner.lr``, ``adam_betas``, ``weight_decay`` (eps 1e-8 in both). ``offload_optimizer='none'``: torch's
+    AdamW (``fused`` per ``learner.fused_optimizer``); ``'cpu'``: DeepSpeed's CPU Adam in AdamW mode (decoupled
+    weight decay), the optimizer DeepSpeed requires next to ZeRO-Offload (``zero_force_ds_cpu_optimizer``).
+
+    Raises:
+        ValueError: ``router_lr_scale != 1`` on a model without expert routers (``param_groups``).
+        RuntimeError: DeepSpeed's ``cpu_adam`` op fails to build or load (it is JIT-compiled with the C++
+            toolchain on first use and cached under ``~/.cache/torch_extensions``).
+    """
+    groups = param_groups(model, cfg)
+    if cfg.offload_optimizer == "cpu":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay,
+                                adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay,
+                             fused=cfg.fused_optimizer or None)
+
+
 def _keep_checkpointing_on(model: torch.nn.Module) -> int:
     """Put the checkpointed decoder layers of an ``eval()`` model back in training mode, and only them.
 
@@ -127,8 +148,8 @@ def _keep_checkpointing_on(model: torch.nn.Module) -> int:
 
 
 def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: int, temperature: float) -> Replica:
-    """The policy under DeepSpeed (AdamW, the config's ZeRO stage), the reference model when ``kl_coef > 0``
-    and the MoE router tap, wrapped as this rank's ``Replica``."""
+    """The policy under DeepSpeed (``build_optimizer``'s AdamW, the config's ZeRO stage and offload), the reference
+    model when ``kl_coef > 0`` and the MoE router tap, wrapped as this rank's ``Replica``."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from transformers import AutoModelForCausalLM
@@ -152,10 +173,8 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
                          "expert router")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                                  weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
+        model=model, optimizer=build_optimizer(model, cfg), config=ds_config, dist_init_required=False
     )
     if partitioned:
         del hf_ds

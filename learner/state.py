@@ -22,7 +22,8 @@ COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")  #
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch AdamW underneath DeepSpeed's wrappers (ZeRO, bf16)."""
+    """The optimizer underneath DeepSpeed's wrappers (ZeRO, bf16): torch's AdamW, or DeepSpeed's CPU Adam with
+    ``learner.offload_optimizer='cpu'``."""
     opt = engine.optimizer
     while not isinstance(opt, torch.optim.Optimizer) or type(opt).__module__.startswith("deepspeed"):
         inner = getattr(opt, "optimizer", None)
@@ -30,6 +31,31 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
             break
         opt = inner
     return opt
+
+
+def reset_cpu_adam_cache(engine) -> bool:
+    """Give DeepSpeed's CPU Adam (``learner.offload_optimizer='cpu'``) a fresh C++ optimizer before a step.
+
+    The C++ side keeps a hidden cache beside ``optimizer.state``: the last step count and ``beta ** step``,
+    multiplied by ``beta`` when the next step is the previous one + 1 and recomputed with ``pow`` otherwise
+    (``csrc/includes/cpu_adam.h``, ``IncrementStep``). The bias correction of a step then depends on the
+    history (a rolled-back step, a resumed process), and float rounding makes the two routes differ. A fresh
+    C++ optimizer per step makes every step's bias correction ``pow(beta, step)`` of the step count in
+    ``optimizer.state`` alone, so ``restore`` and a checkpoint load continue bit for bit as if uninterrupted.
+    The hyperparameters given here are replaced by the group's at every update. Local.
+
+    Returns:
+        Whether the engine steps with DeepSpeed's CPU Adam (False: nothing to do).
+    """
+    opt = base_optimizer(engine)
+    op = getattr(opt, "ds_opt_adam", None)
+    if op is None:
+        return False
+    group = opt.param_groups[0]
+    beta1, beta2 = group["betas"]
+    op.create_adam(opt.opt_id, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], opt.adam_w_mode,
+                   False)
+    return True
 
 
 def full_params(engine, zero3: bool, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:

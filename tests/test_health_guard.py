@@ -125,16 +125,22 @@ def test_nonfinite_rollout_log_prob_is_refused_before_any_update(model_path, val
 
 
 @pytest.mark.parametrize(
-    "zero_stage,dtype",
-    [(0, "float32"), (1, "float32"), (2, "float32"), (3, "float32"), (1, "bfloat16"), (2, "bfloat16")],
+    "zero_stage,dtype,offload",
+    [(0, "float32", "none"), (1, "float32", "none"), (2, "float32", "none"), (3, "float32", "none"),
+     (1, "bfloat16", "none"), (2, "bfloat16", "none"), (2, "float32", "cpu"), (3, "bfloat16", "cpu")],
 )
-def test_refused_step_is_undone_exactly_and_training_continues_as_if_never_seen(model_path, zero_stage, dtype):
+def test_refused_step_is_undone_exactly_and_training_continues_as_if_never_seen(model_path, zero_stage, dtype,
+                                                                                offload):
     """good step -> a step refused after both its optimizer steps ran (clip fraction above a limit of 0) ->
     good step: weights and optimizer state equal, bit for bit, those of a run with only the two good steps.
     ZeRO-3 with every parameter partitioned (persistence threshold 0); bf16 keeps fp32 master partitions
-    (DeepSpeed's bf16 optimizer at stage 1, the ZeRO optimizer at stage 2; gradients accumulated in fp32)."""
+    (DeepSpeed's bf16 optimizer at stage 1, the ZeRO optimizer at stage 2; gradients accumulated in fp32).
+    With optimizer offload the fp32 partitions and DeepSpeed's CPU Adam live on the host; the good steps after
+    the rollback are steps 3 and 4, where CPU Adam's own step cache would have differed from the clean run's
+    (``learner.state.reset_cpu_adam_cache``)."""
     cfg = LearnerConfig(algorithm="gspo", zero_stage=zero_stage, dtype=dtype, micro_batch_size=2, lr=1e-3,
-                        num_minibatches=2, zero3_param_persistence_threshold=0 if zero_stage == 3 else None)
+                        num_minibatches=2, zero3_param_persistence_threshold=0 if zero_stage == 3 else None,
+                        offload_optimizer=offload)
     good1 = [make_batch(model_path, 4, seed=s) for s in (51, 52)]
     bad = [make_batch(model_path, 4, seed=s, noise=2e-3) for s in (53, 54)]
     good2 = [make_batch(model_path, 4, seed=s) for s in (55, 56)]
