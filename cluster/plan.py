@@ -24,6 +24,18 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   ``cluster.memory_model.micro_batch_tokens`` tokens: activations (with or without
   ``learner.gradient_checkpointing``; both are reported), logits, and under ZeRO-3 the gathered parameters
   (``cluster/memory_model.py`` has the formulas and their sources).
+
+  With ``learner.offload_optimizer: cpu`` (ZeRO-Offload; DeepSpeed 0.19.8 ``deepspeed/runtime/zero/stage3.py``
+  and ``stage_1_and_2.py``; tests/test_optimizer_offload.py counts the host buffers of a real engine) the
+  optimizer term leaves the GPU (``optimizer = 0``), and at ZeRO-3 so do the gradient partitions
+  (``gradients = 0``: stage 3 allocates them on its optimizer device, the host; stages 1-2 still reduce them,
+  and in bf16 accumulate them, on the GPU). Each rank holds instead, in host RAM (``learner_host_offload_gib``):
+
+      optimizer = 12 P / N                  (the fp32 master partition, a host copy in either dtype, and
+                                             Adam's two moments)
+      gradients = 4 P / N x (2 at stage 3 or in float32, else 1)
+                                            (the fp32 gradient CPU Adam steps with, and the fp32 accumulation
+                                             buffer where the host holds it)
 - rollout engine GPU: vLLM claims ``rollout.gpu_memory_utilization`` x the GPU's memory; inside it the weights
   take b_r P / ``tensor_parallel_size`` (b_r from ``rollout.dtype``; every expert of an MoE stays resident) plus
   ``ROLLOUT_OVERHEAD_GIB`` (activations, CUDA graphs); the rest is KV cache (on the CPU: ``rollout.kv_cache_gb``).
@@ -32,7 +44,8 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   rollout.max_response_tokens``) do not fit at once is refused.
 - host RAM per node (``host_ram_gib``): every process's base (``HOST_PROCESS_GIB``), the learner's host-side
   copies (a full ``b P`` per rank while loading unless ZeRO-3 builds it partitioned; ``b P`` more on rank 0 for
-  the Hugging Face export of a checkpoint), the object store's weight-sync buckets in flight on every node
+  the Hugging Face export of a checkpoint), each rank's offloaded optimizer state and gradients (above, with
+  ``learner.offload_optimizer: cpu``), the object store's weight-sync buckets in flight on every node
   that sends or receives them, and on the CPU everything the GPU would hold. Checked against
   ``cluster.host_memory_gib`` when set.
 - a GPU shared by fractional requests (``num_gpus_per_rank`` or ``num_gpus_per_engine`` below 1) must hold the
@@ -72,8 +85,17 @@ class PlanError(ConfigError):
     """The run does not fit the GPUs it asks for; the message names the fields and the numbers."""
 
 
+def _check_learner_args(num_params: float, zero_stage: int, dtype: str, world_size: int) -> None:
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"learner dtype {dtype!r}: expected 'bfloat16' or 'float32'")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    if world_size < 1 or num_params <= 0:
+        raise ValueError(f"world_size={world_size!r} must be >= 1 and num_params={num_params!r} > 0")
+
+
 def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int,
-                       reference_model: bool = False) -> dict[str, float]:
+                       reference_model: bool = False, offload_optimizer: bool = False) -> dict[str, float]:
     """Static memory of one learner rank (see the module docstring for the formula and its source).
 
     Args:
@@ -82,19 +104,20 @@ def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_
         dtype: training dtype, ``"bfloat16"`` or ``"float32"``.
         world_size: data-parallel ranks N (>= 1).
         reference_model: a frozen reference copy is held (``kl_coef > 0``).
+        offload_optimizer: ZeRO-Offload of the optimizer to the host (``learner.offload_optimizer='cpu'``): the
+            optimizer term, and at stage 3 the gradient term, are 0 here (``learner_host_offload_gib`` has them).
 
     Returns:
-        GiB per rank: ``weights``, ``gradients``, ``optimizer``, ``reference``, ``overhead`` and ``total``.
+        GiB per rank on its device: ``weights``, ``gradients``, ``optimizer``, ``reference``, ``overhead`` and
+        ``total``.
 
     Raises:
-        ValueError: unknown dtype, a stage outside 0-3, ``world_size < 1`` or ``num_params <= 0``.
+        ValueError: unknown dtype, a stage outside 0-3 (or 0 with ``offload_optimizer``), ``world_size < 1`` or
+            ``num_params <= 0``.
     """
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"learner dtype {dtype!r}: expected 'bfloat16' or 'float32'")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
-    if world_size < 1 or num_params <= 0:
-        raise ValueError(f"world_size={world_size!r} must be >= 1 and num_params={num_params!r} > 0")
+    _check_learner_args(num_params, zero_stage, dtype, world_size)
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
     b = _BYTES[dtype]
     k = 12 if dtype == "bfloat16" else 8
     n = world_size
@@ -104,9 +127,37 @@ def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_
         "optimizer": k * num_params / (n if zero_stage >= 1 else 1),
         "reference": b * num_params if reference_model else 0.0,
     }
+    if offload_optimizer:
+        parts["optimizer"] = 0.0
+        if zero_stage == 3:
+            parts["gradients"] = 0.0
     out = {key: v / _GIB for key, v in parts.items()}
     out["overhead"] = LEARNER_OVERHEAD_GIB
     out["total"] = sum(out.values())
+    return out
+
+
+def learner_host_offload_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int) -> dict[str, float]:
+    """Host RAM one learner rank adds with ``learner.offload_optimizer='cpu'`` (module docstring).
+
+    Args:
+        num_params, zero_stage, dtype, world_size: as for ``learner_memory_gib`` (P, stage 1-3, N).
+
+    Returns:
+        GiB per rank: ``optimizer`` (``12 P / N``: the fp32 master partition, a host copy in either dtype,
+        and Adam's two moments), ``gradients`` (``4 P / N`` fp32, twice at stage 3 or in float32) and
+        ``total``.
+
+    Raises:
+        ValueError: as ``learner_memory_gib``, and ``zero_stage == 0`` (nothing to offload).
+    """
+    _check_learner_args(num_params, zero_stage, dtype, world_size)
+    if zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
+    grad_copies = 2 if zero_stage == 3 or dtype == "float32" else 1
+    out = {"optimizer": 12 * num_params / world_size / _GIB,
+           "gradients": grad_copies * 4 * num_params / world_size / _GIB}
+    out["total"] = out["optimizer"] + out["gradients"]
     return out
 
 
@@ -409,8 +460,11 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
     """
     lc, rc = cfg.learner, cfg.rollout
     shape, p = model_shape(cfg), num_params(cfg)
+    offload = lc.offload_optimizer == "cpu"
     lm = learner_memory_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
-                            reference_model=lc.kl_coef > 0)
+                            reference_model=lc.kl_coef > 0, offload_optimizer=offload)
+    host_off = (learner_host_offload_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size)
+                if offload else {"total": 0.0})
     work = learner_working_gib(cfg, shape, p)
     if work:
         lm = {**{k: v for k, v in lm.items() if k != "total"}, **{k: v for k, v in work.items() if k != "total"},
@@ -420,14 +474,17 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
         "learner_per_rank_gib": {k: round(v, 2) if k != "micro_batch_tokens" else v for k, v in lm.items()},
         "learner_formula": f"ZeRO-{lc.zero_stage}, {lc.dtype}, AdamW, N={lc.world_size}"
         + (", + reference model" if lc.kl_coef > 0 else "")
-        + (f", gradient checkpointing {'on' if lc.gradient_checkpointing else 'off'}" if work else ""),
+        + (f", gradient checkpointing {'on' if lc.gradient_checkpointing else 'off'}" if work else "")
+        + (", optimizer offloaded to host RAM (CPU Adam)" if offload else ""),
     }
+    if offload:
+        mem["learner_host_offload_per_rank_gib"] = {k: round(v, 2) for k, v in host_off.items()}
     if gpu_memory_gib is None:
         mem["checked"] = False
         mem["why"] = "no GPUs requested: the learner and the engines live in host RAM (host_ram_gib)"
         if shape is not None:
             mem["rollout_kv"] = engine_kv(cfg, shape, rc.kv_cache_gb)
-        mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=False)
+        mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=False, offloaded=host_off["total"])
         return mem
 
     g = gpu_memory_gib
@@ -443,7 +500,7 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
         raise PlanError(_over_budget_message(cfg, lm, claims, used, name, users, g))
     if rc.num_gpus_per_engine and shape is not None:
         mem["rollout_kv"] = engine_kv(cfg, shape, mem["rollout_per_gpu_gib"]["kv_cache"])
-    mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=True)
+    mem["host_ram_gib"] = host_ram_gib(cfg, nodes, lm, p, on_gpu=True, offloaded=host_off["total"])
     warnings = []
     if "learner" in claims:
         free = g * min(1.0, lc.num_gpus_per_rank) - claims["learner"]
@@ -464,8 +521,11 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
     return mem
 
 
-def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float, *, on_gpu: bool) -> dict[str, Any]:
+def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float, *, on_gpu: bool,
+                 offloaded: float = 0.0) -> dict[str, Any]:
     """Host RAM per node, GiB (module docstring): ``{"node i": {...parts, "total"}}``, plus ``checked``.
+    ``offloaded``: GiB each learner rank keeps on the host for ZeRO-Offload (``learner_host_offload_gib``'s
+    total; part ``learner_optimizer_offload``).
 
     Raises:
         PlanError: a node's total exceeds ``cluster.host_memory_gib``.
@@ -486,7 +546,8 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
         ranks = sum(a.startswith("learner") for a in n.actors)
         engines = sum(a.startswith("rollout") for a in n.actors)
         workers = sum(a.startswith("reward") for a in n.actors)
-        parts = {"learner_ranks": ranks * rank, "checkpoint_export_rank0": full if ranks else 0.0,
+        parts = {"learner_ranks": ranks * rank, "learner_optimizer_offload": ranks * offloaded,
+                 "checkpoint_export_rank0": full if ranks else 0.0,
                  "engines": engines * engine, "reward_workers": workers * HOST_PROCESS_GIB["reward"],
                  "object_store_sync": buckets if ranks or engines else 0.0}
         parts = {k: round(v, 2) for k, v in parts.items()}
@@ -495,8 +556,10 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
         if limit is not None and parts["total"] > limit:
             raise PlanError(
                 f"host RAM over budget on node {n.index}: {parts['total']:.1f} GiB needed > cluster.host_memory_gib="
-                f"{limit} ({parts}); with ZeRO-3 (learner.zero_stage=3) the ranks load the model partitioned, or "
-                "spread the services over more nodes")
+                f"{limit} ({parts}); with ZeRO-3 (learner.zero_stage=3) the ranks load the model partitioned"
+                + (f", learner.offload_optimizer='cpu' keeps {offloaded:.1f} GiB per rank on the host (raise "
+                   "learner.world_size, or offload 'none' where the GPUs hold the optimizer)" if offloaded else "")
+                + ", or spread the services over more nodes")
     out["checked"] = limit is not None
     return out
 
@@ -559,6 +622,8 @@ def _over_budget_message(cfg: Config, lm: dict[str, float], claims: dict[str, fl
         fixes.append("lower learner.max_tokens_per_micro_batch (or micro_batch_size)")
     if lc.zero_stage < 3:
         fixes.append(f"raise learner.zero_stage (now {lc.zero_stage})")
+    if lc.offload_optimizer == "none" and lc.zero_stage >= 1:
+        fixes.append("offload the optimizer to host RAM (learner.offload_optimizer=cpu)")
     fixes.append("raise learner.world_size")
     if lc.dtype == "float32":
         fixes.append("train in learner.dtype=bfloat16")

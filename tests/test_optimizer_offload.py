@@ -115,3 +115,45 @@ def test_offloaded_checkpoint_resumes_bit_for_bit(model_path, tmp_path):
     _step(learner, b3)
     _step(learner, b4)
     assert (learner.state_digest(), learner.optimizer_state_digest()) == uninterrupted
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _host_offload_bytes(learner) -> tuple[int, int]:
+    """(optimizer, gradient) bytes of the buffers DeepSpeed's ZeRO-Offload keeps on its optimizer device (the
+    host): the fp32 master partitions and CPU Adam's moments; the fp32 gradient the optimizer steps with, plus
+    stage 3's flat gradient partitions or stages 1-2's host accumulation buffers."""
+    opt, base = learner.engine.optimizer, learner.replica.base_optimizer()
+    moments = [v for st in base.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    if learner.cfg.zero_stage == 3:
+        masters = opt.fp32_partitioned_groups_flat
+        accumulation = [opt.grad_partitions_flat_buffer]
+    else:
+        masters = opt.single_partition_of_fp32_groups
+        accumulation = list(opt.accumulated_grads_in_cpu.values())
+    return _nbytes(masters) + _nbytes(moments), _nbytes([m.grad for m in masters]) + _nbytes(accumulation)
+
+
+@pytest.mark.parametrize("zero_stage,dtype", [(3, "bfloat16"), (2, "bfloat16"), (2, "float32")])
+def test_plan_counts_the_offloaded_buffers(model_path, zero_stage, dtype):
+    """cluster.plan.learner_host_offload_gib against a real engine after a step of 3 micro-batches (one rank,
+    so N = 1): 12 bytes a parameter of optimizer state, 4 or 8 of gradients; at ZeRO-3 DeepSpeed's optimizer
+    device, where it also puts the gradient partitions, is the host. DeepSpeed pads partitions for alignment,
+    hence 1 %."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    from cluster.plan import learner_host_offload_gib
+
+    cfg = LearnerConfig(zero_stage=zero_stage, dtype=dtype, micro_batch_size=2, lr=1e-3, num_minibatches=1,
+                        offload_optimizer="cpu")
+    learner = _rank(model_path, cfg)
+    _step(learner, make_batch(model_path, 5, seed=1))
+    p = sum(int(getattr(q, "ds_numel", q.numel())) for q in learner.engine.module.parameters())
+    want = learner_host_offload_gib(float(p), zero_stage=zero_stage, dtype=dtype, world_size=1)
+    got_opt, got_grad = _host_offload_bytes(learner)
+    assert got_opt / 2**30 == pytest.approx(want["optimizer"], rel=0.01)
+    assert got_grad / 2**30 == pytest.approx(want["gradients"], rel=0.01)
+    if zero_stage == 3:
+        assert learner.engine.optimizer.device == OffloadDeviceEnum.cpu

@@ -14,6 +14,7 @@ from cluster.config import load_config
 from cluster.plan import (
     PlanError,
     cpu_oversubscription,
+    learner_host_offload_gib,
     learner_memory_gib,
     plan,
     rollout_weights_gib,
@@ -49,6 +50,28 @@ def test_learner_memory_hand_values():
     # float32: 4-byte weights and gradients, Adam's two moments only (8 bytes); a KL reference adds a full copy.
     f = learner_memory_gib(p, zero_stage=0, dtype="float32", world_size=1, reference_model=True)
     assert (f["weights"], f["gradients"], f["optimizer"], f["reference"], f["total"]) == (4, 4, 8, 4, 24)
+
+
+def test_offloaded_learner_memory_hand_values():
+    """learner.offload_optimizer=cpu: the optimizer leaves the GPU at every stage, ZeRO-3's gradient partitions
+    too; the host holds 12 bytes a parameter of optimizer state over N, and 4 of fp32 gradients over N, twice at
+    ZeRO-3 or in float32 (the gradient CPU Adam steps with and a host accumulation buffer)."""
+    p = float(GIB)
+    m = learner_memory_gib(p, zero_stage=3, dtype="bfloat16", world_size=4, offload_optimizer=True)
+    assert (m["weights"], m["gradients"], m["optimizer"], m["total"]) == (0.5, 0.0, 0.0, 4.5)
+    assert learner_host_offload_gib(p, zero_stage=3, dtype="bfloat16", world_size=4) == {
+        "optimizer": 3.0, "gradients": 2.0, "total": 5.0}
+    # ZeRO-2 and ZeRO-1 in bf16 keep their gradients on the GPU; the host one fp32 copy of the partition.
+    assert learner_memory_gib(p, zero_stage=2, dtype="bfloat16", world_size=4, offload_optimizer=True)["total"] == 2 + 1 + 4
+    assert learner_memory_gib(p, zero_stage=1, dtype="bfloat16", world_size=4, offload_optimizer=True)["total"] == 2 + 4 + 4
+    assert learner_host_offload_gib(p, zero_stage=2, dtype="bfloat16", world_size=4)["total"] == 3 + 1
+    # float32: the host's master partition is a copy too (12 bytes), and the host accumulates (2 x 4 bytes).
+    assert learner_host_offload_gib(p, zero_stage=2, dtype="float32", world_size=2) == {
+        "optimizer": 6.0, "gradients": 4.0, "total": 10.0}
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        learner_memory_gib(p, zero_stage=0, dtype="float32", world_size=1, offload_optimizer=True)
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        learner_host_offload_gib(p, zero_stage=0, dtype="float32", world_size=1)
 
 
 def test_learner_memory_refuses_bad_input():
@@ -100,10 +123,11 @@ def test_gpu_config_dry_run_fits(config):
 
 
 def test_qwen3_30b_numbers_by_hand():
-    """30.5 B parameters, bfloat16, ZeRO-3 over 8 ranks: (2 + 2 + 12) x 30.5e9 / 8 bytes + 4 GiB overhead;
-    vLLM holds 2 x 30.5e9 / 2 bytes per GPU of a tensor-parallel-2 engine."""
+    """30.5 B parameters, bfloat16, ZeRO-3 over 8 ranks, optimizer offloaded: 2 x 30.5e9 / 8 bytes of weights
+    + 4 GiB overhead on the GPU ((2 + 4 + 12) x 30.5e9 / 8 without offload), (12 + 2 x 4) x 30.5e9 / 8 bytes
+    on the host; vLLM holds 2 x 30.5e9 / 2 bytes per GPU of a tensor-parallel-2 engine."""
     p = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml"))
-    static = (2 + 4 + 12) * 30.5e9 / 8 / GIB + 4
+    static = 2 * 30.5e9 / 8 / GIB + 4
     # 4096 tokens, checkpointed: each of 48 layers keeps its 2048-wide input, one layer recomputes 82048
     # elements per token (attention 3*2048 + 3*4096 + 4*512; MoE 2*2048 + 128 + 2*8*2048 + 4*8*768), bf16.
     act = 4096 * (48 * 2048 + 82048) * 2 / GIB
@@ -112,7 +136,18 @@ def test_qwen3_30b_numbers_by_hand():
     m = p["memory"]["learner_per_rank_gib"]
     assert (m["activations"], m["logits"], m["gathered"]) == (round(act, 2), round(logits, 2), round(gathered, 2))
     assert m["activations_without_checkpointing"] == round(4096 * 48 * 82048 * 2 / GIB, 2) == 30.05
-    assert m["total"] == round(static + act + logits + gathered, 2) == 73.94
+    assert (m["gradients"], m["optimizer"]) == (0.0, 0.0)
+    assert m["total"] == round(static + act + logits + gathered, 2) == 17.13
+    assert p["memory"]["learner_free_gib"] == round(80 - 17.13, 2)
+    host = p["memory"]["learner_host_offload_per_rank_gib"]
+    assert (host["optimizer"], host["gradients"]) == (round(12 * 30.5e9 / 8 / GIB, 2), round(8 * 30.5e9 / 8 / GIB, 2))
+    assert host["total"] == round(20 * 30.5e9 / 8 / GIB, 2) == 71.01
+    assert "optimizer offloaded to host RAM" in p["memory"]["learner_formula"]
+    no_offload = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.offload_optimizer=none"]))
+    static_no_offload = (2 + 4 + 12) * 30.5e9 / 8 / GIB + 4
+    assert no_offload["memory"]["learner_per_rank_gib"]["total"] == round(static_no_offload + act + logits + gathered,
+                                                                          2) == 73.94
+    assert "learner_host_offload_per_rank_gib" not in no_offload["memory"]
     # KV: 2 x 48 layers x (4 kv heads / 2 GPUs) x 128 x 2 bytes = 49152 bytes per token per GPU, blocks of 16.
     kv = p["memory"]["rollout_kv"]
     kv_bytes = round(0.85 * 80 - 2 * 30.5e9 / 2 / GIB - 2, 2) * GIB  # the plan's KV GiB per GPU
@@ -128,17 +163,23 @@ def test_qwen3_30b_numbers_by_hand():
 
 def test_over_budget_variant_fails_with_the_numbers():
     """ZeRO-1 keeps whole bf16 weights and fp32 gradients on every rank: 56.8 + 113.6 + 42.6 + 4 + activations
-    1.4 + logits 2.7 = 221.1 GiB > 80 GiB."""
-    r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.zero_stage=1")
+    1.4 + logits 2.7 = 221.1 GiB > 80 GiB without offload; offloading the optimizer leaves 178.5 GiB."""
+    r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.zero_stage=1", "learner.offload_optimizer=none")
     assert r.returncode != 0
     assert "GPU memory over budget on node 0 GPU 0: 221.1 GiB needed > 80 GiB per GPU" in r.stderr
     assert "weights 56.8 + gradients 113.6 + optimizer 42.6" in r.stderr
     assert "learner.zero_stage=1" in r.stderr and "raise learner.zero_stage (now 1)" in r.stderr
+    assert "offload the optimizer to host RAM (learner.offload_optimizer=cpu)" in r.stderr
+    r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.zero_stage=1")
+    assert "178.5 GiB needed > 80 GiB" in r.stderr and "optimizer 0.0" in r.stderr
+    assert "learner.offload_optimizer=cpu)" not in r.stderr
 
 
 def test_gpu_memory_is_a_parameter():
-    """ZeRO-2: 56.8 + 14.2 + 42.6 + 4 + 1.4 + 2.7 = 121.7 GiB per rank: over an H100 (80 GiB), within an H200."""
-    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"])
+    """ZeRO-2 without offload: 56.8 + 14.2 + 42.6 + 4 + 1.4 + 2.7 = 121.7 GiB per rank: over an H100 (80 GiB),
+    within an H200."""
+    cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml",
+                      ["learner.zero_stage=2", "learner.offload_optimizer=none"])
     with pytest.raises(PlanError, match=r"121\.7 GiB needed > 80 GiB"):
         plan(cfg)
     h200 = plan(cfg, gpu_memory_gib=141.0)["memory"]
@@ -189,6 +230,22 @@ def test_cpu_config_plan_has_no_gpu_check():
     assert p["placement"]["learner"]["strategy"] == "PACK"
 
 
+def test_cpu_plan_with_offload_counts_the_host_buffers():
+    """On the CPU the host holds everything either way: offload (the tiny config, float32, ZeRO-2, 2 ranks, taken
+    as 1e9 parameters) moves each rank's 8 P / 2 bytes of Adam moments out of the rank's device part and adds the
+    offload's 12 + 2 x 4 bytes a parameter over 2 (a master copy and a host gradient accumulation buffer)."""
+    big = ["model.num_params_b=1.0"]
+    plain = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml", big))["memory"]
+    off = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml", big + ["learner.offload_optimizer=cpu"]))["memory"]
+    p = 1e9
+    assert off["learner_per_rank_gib"]["optimizer"] == 0.0
+    assert off["learner_host_offload_per_rank_gib"]["total"] == round(20 * p / 2 / GIB, 2)
+    node, node_plain = off["host_ram_gib"]["node 0"], plain["host_ram_gib"]["node 0"]
+    assert node["learner_optimizer_offload"] == pytest.approx(2 * 20 * p / 2 / GIB, abs=0.01)
+    assert node_plain["learner_ranks"] - node["learner_ranks"] == pytest.approx(2 * 8 * p / 2 / GIB, abs=0.02)
+    assert node_plain["learner_optimizer_offload"] == 0.0
+
+
 def test_missing_param_count_is_reported_not_guessed():
     p = plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["model.num_params_b=null",
                                                                                    "model.shape=null"]))
@@ -203,7 +260,8 @@ def test_dry_run_reads_the_cluster_section():
     cmd = [sys.executable, "-m", "cluster.train", "configs/qwen3_30b_a3b_gsm8k.yaml", "--dry-run"]
     ok = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    small = subprocess.run([*cmd, "cluster.gpu_memory_gib=40"], cwd=REPO_ROOT, capture_output=True, text=True)
+    small = subprocess.run([*cmd, "cluster.gpu_memory_gib=40", "learner.offload_optimizer=none"], cwd=REPO_ROOT,
+                           capture_output=True, text=True)
     assert small.returncode == 2
     assert "over budget" in small.stderr and "40 GiB per GPU" in small.stderr and "Traceback" not in small.stderr
 
@@ -270,24 +328,39 @@ def test_kv_refusal_names_the_keys():
 
 
 def test_without_checkpointing_the_30b_config_does_not_fit():
-    r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.gradient_checkpointing=false")
+    """Without optimizer offload (73.9 GiB checkpointed) the 30.1 GiB of unsaved activations do not fit; with it
+    (17.1 GiB) they do: 17.13 - 1.38 + 30.05 = 45.8 GiB."""
+    r = dry_run("configs/qwen3_30b_a3b_gsm8k.yaml", "learner.gradient_checkpointing=false",
+                "learner.offload_optimizer=none")
     assert r.returncode == 2
     assert "activations 30.0" in r.stderr and "turn on learner.gradient_checkpointing" in r.stderr
+    offloaded = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.gradient_checkpointing=false"]))
+    assert offloaded["memory"]["learner_per_rank_gib"]["total"] == round(17.13 - 1.38 + 30.05, 2)
 
 
 def test_host_ram_per_node():
-    """Node 0 of the 30B run: 8 ZeRO-3 ranks (6 GiB process + one 5 GiB checkpoint file each while loading),
-    rank 0's 56.81 GiB export copy, 4 reward workers (0.15 GiB each), two 1 GiB sync buckets; refused over host_memory_gib."""
+    """Node 0 of the 30B run: 8 ZeRO-3 ranks (6 GiB process + one 5 GiB checkpoint file each while loading, and
+    71.01 GiB of offloaded optimizer state and gradients each), rank 0's 56.81 GiB export copy, 4 reward workers
+    (0.15 GiB each), two 1 GiB sync buckets; refused over host_memory_gib."""
     cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml")
     host = plan(cfg)["memory"]["host_ram_gib"]
     assert host["node 0"]["learner_ranks"] == 8 * (6 + 5) and host["node 0"]["checkpoint_export_rank0"] == 56.81
-    assert host["node 0"]["total"] == round(88 + 56.81 + 4 * 0.15 + 2.0, 2)
-    # ZeRO-2 would load one full copy per rank: 8 x (6 + 56.81)
+    assert host["node 0"]["learner_optimizer_offload"] == round(8 * 20 * 30.5e9 / 8 / GIB, 2) == 568.11
+    assert host["node 0"]["total"] == round(88 + 568.11 + 56.81 + 4 * 0.15 + 2.0, 2) == 715.52
+    assert host["node 1"]["learner_optimizer_offload"] == 0.0  # the engines' node
+    plain = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.offload_optimizer=none"]))
+    assert plain["memory"]["host_ram_gib"]["node 0"]["total"] == round(88 + 56.81 + 4 * 0.15 + 2.0, 2)
+    # ZeRO-2 would load one full copy per rank: 8 x (6 + 56.81); offloaded, its gradients stay on the GPU and
+    # the host holds 12 + 4 bytes a parameter over 8 per rank
     z2 = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"]),
               gpu_memory_gib=141.0)["memory"]["host_ram_gib"]
     assert z2["node 0"]["learner_ranks"] == round(8 * (6 + 2 * 30.5e9 / GIB), 2) == 502.49
-    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 147.4 GiB needed > cluster.host_memory_gib=100"):
-        plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=100"]))
+    assert z2["node 0"]["learner_optimizer_offload"] == round(8 * 16 * 30.5e9 / 8 / GIB, 2)
+    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 715.5 GiB needed > cluster.host_memory_gib=700"
+                                        r".*learner.offload_optimizer='cpu' keeps 71.0 GiB per rank on the host"):
+        plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=700"]))
+    assert plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml",
+                            ["cluster.host_memory_gib=716"]))["memory"]["host_ram_gib"]["checked"] is True
 
 
 def test_gpu_smoke_dry_run_and_refusal_without_cuda():
