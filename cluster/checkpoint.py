@@ -177,7 +177,8 @@ def check_resume(saved: dict[str, Any], cfg: Config, fingerprint: dict[str, Any]
 
     Refused: a different learner world size or ZeRO stage (``learner_state.json``, else the saved config),
     trainer.seed, training data (``data_fingerprint``; the ``data.*`` keys themselves only when the checkpoint
-    has no fingerprint), model, learner dtype, micro-batch size or optimizer settings; after the first RL step
+    has no fingerprint), model, learner dtype, micro-batch size or optimizer settings (a checkpoint from before
+    ``learner.offload_optimizer`` counts as 'none'); after the first RL step
     also the algorithm and its objective, the rollout batch, sampling and reward (``RESUME_RL_ONLY``). Free,
     with a log line: resources, logging, schedule length, health guard (``RESUME_FREE``).
 
@@ -198,6 +199,8 @@ def check_resume(saved: dict[str, Any], cfg: Config, fingerprint: dict[str, Any]
     new = _flatten(cfg.model_dump(mode="json"))
     if old.get("reward.max_response_tokens") is None and "rollout.max_response_tokens" in old:
         old["reward.max_response_tokens"] = old["rollout.max_response_tokens"]  # unset meant the rollout's
+    if old and "learner.offload_optimizer" not in old:
+        old["learner.offload_optimizer"] = "none"  # before the key: torch's AdamW state, which CPU Adam cannot load
     refused: dict[str, str] = {}
     notes: list[str] = []
     if not old:

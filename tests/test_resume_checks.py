@@ -173,6 +173,21 @@ def test_older_checkpoints_compare_what_they_hold(caplog):
         _check(saved, ["data.num_train=8000"])
 
 
+def test_optimizer_offload_is_refused_on_resume_also_from_checkpoints_older_than_the_key():
+    """A checkpoint holds the state of the optimizer it was trained with (torch's AdamW or DeepSpeed's CPU Adam,
+    which cannot load the other's state): learner.offload_optimizer may not change on resume; a checkpoint from
+    before the key existed was written without offload."""
+    with pytest.raises(ResumeMismatch, match="learner.offload_optimizer: checkpoint 'none', config 'cpu'"):
+        _check(_saved(), ["learner.offload_optimizer=cpu"])
+    older = _saved()
+    del older["config"]["learner"]["offload_optimizer"]
+    with pytest.raises(ResumeMismatch, match="learner.offload_optimizer: checkpoint 'none', config 'cpu'"):
+        _check(older, ["learner.offload_optimizer=cpu"])
+    assert _check(older) == ["trainer.resume: False -> True (free to change on resume)"]
+    assert "learner.offload_optimizer" not in str(_check(_saved(["learner.offload_optimizer=cpu"]),
+                                                         ["learner.offload_optimizer=cpu"]))
+
+
 def test_every_key_is_classified_once():
     """No key is listed both free and RL-only (free keys win over an RL-only section prefix: reward.num_workers
     is free, the rest of reward. is RL-only), and every pattern names a key (or section) of the schema."""
