@@ -4,6 +4,8 @@ Everything an optimizer step writes on a rank lives in three places under DeepSp
 (under ZeRO-3 the local partition ``ds_tensor``), DeepSpeed's fp32 master partitions, and the torch optimizer
 underneath its wrappers (moments, step counts, hyperparameters). ``snapshot`` / ``restore`` copy and put back
 all of it bit for bit (the health guard's skipped step); the digests say whether two states are identical.
+With an offloaded optimizer, DeepSpeed's CPU Adam also caches its step in C++; ``reset_cpu_adam_cache`` (before
+every step) makes that cache a function of the saved step count, so nothing outside the three places matters.
 
 Functions take the DeepSpeed engine (``deepspeed.initialize``'s first result); those marked collective must be
 called on every rank (ZeRO-3 gathers parameters).
