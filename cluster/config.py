@@ -355,7 +355,27 @@ class Config(Section):
         self._check_lengths()
         self._check_temperature()
         self._check_routing_replay()
+        self._check_transport()
         return self
+
+    def _check_transport(self) -> None:
+        """``sync.transport=collective`` broadcasts from learner rank 0 to the engine workers over one group:
+        gloo when the learner is on the CPU, NCCL on a GPU. Both sides must be on the same kind of device (a
+        gloo group carries CPU tensors, NCCL CUDA ones), and on GPUs every rank needs a GPU of its own: NCCL
+        refuses two members of one group on one device, and whole GPUs are the only way Ray never shares one."""
+        if self.sync.transport != "collective":
+            return
+        lr, ro = self.learner, self.rollout
+        if bool(lr.num_gpus_per_rank) != bool(ro.num_gpus_per_engine):
+            raise ValueError(
+                f"sync.transport=collective needs the learner and the engines on the same kind of device "
+                f"(learner.num_gpus_per_rank={lr.num_gpus_per_rank:g}, rollout.num_gpus_per_engine="
+                f"{ro.num_gpus_per_engine:g}); use sync.transport=object_store")
+        if lr.num_gpus_per_rank and (lr.num_gpus_per_rank < 1 or ro.num_gpus_per_engine < 1):
+            raise ValueError(
+                f"sync.transport=collective on GPUs needs whole GPUs (learner.num_gpus_per_rank="
+                f"{lr.num_gpus_per_rank:g}, rollout.num_gpus_per_engine={ro.num_gpus_per_engine:g}): NCCL refuses "
+                "two members of one group on one GPU; use sync.transport=object_store to share GPUs")
 
     def _check_routing_replay(self) -> None:
         if self.learner.routing_replay == "rollout" and not self.rollout.return_routed_experts:

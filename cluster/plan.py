@@ -293,25 +293,6 @@ def cpu_oversubscription(cfg: Config, cores: int) -> str | None:
             "rollout.threads_per_engine=1 learner.world_size=1 learner.zero_stage=0 learner.max_threads_per_rank=2)")
 
 
-def _check_collective_gpus(cfg: Config, where: dict[str, list[tuple[int, list[int]]]]) -> None:
-    """``sync.transport=collective`` on GPUs broadcasts over NCCL from learner rank 0 to every engine worker, and
-    NCCL refuses two ranks of one communicator on one GPU: refuse a plan where rank 0 shares a GPU with an
-    engine (the object store has no such limit).
-
-    Raises:
-        PlanError: learner rank 0 and an engine on the same GPU under ``sync.transport=collective``.
-    """
-    if cfg.sync.transport != "collective" or not where["learner"]:
-        return
-    node0, gpus0 = where["learner"][0]
-    for e, (node, gpus) in enumerate(where["rollout"]):
-        if node == node0 and set(gpus) & set(gpus0):
-            raise PlanError(
-                f"sync.transport=collective: learner rank 0 and rollout engine {e} share GPU {min(set(gpus) & set(gpus0))} "
-                f"of node {node}, and NCCL refuses two ranks of one group on one GPU. Give the engines GPUs of their own "
-                "(learner.num_gpus_per_rank / rollout.num_gpus_per_engine = 1), or use sync.transport=object_store")
-
-
 def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
          gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> dict[str, Any]:
     """The placement plan per node and the per-GPU memory check, without starting anything.
@@ -342,9 +323,7 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
         "gpus_total": lc.world_size * lc.num_gpus_per_rank
         + rc.num_engines * rc.num_gpus_per_engine * rc.tensor_parallel_size,
     }
-    nodes, where = _place(cfg, gpus_per_node if uses_gpus else 0)
-    if uses_gpus:
-        _check_collective_gpus(cfg, where)
+    nodes, _ = _place(cfg, gpus_per_node if uses_gpus else 0)
     out["nodes"] = [
         {"node": n.index, "cpus": n.cpus, "actors": n.actors,
          **({"gpus": {g: users for g, users in enumerate(n.gpu_users) if users}} if uses_gpus else {})}

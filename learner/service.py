@@ -461,8 +461,13 @@ class LearnerRank:
         return os.getpid()
 
     def shutdown(self) -> None:
-        """Leave the process group (the process itself is ended by its owner)."""
+        """Leave the weight-transfer group (rank 0, ``sync.transport=collective``) and the process group (the
+        process itself is ended by its owner)."""
         import torch.distributed as dist
+
+        group, self.transfer_group = getattr(self, "transfer_group", None), None
+        if group is not None:
+            group.close(broken=True)
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -20,10 +20,11 @@ How a sync moves the bytes (``sync_weights``; collective over the learner ranks,
 
 With ``sync.transport=collective`` step 2 packs the bucket into one flat uint8 tensor and step 3 broadcasts it
 from rank 0 over a ``TransferGroup`` (gloo on the CPU, NCCL on GPUs) while every engine's ``update_weights``
-receives it; the engines' calls still carry the metadata. A group that cannot be built, or a broadcast that
-fails (a member died or timed out), hands the rest of that sync to the object store: the failed bucket is put
-again for every live engine, and engines skip a bucket index they already loaded. On GPUs NCCL's own watchdog
-may end the process on a failed collective before that fallback runs (not tried: no GPU here).
+receives it; the engines' calls still carry the metadata. Buckets then go one at a time (broadcast, then every
+engine's answer). A group that cannot be built, a broadcast that fails or times out, or an engine whose receive
+failed (gloo relays through members) hands the rest of that sync to the object store: the failed bucket is put
+for the engines that did not load it, and engines skip a bucket index they already loaded. The NCCL group is
+built so that a failure raises in the timed wait rather than ending the process (not tried: no GPU here).
 
 An engine that fails during a sync (process death or an error) is reported, not raised: the driver replaces it.
 """
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+
 
 def to_checkpoint_format(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers in-memory names -> checkpoint names and layout (reverses its load-time conversions).
@@ -130,45 +132,51 @@ class _Fanout:
     def live(self) -> list[int]:
         return [i for i in self.engines if i not in self.failed]
 
-    def call(self, method: str, *args) -> dict[int, Any]:
-        return {i: getattr(self.engines[i], method).remote(*args) for i in self.live()}
+    def call(self, method: str, *args, slots: list[int] | None = None) -> dict[int, Any]:
+        """Call ``method`` on the live engines (of ``slots`` when given); object refs by engine index."""
+        return {i: getattr(self.engines[i], method).remote(*args) for i in self.live() if slots is None or i in slots}
 
-    def wait(self, calls: dict[int, Any], tolerate: str | None = None) -> dict[int, Any]:
-        """Wait for each call; returns the results of those that succeeded by engine index (the others are
-        recorded in ``failed``, except errors whose text contains ``tolerate``)."""
+    def wait(self, calls: dict[int, Any], tolerate: str | None = None) -> tuple[dict[int, Any], dict[int, str]]:
+        """Wait for each call. Returns ``(results of those that succeeded, errors tolerated)`` by engine index:
+        an error whose text contains ``tolerate`` ('' tolerates every error raised inside a live engine) is
+        returned, not recorded; a dead engine, a timeout and any other error are recorded in ``failed``."""
         done: dict[int, Any] = {}
+        tolerated: dict[int, str] = {}
         for i, ref in calls.items():
             try:
                 done[i] = self.ray.get(ref, timeout=self.timeout_s)
             except self.ray.exceptions.GetTimeoutError:
                 self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g}")
             except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
-                if tolerate is None or tolerate not in str(err) or isinstance(err, self.ray.exceptions.RayActorError):
-                    self.failed.setdefault(i, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
-        return done
+                text = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                if tolerate is not None and tolerate in str(err) and not isinstance(err, self.ray.exceptions.RayActorError):
+                    tolerated[i] = text
+                else:
+                    self.failed.setdefault(i, text)
+        return done, tolerated
 
 
 class TransferGroup:
-    """Learner rank 0's end of a collective transfer group with the workers of some engines (``sync.transport
-    = collective``): rank 0 here, each engine's tensor-parallel workers after it, in engine order. Built by
-    vLLM's ``stateless_init_torch_distributed_process_group`` (gloo on the CPU, NCCL when the learner's
-    weights are on a GPU), outside the learner's own DeepSpeed group.
+    """Learner rank 0's end of a collective transfer group with the workers of the live engines of ``fan``
+    (``sync.transport = collective``): rank 0 here, each engine's tensor-parallel workers after it, in engine
+    order. Built by ``rollout.weight_sync.open_transfer_group`` (vLLM's stateless process group and a warm-up
+    broadcast): gloo when ``device`` is the CPU, NCCL on a GPU, outside the learner's own DeepSpeed group.
 
     Raises:
-        RuntimeError: an engine did not join (it is also recorded in ``fan.failed`` when it died or hung), or
-            the rendezvous timed out after ``timeout_s`` seconds.
+        RuntimeError: the group could not be built: the rendezvous or the warm-up failed or timed out after
+            ``timeout_s`` seconds, or an engine did not join (a dead or hung engine is also recorded in
+            ``fan.failed``; an engine whose join raised is not: its weight-sync session stays usable).
     """
 
-    def __init__(self, fan: _Fanout, key: tuple[str, ...], backend: str, timeout_s: float):
+    def __init__(self, fan: _Fanout, key: tuple[str, ...], device: torch.device, timeout_s: float):
         import socket
-        from datetime import timedelta
 
-        from vllm.distributed.utils import (
-            stateless_init_torch_distributed_process_group,
-        )
+        from rollout.weight_sync import open_transfer_group
 
-        self.key, self.backend, self.pg = key, backend, None
-        sizes = fan.wait(fan.call("transfer_world_size"))
+        self.key, self.timeout_s, self.pg = key, timeout_s, None
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        sizes, _ = fan.wait(fan.call("transfer_world_size"), tolerate="")
+        self.members = list(sizes)
         host = fan.ray.util.get_node_ip_address()
         sock = socket.socket()
         sock.bind((host, 0))
@@ -179,34 +187,27 @@ class TransferGroup:
             {"master_address": host, "master_port": port, "rank_offset": offsets[i], "world_size": world,
              "backend": backend, "timeout_s": timeout_s}) for i in sizes}
         try:
-            self.pg = stateless_init_torch_distributed_process_group(
-                host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s))
+            self.pg = open_transfer_group(host, port, 0, world, backend, timeout_s, device, listen_socket=sock)
         finally:
-            joined = fan.wait(joins)
-        if len(joined) != len(sizes) or len(sizes) != len(fan.live()):
-            self.close()
-            raise RuntimeError(f"transfer group: {len(joined)} of {len(fan.live())} engines joined")
+            joined, refused = fan.wait(joins, tolerate="")
+        if len(joined) != len(self.members) or self.members != fan.live():
+            self.close(broken=True)
+            raise RuntimeError(f"{len(joined)} of {len(fan.live())} engines joined"
+                               + (f" ({next(iter(refused.values()))})" if refused else ""))
 
     def broadcast(self, flat: torch.Tensor) -> None:
-        """Send ``flat`` (1-D uint8, on the device the group's backend serves) to every member; returns once
-        sent. Raises the backend's RuntimeError when a member died or the timeout passed."""
-        from torch.distributed import BroadcastOptions
+        """Send ``flat`` (1-D uint8, on the device of the group's backend) to every member and wait until it is
+        sent. Raises the backend's RuntimeError when a member died or ``timeout_s`` passed."""
+        from rollout.weight_sync import group_broadcast
 
-        opts = BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([flat], opts).wait()
+        group_broadcast(self.pg, flat, self.timeout_s)
 
-    def close(self) -> None:
-        from vllm.distributed.utils import (
-            stateless_destroy_torch_distributed_process_group,
-        )
+    def close(self, broken: bool = False) -> None:
+        from rollout.weight_sync import close_transfer_group
 
         pg, self.pg = self.pg, None
         if pg is not None:
-            try:
-                stateless_destroy_torch_distributed_process_group(pg)
-            except Exception:  # noqa: BLE001 - a group broken by a dead member may refuse a clean shutdown
-                pass
+            close_transfer_group(pg, broken)
 
 
 def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None:
@@ -215,16 +216,16 @@ def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None
     built: that sync goes through the object store."""
     key = tuple(fan.engines[i]._actor_id.hex() for i in fan.live())
     kept = getattr(rank, "transfer_group", None)
-    if kept is not None and kept.key == key:
+    if kept is not None and kept.key == key and kept.pg is not None:
         return kept
     if kept is not None:
-        kept.close()
+        kept.close(broken=True)
         rank.transfer_group = None
-    backend = "nccl" if next(rank.engine.module.parameters()).is_cuda else "gloo"
+    device = next(rank.engine.module.parameters()).device
     try:
-        rank.transfer_group = TransferGroup(fan, key, backend, timeout_s)
+        rank.transfer_group = TransferGroup(fan, key, device, timeout_s)
     except Exception as err:  # noqa: BLE001 - any rendezvous failure: this sync uses the object store
-        log.warning("weight sync: no %s transfer group (%s); this sync goes through the object store", backend,
+        log.warning("weight sync: no transfer group (%s); this sync goes through the object store",
                     str(err).splitlines()[0][:300])
         return None
     return rank.transfer_group
@@ -232,16 +233,31 @@ def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None
 
 def pack_flat(bucket: dict[str, torch.Tensor], index: int) -> tuple[dict[str, Any], torch.Tensor]:
     """``(meta, flat)`` of a bucket for a broadcast: meta as ``pack_bucket``'s plus ``"bucket": index``, and
-    one 1-D uint8 tensor holding the tensors' bytes back to back (one copy, on the tensors' device)."""
+    one 1-D uint8 tensor holding the tensors' bytes at the offsets of ``rollout.weight_sync.flat_layout``
+    (each aligned to ``FLAT_ALIGN`` bytes; one copy, on the tensors' device)."""
+    from rollout.weight_sync import flat_layout
+
     meta = {"names": list(bucket), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
             "shapes": [list(t.shape) for t in bucket.values()], "bucket": int(index)}
-    return meta, torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()])
+    tensors = [t.contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()]
+    offsets, total = flat_layout([t.numel() for t in tensors])
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flat = torch.empty(total, dtype=torch.uint8, device=device)  # the alignment gaps are never read
+    for o, t in zip(offsets, tensors):
+        flat[o : o + t.numel()].copy_(t)
+    return meta, flat
 
 
 class _Sender:
-    """Rank 0's stream of buckets to the engines of one sync, through the transfer group while it works and
-    through the object store otherwise (from the start, or from the bucket whose broadcast failed on: that
-    bucket is put again for every live engine; engines skip a bucket index they already loaded)."""
+    """Rank 0's stream of buckets to the engines of one sync.
+
+    Through the transfer group while it works, one bucket at a time: its calls, the broadcast, then every
+    engine's answer, so a failure is known before the next bucket (the broadcast is lockstep anyway). When the
+    broadcast fails, or an engine answers ``TRANSFER_ABORTED`` (gloo relays a broadcast through members, so a
+    healthy member can fail on a dead one), the group is closed, the bucket is put in the object store for the
+    engines that did not load it, and the rest of the sync goes through the object store. Through the object
+    store, up to ``max_in_flight`` buckets are unanswered at once (the put of one overlaps the loading of the
+    previous)."""
 
     def __init__(self, fan: _Fanout, max_in_flight: int, group: TransferGroup | None):
         self.fan, self.max_in_flight, self.group = fan, max_in_flight, group
@@ -252,43 +268,56 @@ class _Sender:
 
     def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
         self.buckets += 1
-        if self.group is not None and self._broadcast(index, bucket):
-            return
+        if self.group is not None and self.fan.live() != self.group.members:
+            self._fall_back(f"bucket {index}: engine(s) {sorted(set(self.group.members) - set(self.fan.live()))} "
+                            "failed earlier in this sync")
+        if self.group is not None:
+            self._broadcast(index, bucket)
+        else:
+            self._put(index, bucket)
+
+    def _put(self, index: int, bucket: dict[str, torch.Tensor], slots: list[int] | None = None) -> None:
         meta, buffers, nbytes = pack_bucket(bucket)
         ref = self.fan.ray.put(buffers)
-        self._queue(self.fan.call("update_weights", {**meta, "bucket": int(index)}, ref), nbytes)
+        self.inflight.append((self.fan.call("update_weights", {**meta, "bucket": int(index)}, ref, slots=slots), nbytes))
         del ref, buffers  # the object lives while an engine's call holds it
+        if len(self.inflight) >= self.max_in_flight:
+            self._acknowledge()
 
-    def _broadcast(self, index: int, bucket: dict[str, torch.Tensor]) -> bool:
+    def _broadcast(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
         from rollout.weight_sync import TRANSFER_ABORTED
 
         meta, flat = pack_flat(bucket, index)
         calls = self.fan.call("update_weights", meta, None)
+        error = ""
         try:
             self.group.broadcast(flat)
         except Exception as err:  # noqa: BLE001 - a dead or hung member: the rest of this sync via the object store
-            self.fallback = f"bucket {index}: {str(err).splitlines()[0][:300]}"
-            log.warning("weight sync: the collective transfer failed at %s; the object store takes over", self.fallback)
-            self.group.close()
-            self.group = None
-            self._queue(calls, 0, tolerate=TRANSFER_ABORTED)
-            return False
-        self._queue(calls, flat.numel())
-        return True
+            error = str(err).splitlines()[0][:300]
+        del flat
+        acks, aborted = self.fan.wait(calls, tolerate=TRANSFER_ABORTED)
+        self._count(acks, sum(t.numel() * t.element_size() for t in bucket.values()))
+        if error or aborted or self.fan.live() != self.group.members:
+            self._fall_back(f"bucket {index}: {error or next(iter(aborted.values()), 'an engine failed')}")
+            if aborted:
+                self._put(index, bucket, slots=[i for i in aborted if i not in self.fan.failed])
 
-    def _queue(self, calls: dict[int, Any], nbytes: int, tolerate: str | None = None) -> None:
-        self.inflight.append((calls, nbytes, tolerate))
-        if len(self.inflight) >= self.max_in_flight:
-            self._acknowledge()
+    def _fall_back(self, why: str) -> None:
+        self.fallback = why
+        log.warning("weight sync: the collective transfer stopped at %s; the object store takes over", why)
+        self.group.close(broken=True)
+        self.group = None
 
-    def _acknowledge(self) -> None:
-        """Wait for the oldest bucket's ``update_weights`` calls: its bytes once per acknowledging engine, and
-        the slowest acknowledging engine's seconds (non-numeric answers count 0)."""
-        calls, nbytes, tolerate = self.inflight.popleft()
-        acks = self.fan.wait(calls, tolerate)
+    def _count(self, acks: dict[int, Any], nbytes: int) -> None:
+        """A bucket's answers: its bytes once per acknowledging engine, and the slowest acknowledging engine's
+        seconds (non-numeric answers count 0)."""
         seconds = [float(v) for v in acks.values() if isinstance(v, (int, float))]
         self.sent += nbytes * len(acks)
         self.load_s += max(seconds, default=0.0)
+
+    def _acknowledge(self) -> None:
+        calls, nbytes = self.inflight.popleft()
+        self._count(self.fan.wait(calls)[0], nbytes)
 
     def drain(self) -> None:
         while self.inflight:

@@ -79,22 +79,109 @@ class ObjectRefUpdateInfo(WeightTransferUpdateInfo):
 TRANSFER_ABORTED = "weight transfer aborted"
 
 
+#: Byte alignment of each tensor in a flat (broadcast) bucket: a view as any dtype needs its offset to be a
+#: multiple of the dtype's size (torch refuses a float32 view at byte offset 6).
+FLAT_ALIGN = 16
+
+
 def _nbytes(dtype_name: str, shape: list[int]) -> int:
     numel = int(np.prod(shape)) if shape else 1
     return numel * getattr(torch, dtype_name).itemsize
 
 
+def flat_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """``(offsets, total)``: tensors of ``sizes`` bytes back to back, each starting at a multiple of
+    ``FLAT_ALIGN`` bytes; ``total`` ends at the last tensor's last byte (0 for no tensor)."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // FLAT_ALIGN) * FLAT_ALIGN
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
 def flat_views(info: ObjectRefUpdateInfo, flat: torch.Tensor) -> list[torch.Tensor]:
-    """One uint8 view of ``flat`` (1-D uint8, the bucket's tensors back to back) per tensor of the bucket.
+    """One uint8 view of ``flat`` (1-D uint8, the bucket's tensors at the offsets of ``flat_layout``) per
+    tensor of the bucket.
 
     Raises:
-        ValueError: ``flat`` does not hold exactly the bytes that the metadata's dtypes and shapes add up to.
+        ValueError: ``flat`` does not hold exactly the bytes that the metadata's layout needs.
     """
     sizes = [_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes)]
-    if flat.dim() != 1 or flat.dtype != torch.uint8 or flat.numel() != sum(sizes):
+    offsets, total = flat_layout(sizes)
+    if flat.dim() != 1 or flat.dtype != torch.uint8 or flat.numel() != total:
         raise ValueError(f"weight bucket: flat buffer of {flat.numel()} bytes ({flat.dtype}), the metadata needs "
-                         f"{sum(sizes)}")
-    return list(torch.split(flat, sizes))
+                         f"{total}")
+    return [flat[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+def open_transfer_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+                        device: torch.device, listen_socket: Any = None) -> Any:
+    """Join a collective transfer group (vLLM's ``stateless_init_torch_distributed_process_group``, outside
+    every other group) and run one warm-up broadcast, so that a member that cannot take part fails here and
+    NCCL builds its communicator now, not inside the first bucket. For NCCL the group is built with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: a failed broadcast then raises in ``group_broadcast`` (which waits
+    with a timeout) instead of NCCL's watchdog ending the process (not tried on a GPU here).
+
+    Raises:
+        RuntimeError / DistStoreError / DistNetworkError: the rendezvous or the warm-up failed or timed out.
+    """
+    import os
+    from datetime import timedelta
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    if backend == "nccl":
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    try:
+        pg = stateless_init_torch_distributed_process_group(
+            host, int(port), int(rank), int(world_size), backend, listen_socket=listen_socket,
+            timeout=timedelta(seconds=float(timeout_s)))
+    finally:
+        if backend == "nccl":
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            if saved is not None:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+    try:
+        group_broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device), timeout_s)
+    except BaseException:
+        close_transfer_group(pg, broken=True)
+        raise
+    return pg
+
+
+def group_broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast ``tensor`` from group rank 0 (send on rank 0, receive elsewhere) and block the calling thread
+    until it is done (``Work.wait`` with a timeout: without one, NCCL's wait only orders the current stream).
+
+    Raises:
+        RuntimeError (and subclasses): a member died, or ``timeout_s`` passed.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([tensor], opts).wait(timedelta(seconds=float(timeout_s)))
+
+
+def close_transfer_group(pg: Any, broken: bool = False) -> None:
+    """Leave a transfer group: ``abort`` when ``broken`` (a failed or hung operation: a graceful shutdown could
+    wait on it), else vLLM's stateless destroy. Errors of a group already broken are ignored."""
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    if broken:
+        try:
+            pg.abort()
+            return
+        except Exception:  # noqa: BLE001, S110 - a backend without abort: the stateless destroy below
+            pass
+    try:
+        stateless_destroy_torch_distributed_process_group(pg)
+    except Exception:  # noqa: BLE001, S110 - a group broken by a dead member may refuse a clean shutdown
+        pass
 
 
 def bucket_tensors(info: ObjectRefUpdateInfo) -> list[tuple[str, torch.Tensor]]:
@@ -142,22 +229,16 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         Raises:
             RuntimeError / DistStoreError: the rendezvous failed or timed out.
         """
-        from datetime import timedelta
-
-        from vllm.distributed.utils import (
-            stateless_init_torch_distributed_process_group,
-        )
-
         self.received: set[str] = set()
         self.loaded_buckets: set[int] = set()
         self.aborted = ""
-        self.shutdown()
+        self.shutdown(broken=True)  # the last group's other members may be gone: no graceful wait on them
         if init_info.master_address is None:
             return
         rank = int(init_info.rank_offset) + int(self.parallel_config.rank)
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.master_address, int(init_info.master_port), rank, int(init_info.world_size),
-            init_info.backend, timeout=timedelta(seconds=float(init_info.timeout_s)))
+        self.group_timeout_s = float(init_info.timeout_s)
+        self.group = open_transfer_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                         init_info.backend, self.group_timeout_s, self.device)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -181,20 +262,16 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         """The bucket's bytes from rank 0's broadcast over the transfer group, as one uint8 view per tensor;
         None when there is no group or the broadcast failed or timed out (recorded in ``self.aborted``, the
         group left: vLLM's worker would end the session if this raised, so it does not)."""
-        from torch.distributed import BroadcastOptions
-
         group = getattr(self, "group", None)
         if group is None:
             self.aborted = f"{TRANSFER_ABORTED}: no transfer group (bucket {info.bucket})"
             return None
-        total = sum(_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes))
-        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        opts = BroadcastOptions()
-        opts.rootRank = 0
         try:
-            group.broadcast([flat], opts).wait()
-        except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses with the cause
-            self.shutdown()
+            _, total = flat_layout([_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes)])
+            flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+            group_broadcast(group, flat, self.group_timeout_s)
+        except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses with the cause; OOM
+            self.shutdown(broken=True)
             self.aborted = f"{TRANSFER_ABORTED} (bucket {info.bucket}): {str(err).splitlines()[0][:300]}"
             return None
         return flat_views(info, flat)
@@ -227,18 +304,11 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
             if lm_head is not None and embed is not None and lm_head.weight is embed.weight:
                 lm_head.quant_method.process_weights_after_loading(lm_head)
 
-    def shutdown(self) -> None:
-        """Leave the transfer group, if any (the object-store path needs none)."""
-        from vllm.distributed.utils import (
-            stateless_destroy_torch_distributed_process_group,
-        )
-
+    def shutdown(self, broken: bool = False) -> None:
+        """Leave the transfer group, if any (the object-store path needs none); ``broken``: abort it."""
         group, self.group = getattr(self, "group", None), None
         if group is not None:
-            try:
-                stateless_destroy_torch_distributed_process_group(group)
-            except Exception:  # noqa: BLE001 - a group broken by a dead peer may refuse a clean shutdown
-                pass
+            close_transfer_group(group, broken)
 
 
 class RolloutWorkerExtension:

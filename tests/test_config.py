@@ -320,3 +320,18 @@ def test_routing_capture_refuses_cuda_graphs_on_gpu():
         RolloutConfig(num_gpus_per_engine=1, return_routed_experts=True, enforce_eager=False)
     RolloutConfig(num_gpus_per_engine=0, return_routed_experts=True, enforce_eager=False)  # CPU: no CUDA graphs
     RolloutConfig(num_gpus_per_engine=1, return_routed_experts=True, enforce_eager=True)
+
+
+def test_collective_transport_needs_one_device_kind_and_whole_gpus():
+    """sync.transport=collective: gloo on the CPU (the default config), NCCL with a GPU per member; a learner and
+    engines on different kinds of device, or a fractional GPU (two NCCL members could share it), are refused."""
+    assert load_config(TINY, ["sync.transport=collective"]).sync.transport == "collective"
+    gpu = "configs/qwen3_30b_a3b_gsm8k.yaml"
+    assert load_config(gpu).sync.transport == "collective"
+    with pytest.raises(ConfigError, match=r"sync.transport=collective on GPUs needs whole GPUs \(learner.num_gpus_per_rank"
+                                          r"=1, rollout.num_gpus_per_engine=0.5\)"):
+        load_config(gpu, ["rollout.num_gpus_per_engine=0.5"])
+    with pytest.raises(ConfigError, match=r"same kind of device \(learner.num_gpus_per_rank=0, "
+                                          r"rollout.num_gpus_per_engine=1\)"):
+        load_config(gpu, ["learner.num_gpus_per_rank=0"])
+    assert load_config(gpu, ["rollout.num_gpus_per_engine=0.5", "sync.transport=object_store"])

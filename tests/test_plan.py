@@ -400,17 +400,3 @@ def test_cpu_oversubscription_counts_overlapped_threads_together():
 def test_dry_run_warns_about_oversubscribed_cores():
     r = dry_run("configs/tiny_moe.yaml", "trainer.max_staleness=1", "rollout.threads_per_engine=64")
     assert r.returncode == 0 and "warning: " in r.stderr and "rollout.threads_per_engine=64" in r.stderr
-
-
-def test_collective_transport_refuses_rank0_sharing_a_gpu_with_an_engine():
-    """NCCL refuses two ranks of one group on one GPU: half-GPU learner and engine on GPU 0 cannot broadcast."""
-    shared = ["learner.world_size=1", "learner.num_gpus_per_rank=0.5", "rollout.num_engines=1",
-              "rollout.num_gpus_per_engine=0.5", "rollout.gpu_memory_utilization=0.4", "trainer.prompts_per_step=16",
-              "learner.gradient_checkpointing=true", "learner.max_tokens_per_micro_batch=4096"]
-    cfg = load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", shared + ["sync.transport=collective"])
-    with pytest.raises(PlanError, match="sync.transport=collective: learner rank 0 and rollout engine 0 share GPU 0 "
-                                        "of node 0"):
-        plan(cfg)
-    plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", shared + ["sync.transport=object_store"]))
-    # whole GPUs each: the broadcast is allowed
-    plan(load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["sync.transport=collective"]))

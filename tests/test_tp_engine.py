@@ -82,15 +82,15 @@ def test_tp2_engine_loads_a_collective_sync_exactly(ray_cluster, tmp_path):
         before = [torch.tensor(ray.get(e.sequence_logprobs.remote(SEQ, START))) for e in engines]
         fan = _Fanout(engines, timeout_s=120)
         fan.wait(fan.call("start_weight_update"))
-        group = TransferGroup(fan, ("tp1", "tp2"), "gloo", timeout_s=60)
+        group = TransferGroup(fan, ("tp1", "tp2"), torch.device("cpu"), timeout_s=60)
         state = perturbed_state(path)
         names = list(state)
         for index, lo in enumerate(range(0, len(names), 7)):
             meta, flat = pack_flat({n: state[n] for n in names[lo : lo + 7]}, index)
             calls = fan.call("update_weights", meta, None)
             group.broadcast(flat)
-            assert len(fan.wait(calls)) == 2, fan.failed
-        assert len(fan.wait(fan.call("finish_weight_update", 1))) == 2, fan.failed
+            assert len(fan.wait(calls)[0]) == 2, fan.failed
+        assert len(fan.wait(fan.call("finish_weight_update", 1))[0]) == 2, fan.failed
         after = [torch.tensor(ray.get(e.sequence_logprobs.remote(SEQ, START))) for e in engines]
         assert (after[0] - before[0]).abs().max().item() > 0.1  # the sync changed the weights
         assert (after[0] - after[1]).abs().max().item() < TOL

@@ -156,9 +156,11 @@ class DyingEngine:
 
 
 def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path):
-    """``sync.transport=collective``: an engine process that dies half-way through a sync breaks the broadcast;
-    the object store carries the rest of the sync to the live engine, which ends exact; the dead one is reported.
-    The next sync builds a new group without it."""
+    """``sync.transport=collective``: an engine process that dies half-way through a sync breaks the broadcast.
+    Group ranks: learner 0, live engines 1 and 2, the dying engine 3; gloo's broadcast is a tree in which rank 1
+    relays to rank 3, so a healthy engine fails its receive too. The object store carries the bucket to the
+    engines that did not load it and the rest of the sync; both live engines end exact, only the dead one is
+    reported. The next sync builds a new group without it."""
     from cluster.common import free_port
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
@@ -170,23 +172,28 @@ def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path
         path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
     env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
     rc = RolloutConfig(max_model_len=64, max_response_tokens=4)
-    engine = ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(path, rc, cache_dir=str(tmp_path / "c1"))
+    live = [ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(
+        path, rc, engine_index=i, cache_dir=str(tmp_path / f"c{i}")) for i in range(2)]
     dying = ray.remote(DyingEngine).options(num_cpus=0, runtime_env=env, max_restarts=0).remote(
         path, rc, die_at=2, cache_dir=str(tmp_path / "c2"))
+    seq, start = [1] + [5 + (i * 7) % 50 for i in range(30)], 6
+
+    def assert_exact() -> None:
+        want = learner_logprobs(ray, learner, seq, start)
+        for e in live:
+            assert (torch.tensor(ray.get(e.sequence_logprobs.remote(seq, start))) - want).abs().max().item() < TOL
+
     try:
-        ray.get([learner.pid.remote(), engine.pid.remote(), dying.pid.remote()])
-        seq, start = [1] + [5 + (i * 7) % 50 for i in range(30)], 6
+        ray.get([learner.pid.remote(), dying.pid.remote()] + [e.pid.remote() for e in live])
         ray.get(learner.sft_step.remote(sft_batch(1), 8 * 11))
-        report = ray.get(learner.sync_weights.remote([engine, dying], 1, 0.01, 2, 10.0, "collective"))
-        assert sorted(report["failed_engines"]) == [1]
-        assert report["fallback"].startswith("bucket ") and report["transport"] == "object_store"
-        engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
-        assert (engine_lp - learner_logprobs(ray, learner, seq, start)).abs().max().item() < TOL
+        report = ray.get(learner.sync_weights.remote([*live, dying], 1, 0.01, 2, 10.0, "collective"))
+        assert sorted(report["failed_engines"]) == [2], report["failed_engines"]
+        assert report["fallback"].startswith("bucket 2: ") and report["transport"] == "object_store"
+        assert_exact()
         ray.get(learner.sft_step.remote(sft_batch(2), 8 * 11))
-        report = ray.get(learner.sync_weights.remote([engine], 2, 0.01, 2, 10.0, "collective"))
+        report = ray.get(learner.sync_weights.remote(live, 2, 0.01, 2, 10.0, "collective"))
         assert (report["transport"], report["fallback"], report["failed_engines"]) == ("collective", "", {})
-        engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
-        assert (engine_lp - learner_logprobs(ray, learner, seq, start)).abs().max().item() < TOL
+        assert_exact()
     finally:
-        for a in (learner, engine, dying):
+        for a in (learner, dying, *live):
             ray.kill(a)
