@@ -38,6 +38,8 @@ KV_BLOCK_TOKENS = 16
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 ZERO3_PREFETCH_BUCKET_SIZE = 50_000_000
 GIB = float(2**30)
+#: GiB of one learner rank beyond its model state: the CUDA context, NCCL and DeepSpeed's communication buckets.
+LEARNER_OVERHEAD_GIB = 4.0
 #: float32 chunks of ``learner.logprobs.token_log_probs`` alive at once (logits, exp, gradient), 2**25 each.
 LOGPROB_CHUNK_BYTES = 3 * 4 * 2**25
 
@@ -136,3 +138,87 @@ def micro_batch_tokens(learner_cfg: Any, max_model_len: int) -> int:
     if budget:
         return max(int(budget), int(max_model_len))
     return int(learner_cfg.micro_batch_size) * int(max_model_len)
+
+
+# ------------------------------------------------- static memory of a learner rank and an engine's weights
+
+
+def _check_learner_args(num_params: float, zero_stage: int, dtype: str, world_size: int) -> None:
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"learner dtype {dtype!r}: expected 'bfloat16' or 'float32'")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    if world_size < 1 or num_params <= 0:
+        raise ValueError(f"world_size={world_size!r} must be >= 1 and num_params={num_params!r} > 0")
+
+
+def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int,
+                       reference_model: bool = False, offload_optimizer: bool = False) -> dict[str, float]:
+    """Static memory of one learner rank (see the module docstring for the formula and its source).
+
+    Args:
+        num_params: parameter count P (not billions).
+        zero_stage: DeepSpeed ZeRO stage 0-3.
+        dtype: training dtype, ``"bfloat16"`` or ``"float32"``.
+        world_size: data-parallel ranks N (>= 1).
+        reference_model: a frozen reference copy is held (``kl_coef > 0``).
+        offload_optimizer: ZeRO-Offload of the optimizer to the host (``learner.offload_optimizer='cpu'``): the
+            optimizer term, and at stage 3 the gradient term, are 0 here (``learner_host_offload_gib`` has them).
+
+    Returns:
+        GiB per rank on its device: ``weights``, ``gradients``, ``optimizer``, ``reference``, ``overhead`` and
+        ``total``.
+
+    Raises:
+        ValueError: unknown dtype, a stage outside 0-3 (or 0 with ``offload_optimizer``), ``world_size < 1`` or
+            ``num_params <= 0``.
+    """
+    _check_learner_args(num_params, zero_stage, dtype, world_size)
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
+    b = BYTES[dtype]
+    k = 12 if dtype == "bfloat16" else 8
+    n = world_size
+    parts = {
+        "weights": b * num_params / (n if zero_stage >= 3 else 1),
+        "gradients": 4 * num_params / (n if zero_stage >= 2 else 1),  # accumulated in fp32 (ds_config.py)
+        "optimizer": k * num_params / (n if zero_stage >= 1 else 1),
+        "reference": b * num_params if reference_model else 0.0,
+    }
+    if offload_optimizer:
+        parts["optimizer"] = 0.0
+        if zero_stage == 3:
+            parts["gradients"] = 0.0
+    out = {key: v / GIB for key, v in parts.items()}
+    out["overhead"] = LEARNER_OVERHEAD_GIB
+    out["total"] = sum(out.values())
+    return out
+
+
+def learner_host_offload_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int) -> dict[str, float]:
+    """Host RAM one learner rank adds with ``learner.offload_optimizer='cpu'`` (module docstring).
+
+    Args:
+        num_params, zero_stage, dtype, world_size: as for ``learner_memory_gib`` (P, stage 1-3, N).
+
+    Returns:
+        GiB per rank: ``optimizer`` (``12 P / N``: the fp32 master partition, a host copy in either dtype,
+        and Adam's two moments), ``gradients`` (``4 P / N`` fp32, twice at stage 3 or in float32) and
+        ``total``.
+
+    Raises:
+        ValueError: as ``learner_memory_gib``, and ``zero_stage == 0`` (nothing to offload).
+    """
+    _check_learner_args(num_params, zero_stage, dtype, world_size)
+    if zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
+    grad_copies = 2 if zero_stage == 3 or dtype == "float32" else 1
+    out = {"optimizer": 12 * num_params / world_size / GIB,
+           "gradients": grad_copies * 4 * num_params / world_size / GIB}
+    out["total"] = out["optimizer"] + out["gradients"]
+    return out
+
+
+def rollout_weights_gib(num_params: float, *, dtype: str, tensor_parallel_size: int) -> float:
+    """GiB of model weights on each GPU of one vLLM engine: ``b_r P / tensor_parallel_size``."""
+    return BYTES[dtype] * num_params / tensor_parallel_size / GIB

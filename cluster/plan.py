@@ -60,13 +60,18 @@ from typing import Any
 
 from cluster import memory_model as mm
 from cluster.config import Config, ConfigError
+from cluster.memory_model import (  # noqa: F401 - re-exported: the formula of this module's docstring
+    LEARNER_OVERHEAD_GIB,
+    learner_host_offload_gib,
+    learner_memory_gib,
+    rollout_weights_gib,
+)
 
 #: GPU memory choices, GiB (2**30 bytes) of total device memory: pass one as ``gpu_memory_gib``. Marketing "GB"
 #: are not GiB: an H100 80GB has about 79.6 GiB, an H200 "141 GB" about 140 GiB. The default, 80, is the H100.
 GPU_MEMORY_GIB = {"A100-40GB": 40.0, "A100-80GB": 80.0, "H100-80GB": 80.0, "H200": 140.0}
 DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_GPUS_PER_NODE = 8
-LEARNER_OVERHEAD_GIB = 4.0
 ROLLOUT_OVERHEAD_GIB = 2.0
 #: below this share of the GPU left free after everything modelled, the plan warns (it does not refuse).
 MIN_FREE_SHARE = 0.05
@@ -83,87 +88,6 @@ _GIB = float(2**30)
 
 class PlanError(ConfigError):
     """The run does not fit the GPUs it asks for; the message names the fields and the numbers."""
-
-
-def _check_learner_args(num_params: float, zero_stage: int, dtype: str, world_size: int) -> None:
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"learner dtype {dtype!r}: expected 'bfloat16' or 'float32'")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
-    if world_size < 1 or num_params <= 0:
-        raise ValueError(f"world_size={world_size!r} must be >= 1 and num_params={num_params!r} > 0")
-
-
-def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int,
-                       reference_model: bool = False, offload_optimizer: bool = False) -> dict[str, float]:
-    """Static memory of one learner rank (see the module docstring for the formula and its source).
-
-    Args:
-        num_params: parameter count P (not billions).
-        zero_stage: DeepSpeed ZeRO stage 0-3.
-        dtype: training dtype, ``"bfloat16"`` or ``"float32"``.
-        world_size: data-parallel ranks N (>= 1).
-        reference_model: a frozen reference copy is held (``kl_coef > 0``).
-        offload_optimizer: ZeRO-Offload of the optimizer to the host (``learner.offload_optimizer='cpu'``): the
-            optimizer term, and at stage 3 the gradient term, are 0 here (``learner_host_offload_gib`` has them).
-
-    Returns:
-        GiB per rank on its device: ``weights``, ``gradients``, ``optimizer``, ``reference``, ``overhead`` and
-        ``total``.
-
-    Raises:
-        ValueError: unknown dtype, a stage outside 0-3 (or 0 with ``offload_optimizer``), ``world_size < 1`` or
-            ``num_params <= 0``.
-    """
-    _check_learner_args(num_params, zero_stage, dtype, world_size)
-    if offload_optimizer and zero_stage == 0:
-        raise ValueError("offload_optimizer needs zero_stage >= 1")
-    b = _BYTES[dtype]
-    k = 12 if dtype == "bfloat16" else 8
-    n = world_size
-    parts = {
-        "weights": b * num_params / (n if zero_stage >= 3 else 1),
-        "gradients": 4 * num_params / (n if zero_stage >= 2 else 1),  # accumulated in fp32 (ds_config.py)
-        "optimizer": k * num_params / (n if zero_stage >= 1 else 1),
-        "reference": b * num_params if reference_model else 0.0,
-    }
-    if offload_optimizer:
-        parts["optimizer"] = 0.0
-        if zero_stage == 3:
-            parts["gradients"] = 0.0
-    out = {key: v / _GIB for key, v in parts.items()}
-    out["overhead"] = LEARNER_OVERHEAD_GIB
-    out["total"] = sum(out.values())
-    return out
-
-
-def learner_host_offload_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int) -> dict[str, float]:
-    """Host RAM one learner rank adds with ``learner.offload_optimizer='cpu'`` (module docstring).
-
-    Args:
-        num_params, zero_stage, dtype, world_size: as for ``learner_memory_gib`` (P, stage 1-3, N).
-
-    Returns:
-        GiB per rank: ``optimizer`` (``12 P / N``: the fp32 master partition, a host copy in either dtype,
-        and Adam's two moments), ``gradients`` (``4 P / N`` fp32, twice at stage 3 or in float32) and
-        ``total``.
-
-    Raises:
-        ValueError: as ``learner_memory_gib``, and ``zero_stage == 0`` (nothing to offload).
-    """
-    _check_learner_args(num_params, zero_stage, dtype, world_size)
-    if zero_stage == 0:
-        raise ValueError("offload_optimizer needs zero_stage >= 1")
-    grad_copies = 2 if zero_stage == 3 or dtype == "float32" else 1
-    out = {"optimizer": 12 * num_params / world_size / _GIB,
-           "gradients": grad_copies * 4 * num_params / world_size / _GIB}
-    out["total"] = out["optimizer"] + out["gradients"]
-    return out
-
-
-def rollout_weights_gib(num_params: float, *, dtype: str, tensor_parallel_size: int) -> float:
-    """GiB of model weights on each GPU of one vLLM engine: ``b_r P / tensor_parallel_size``."""
-    return _BYTES[dtype] * num_params / tensor_parallel_size / _GIB
 
 
 # ----------------------------------------------------------------------------------------- placement

@@ -467,7 +467,7 @@ class LearnerRank:
 
         group, self.transfer_group = getattr(self, "transfer_group", None), None
         if group is not None:
-            group.close(broken=True)
+            group.close()
 
         if dist.is_initialized():
             dist.destroy_process_group()

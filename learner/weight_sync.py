@@ -136,10 +136,10 @@ class _Fanout:
         """Call ``method`` on the live engines (of ``slots`` when given); object refs by engine index."""
         return {i: getattr(self.engines[i], method).remote(*args) for i in self.live() if slots is None or i in slots}
 
-    def wait(self, calls: dict[int, Any], tolerate: str | None = None) -> tuple[dict[int, Any], dict[int, str]]:
+    def wait(self, calls: dict[int, Any], tolerate: bool = False) -> tuple[dict[int, Any], dict[int, str]]:
         """Wait for each call. Returns ``(results of those that succeeded, errors tolerated)`` by engine index:
-        an error whose text contains ``tolerate`` ('' tolerates every error raised inside a live engine) is
-        returned, not recorded; a dead engine, a timeout and any other error are recorded in ``failed``."""
+        with ``tolerate`` an error raised inside a live engine is returned, not recorded; a dead engine, a
+        timeout and (without ``tolerate``) any error are recorded in ``failed``."""
         done: dict[int, Any] = {}
         tolerated: dict[int, str] = {}
         for i, ref in calls.items():
@@ -149,7 +149,7 @@ class _Fanout:
                 self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g}")
             except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
                 text = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                if tolerate is not None and tolerate in str(err) and not isinstance(err, self.ray.exceptions.RayActorError):
+                if tolerate and not isinstance(err, self.ray.exceptions.RayActorError):
                     tolerated[i] = text
                 else:
                     self.failed.setdefault(i, text)
@@ -159,8 +159,11 @@ class _Fanout:
 class TransferGroup:
     """Learner rank 0's end of a collective transfer group with the workers of the live engines of ``fan``
     (``sync.transport = collective``): rank 0 here, each engine's tensor-parallel workers after it, in engine
-    order. Built by ``rollout.weight_sync.open_transfer_group`` (vLLM's stateless process group and a warm-up
-    broadcast): gloo when ``device`` is the CPU, NCCL on a GPU, outside the learner's own DeepSpeed group.
+    order (their side: ``rollout.weight_sync``). vLLM's ``stateless_init_torch_distributed_process_group``
+    builds it outside the learner's DeepSpeed group: gloo when ``device`` is the CPU, NCCL on a GPU (with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` for this group only, so that a failure raises in the timed wait
+    rather than NCCL's watchdog ending the process; not tried on a GPU here). One warm-up byte is broadcast
+    at the end, so a member that cannot take part fails here and NCCL builds its communicator now.
 
     Raises:
         RuntimeError: the group could not be built: the rendezvous or the warm-up failed or timed out after
@@ -170,12 +173,16 @@ class TransferGroup:
 
     def __init__(self, fan: _Fanout, key: tuple[str, ...], device: torch.device, timeout_s: float):
         import socket
+        from datetime import timedelta
+        from unittest import mock
 
-        from rollout.weight_sync import open_transfer_group
+        from vllm.distributed.utils import (
+            stateless_init_torch_distributed_process_group,
+        )
 
         self.key, self.timeout_s, self.pg = key, timeout_s, None
         backend = "nccl" if device.type == "cuda" else "gloo"
-        sizes, _ = fan.wait(fan.call("transfer_world_size"), tolerate="")
+        sizes, _ = fan.wait(fan.call("transfer_world_size"), tolerate=True)
         self.members = list(sizes)
         host = fan.ray.util.get_node_ip_address()
         sock = socket.socket()
@@ -187,27 +194,41 @@ class TransferGroup:
             {"master_address": host, "master_port": port, "rank_offset": offsets[i], "world_size": world,
              "backend": backend, "timeout_s": timeout_s}) for i in sizes}
         try:
-            self.pg = open_transfer_group(host, port, 0, world, backend, timeout_s, device, listen_socket=sock)
+            with mock.patch.dict("os.environ", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"} if backend == "nccl" else {}):
+                self.pg = stateless_init_torch_distributed_process_group(
+                    host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s))
+            self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+        except BaseException:
+            self.close()
+            raise
         finally:
-            joined, refused = fan.wait(joins, tolerate="")
+            joined, refused = fan.wait(joins, tolerate=True)
         if len(joined) != len(self.members) or self.members != fan.live():
-            self.close(broken=True)
+            self.close()
             raise RuntimeError(f"{len(joined)} of {len(fan.live())} engines joined"
                                + (f" ({next(iter(refused.values()))})" if refused else ""))
 
     def broadcast(self, flat: torch.Tensor) -> None:
-        """Send ``flat`` (1-D uint8, on the device of the group's backend) to every member and wait until it is
-        sent. Raises the backend's RuntimeError when a member died or ``timeout_s`` passed."""
-        from rollout.weight_sync import group_broadcast
+        """Send ``flat`` (1-D uint8, on the device of the group's backend) to every member, blocking until it is
+        sent (a timed ``Work.wait``: NCCL's untimed wait only orders the current stream and never raises).
+        Raises the backend's RuntimeError when a member died or ``timeout_s`` passed."""
+        from datetime import timedelta
 
-        group_broadcast(self.pg, flat, self.timeout_s)
+        from torch.distributed import BroadcastOptions
 
-    def close(self, broken: bool = False) -> None:
-        from rollout.weight_sync import close_transfer_group
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([flat], opts).wait(timedelta(seconds=self.timeout_s))
 
+    def close(self) -> None:
+        """Leave the group by aborting it (no graceful shutdown: after a failure it could wait on a dead member;
+        the engines leave their side when they join the next group)."""
         pg, self.pg = self.pg, None
         if pg is not None:
-            close_transfer_group(pg, broken)
+            try:
+                pg.abort()
+            except Exception as err:  # noqa: BLE001 - a group broken by a dead member may refuse
+                log.debug("transfer group abort: %s", err)
 
 
 def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None:
@@ -219,7 +240,7 @@ def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None
     if kept is not None and kept.key == key and kept.pg is not None:
         return kept
     if kept is not None:
-        kept.close(broken=True)
+        kept.close()
         rank.transfer_group = None
     device = next(rank.engine.module.parameters()).device
     try:
@@ -231,18 +252,31 @@ def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None
     return rank.transfer_group
 
 
-def pack_flat(bucket: dict[str, torch.Tensor], index: int) -> tuple[dict[str, Any], torch.Tensor]:
-    """``(meta, flat)`` of a bucket for a broadcast: meta as ``pack_bucket``'s plus ``"bucket": index``, and
-    one 1-D uint8 tensor holding the tensors' bytes at the offsets of ``rollout.weight_sync.flat_layout``
-    (each aligned to ``FLAT_ALIGN`` bytes; one copy, on the tensors' device)."""
-    from rollout.weight_sync import flat_layout
+#: byte alignment of each tensor in a broadcast bucket: the engine views a tensor's bytes as its dtype, which
+#: needs an offset divisible by the element size (torch refuses a float32 view at byte offset 6).
+FLAT_ALIGN = 16
 
-    meta = {"names": list(bucket), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
-            "shapes": [list(t.shape) for t in bucket.values()], "bucket": int(index)}
+
+def flat_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """``(offsets, total)`` of tensors of ``sizes`` bytes packed in order, each at the next multiple of
+    ``FLAT_ALIGN`` bytes; ``total`` ends at the last tensor's last byte (0 for none)."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(-(-end // FLAT_ALIGN) * FLAT_ALIGN)
+        end = offsets[-1] + size
+    return offsets, end
+
+
+def pack_flat(bucket: dict[str, torch.Tensor], index: int) -> tuple[dict[str, Any], torch.Tensor]:
+    """``(meta, flat)`` of a bucket for a broadcast: meta as ``pack_bucket``'s plus ``"bucket": index``,
+    ``"offsets"`` (``flat_layout``) and ``"flat_bytes"``, and one 1-D uint8 tensor holding the tensors' bytes
+    at those offsets (one copy, on the tensors' device; the alignment gaps are never read)."""
     tensors = [t.contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()]
     offsets, total = flat_layout([t.numel() for t in tensors])
-    device = tensors[0].device if tensors else torch.device("cpu")
-    flat = torch.empty(total, dtype=torch.uint8, device=device)  # the alignment gaps are never read
+    meta = {"names": list(bucket), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
+            "shapes": [list(t.shape) for t in bucket.values()], "bucket": int(index), "offsets": offsets,
+            "flat_bytes": total}
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
     for o, t in zip(offsets, tensors):
         flat[o : o + t.numel()].copy_(t)
     return meta, flat
@@ -253,8 +287,8 @@ class _Sender:
 
     Through the transfer group while it works, one bucket at a time: its calls, the broadcast, then every
     engine's answer, so a failure is known before the next bucket (the broadcast is lockstep anyway). When the
-    broadcast fails, or an engine answers ``TRANSFER_ABORTED`` (gloo relays a broadcast through members, so a
-    healthy member can fail on a dead one), the group is closed, the bucket is put in the object store for the
+    broadcast fails, or an engine answers that its receive failed (a ``str``, not seconds: gloo relays a
+    broadcast through members, so a healthy member can fail on a dead one), the group is closed, the bucket is put in the object store for the
     engines that did not load it, and the rest of the sync goes through the object store. Through the object
     store, up to ``max_in_flight`` buckets are unanswered at once (the put of one overlaps the loading of the
     previous)."""
@@ -285,8 +319,6 @@ class _Sender:
             self._acknowledge()
 
     def _broadcast(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
-        from rollout.weight_sync import TRANSFER_ABORTED
-
         meta, flat = pack_flat(bucket, index)
         calls = self.fan.call("update_weights", meta, None)
         error = ""
@@ -295,7 +327,9 @@ class _Sender:
         except Exception as err:  # noqa: BLE001 - a dead or hung member: the rest of this sync via the object store
             error = str(err).splitlines()[0][:300]
         del flat
-        acks, aborted = self.fan.wait(calls, tolerate=TRANSFER_ABORTED)
+        answers, _ = self.fan.wait(calls)
+        aborted = {i: v for i, v in answers.items() if isinstance(v, str)}
+        acks = {i: v for i, v in answers.items() if i not in aborted}
         self._count(acks, sum(t.numel() * t.element_size() for t in bucket.values()))
         if error or aborted or self.fan.live() != self.group.members:
             self._fall_back(f"bucket {index}: {error or next(iter(aborted.values()), 'an engine failed')}")
@@ -305,7 +339,7 @@ class _Sender:
     def _fall_back(self, why: str) -> None:
         self.fallback = why
         log.warning("weight sync: the collective transfer stopped at %s; the object store takes over", why)
-        self.group.close(broken=True)
+        self.group.close()
         self.group = None
 
     def _count(self, acks: dict[int, Any], nbytes: int) -> None:

@@ -409,24 +409,25 @@ class RolloutEngine:
         """
         self._llm.init_weight_transfer_engine({"init_info": dict(info)})
 
-    def update_weights(self, meta: Mapping[str, Any], buffers: list[Any] | None) -> float:
+    def update_weights(self, meta: Mapping[str, Any], buffers: list[Any] | None) -> float | str:
         """Load one bucket of checkpoint-format tensors (layer-wise: a layer is processed once complete).
 
         Args:
             meta: ``{"names": [...], "dtype_names": [...], "shapes": [...]}`` and optionally ``"bucket"``: the
-                bucket's index in this session, after which a repeat of that index is skipped (see
-                ``rollout.weight_sync.ObjectRefUpdateInfo``), names as in the model folder's checkpoint.
+                bucket's index in this session, after which a repeat of that index is skipped; with ``buffers``
+                None also ``"offsets"`` (each tensor's byte offset) and ``"flat_bytes"`` (see
+                ``rollout.weight_sync.ObjectRefUpdateInfo``); names as in the model folder's checkpoint.
             buffers: one uint8 numpy array per tensor (Ray resolves the bucket's object ref into them, zero-copy),
                 or None: the bytes come by rank 0's broadcast over the transfer group
                 (``init_weight_transfer_group``).
 
         Returns:
-            seconds taken.
+            seconds taken; or, when the collective receive failed before any tensor of the bucket was loaded,
+            the error's text (a ``str``): the session stays open, so the same bucket may come again through the
+            object store.
 
         Raises:
-            RuntimeError: no session is open; or, with text ``rollout.weight_sync.TRANSFER_ABORTED``, the
-                collective receive failed before any tensor of the bucket was loaded (the session stays open:
-                the same bucket may come again through the object store).
+            RuntimeError: no session is open.
             ValueError: names not in the model's checkpoint, or a buffer that does not match its metadata.
         """
         t0 = time.perf_counter()
@@ -454,7 +455,7 @@ class RolloutEngine:
             self._close_session()
             raise
         if aborted:
-            raise RuntimeError(aborted[0])
+            return f"receive failed: {aborted[0]}"
         return time.perf_counter() - t0
 
     def finish_weight_update(self, version: int) -> int:

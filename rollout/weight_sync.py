@@ -71,17 +71,9 @@ class ObjectRefUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]] = field(default_factory=list)
     buffers: list[Any] = field(default_factory=list)
     collective: bool = False  # the bytes come by broadcast over the transfer group, not in ``buffers``
+    offsets: list[int] = field(default_factory=list)  # collective: each tensor's byte offset in the flat buffer
+    flat_bytes: int = 0  # collective: size of the flat buffer
     bucket: int = -1  # index of the bucket in this session (>= 0: a repeat of a loaded index is skipped)
-
-
-#: Text that marks a collective receive that failed before any tensor of its bucket was loaded; the session
-#: stays open, so the learner can send the same bucket through the object store (``learner.weight_sync``).
-TRANSFER_ABORTED = "weight transfer aborted"
-
-
-#: Byte alignment of each tensor in a flat (broadcast) bucket: a view as any dtype needs its offset to be a
-#: multiple of the dtype's size (torch refuses a float32 view at byte offset 6).
-FLAT_ALIGN = 16
 
 
 def _nbytes(dtype_name: str, shape: list[int]) -> int:
@@ -89,99 +81,24 @@ def _nbytes(dtype_name: str, shape: list[int]) -> int:
     return numel * getattr(torch, dtype_name).itemsize
 
 
-def flat_layout(sizes: list[int]) -> tuple[list[int], int]:
-    """``(offsets, total)``: tensors of ``sizes`` bytes back to back, each starting at a multiple of
-    ``FLAT_ALIGN`` bytes; ``total`` ends at the last tensor's last byte (0 for no tensor)."""
-    offsets, end = [], 0
-    for size in sizes:
-        start = -(-end // FLAT_ALIGN) * FLAT_ALIGN
-        offsets.append(start)
-        end = start + size
-    return offsets, end
-
-
 def flat_views(info: ObjectRefUpdateInfo, flat: torch.Tensor) -> list[torch.Tensor]:
-    """One uint8 view of ``flat`` (1-D uint8, the bucket's tensors at the offsets of ``flat_layout``) per
-    tensor of the bucket.
+    """One uint8 view of ``flat`` (the broadcast bucket, 1-D uint8 of ``info.flat_bytes``) per tensor, at the
+    sender's ``info.offsets``.
 
     Raises:
-        ValueError: ``flat`` does not hold exactly the bytes that the metadata's layout needs.
+        ValueError: a buffer of another size, an offset list of another length, a tensor outside the buffer or
+            at an offset that its dtype cannot be viewed at (not a multiple of its element size).
     """
     sizes = [_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes)]
-    offsets, total = flat_layout(sizes)
-    if flat.dim() != 1 or flat.dtype != torch.uint8 or flat.numel() != total:
-        raise ValueError(f"weight bucket: flat buffer of {flat.numel()} bytes ({flat.dtype}), the metadata needs "
-                         f"{total}")
-    return [flat[o : o + n] for o, n in zip(offsets, sizes)]
-
-
-def open_transfer_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-                        device: torch.device, listen_socket: Any = None) -> Any:
-    """Join a collective transfer group (vLLM's ``stateless_init_torch_distributed_process_group``, outside
-    every other group) and run one warm-up broadcast, so that a member that cannot take part fails here and
-    NCCL builds its communicator now, not inside the first bucket. For NCCL the group is built with
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: a failed broadcast then raises in ``group_broadcast`` (which waits
-    with a timeout) instead of NCCL's watchdog ending the process (not tried on a GPU here).
-
-    Raises:
-        RuntimeError / DistStoreError / DistNetworkError: the rendezvous or the warm-up failed or timed out.
-    """
-    import os
-    from datetime import timedelta
-
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-    saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    if backend == "nccl":
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-    try:
-        pg = stateless_init_torch_distributed_process_group(
-            host, int(port), int(rank), int(world_size), backend, listen_socket=listen_socket,
-            timeout=timedelta(seconds=float(timeout_s)))
-    finally:
-        if backend == "nccl":
-            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-            if saved is not None:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
-    try:
-        group_broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device), timeout_s)
-    except BaseException:
-        close_transfer_group(pg, broken=True)
-        raise
-    return pg
-
-
-def group_broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast ``tensor`` from group rank 0 (send on rank 0, receive elsewhere) and block the calling thread
-    until it is done (``Work.wait`` with a timeout: without one, NCCL's wait only orders the current stream).
-
-    Raises:
-        RuntimeError (and subclasses): a member died, or ``timeout_s`` passed.
-    """
-    from datetime import timedelta
-
-    from torch.distributed import BroadcastOptions
-
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    pg.broadcast([tensor], opts).wait(timedelta(seconds=float(timeout_s)))
-
-
-def close_transfer_group(pg: Any, broken: bool = False) -> None:
-    """Leave a transfer group: ``abort`` when ``broken`` (a failed or hung operation: a graceful shutdown could
-    wait on it), else vLLM's stateless destroy. Errors of a group already broken are ignored."""
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-    if broken:
-        try:
-            pg.abort()
-            return
-        except Exception:  # noqa: BLE001, S110 - a backend without abort: the stateless destroy below
-            pass
-    try:
-        stateless_destroy_torch_distributed_process_group(pg)
-    except Exception:  # noqa: BLE001, S110 - a group broken by a dead member may refuse a clean shutdown
-        pass
+    if flat.dim() != 1 or flat.dtype != torch.uint8 or flat.numel() != info.flat_bytes:
+        raise ValueError(f"weight bucket: flat buffer of {flat.numel()} bytes ({flat.dtype}), the metadata says "
+                         f"{info.flat_bytes}")
+    if len(info.offsets) != len(sizes):
+        raise ValueError(f"weight bucket: {len(info.offsets)} offsets for {len(sizes)} tensors")
+    for name, dt, o, n in zip(info.names, info.dtype_names, info.offsets, sizes):
+        if o < 0 or o + n > info.flat_bytes or o % getattr(torch, dt).itemsize:
+            raise ValueError(f"weight bucket: {name!r} ({dt}, {n} bytes) at offset {o} of {info.flat_bytes}")
+    return [flat[o : o + n] for o, n in zip(info.offsets, sizes)]
 
 
 def bucket_tensors(info: ObjectRefUpdateInfo) -> list[tuple[str, torch.Tensor]]:
@@ -208,6 +125,60 @@ def bucket_tensors(info: ObjectRefUpdateInfo) -> list[tuple[str, torch.Tensor]]:
             raise ValueError(f"weight bucket: {name!r} has {t.numel() * t.element_size()} bytes, not {dt} {list(shape)}")
         out.append((name, t.view(*shape) if shape else t.view(())))
     return out
+
+
+def _join_group(info: ObjectRefInitInfo, rank: int, device: torch.device) -> Any:
+    """This worker's membership of the transfer group of ``info`` as rank ``rank`` (vLLM's
+    ``stateless_init_torch_distributed_process_group``), checked by receiving the sender's one-byte warm-up
+    broadcast (NCCL builds its communicator then, not inside the first bucket). An NCCL group is built with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, so that a failed receive raises in the timed wait instead of NCCL's
+    watchdog ending the worker (not tried on a GPU here).
+
+    Raises:
+        RuntimeError / DistStoreError / DistNetworkError: the rendezvous or the warm-up failed or timed out.
+    """
+    from datetime import timedelta
+    from unittest import mock
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"} if info.backend == "nccl" else {}
+    with mock.patch.dict("os.environ", env):
+        pg = stateless_init_torch_distributed_process_group(
+            info.master_address, int(info.master_port), rank, int(info.world_size), info.backend,
+            timeout=timedelta(seconds=float(info.timeout_s)))
+    try:
+        _receive(pg, torch.empty(1, dtype=torch.uint8, device=device), info.timeout_s)
+    except BaseException:
+        _leave(pg, broken=True)
+        raise
+    return pg
+
+
+def _receive(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Receive rank 0's broadcast into ``tensor``, blocking until done (a timed ``Work.wait``: NCCL's untimed
+    wait only orders the current stream and never raises). Raises RuntimeError on a failure or the timeout."""
+    from datetime import timedelta
+
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([tensor], opts).wait(timedelta(seconds=float(timeout_s)))
+
+
+def _leave(pg: Any, broken: bool) -> None:
+    """Leave a transfer group: ``abort`` when ``broken`` (a graceful shutdown could wait on a dead member),
+    else vLLM's stateless destroy; errors of a group already broken are ignored."""
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    try:
+        if broken:
+            pg.abort()
+        else:
+            stateless_destroy_torch_distributed_process_group(pg)
+    except Exception:  # noqa: BLE001, S110 - a group broken by a dead member may refuse either way
+        pass
 
 
 def _is_cpu() -> bool:
@@ -237,8 +208,7 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
             return
         rank = int(init_info.rank_offset) + int(self.parallel_config.rank)
         self.group_timeout_s = float(init_info.timeout_s)
-        self.group = open_transfer_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                         init_info.backend, self.group_timeout_s, self.device)
+        self.group = _join_group(init_info, rank, self.device)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -264,15 +234,14 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         group left: vLLM's worker would end the session if this raised, so it does not)."""
         group = getattr(self, "group", None)
         if group is None:
-            self.aborted = f"{TRANSFER_ABORTED}: no transfer group (bucket {info.bucket})"
+            self.aborted = f"bucket {info.bucket}: no transfer group"
             return None
         try:
-            _, total = flat_layout([_nbytes(dt, shape) for dt, shape in zip(info.dtype_names, info.shapes)])
-            flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-            group_broadcast(group, flat, self.group_timeout_s)
+            flat = torch.empty(int(info.flat_bytes), dtype=torch.uint8, device=self.device)
+            _receive(group, flat, self.group_timeout_s)
         except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses with the cause; OOM
             self.shutdown(broken=True)
-            self.aborted = f"{TRANSFER_ABORTED} (bucket {info.bucket}): {str(err).splitlines()[0][:300]}"
+            self.aborted = f"bucket {info.bucket}: {str(err).splitlines()[0][:300]}"
             return None
         return flat_views(info, flat)
 
@@ -308,7 +277,7 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         """Leave the transfer group, if any (the object-store path needs none); ``broken``: abort it."""
         group, self.group = getattr(self, "group", None), None
         if group is not None:
-            close_transfer_group(group, broken)
+            _leave(group, broken)
 
 
 class RolloutWorkerExtension:

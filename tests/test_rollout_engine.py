@@ -154,25 +154,28 @@ def test_bucket_tensors_are_views_of_arrays_and_bytes():
 def test_flat_bucket_round_trip_and_size_check():
     """A broadcast bucket (``sync.transport=collective``): the learner packs the tensors in one uint8 buffer,
     each at a multiple of 16 bytes (a view as float32 needs an offset divisible by 4: an odd-sized bfloat16
-    tensor must not shift the next); the engine cuts views at the same offsets. By hand: 3 bfloat16 (6 bytes)
-    at 0, 2x3 float32 (24 bytes) at 16, one int64 (8 bytes) at 48; 56 bytes in all."""
-    from learner.weight_sync import pack_flat
-    from rollout.weight_sync import flat_layout
+    tensor must not shift the next), and sends the offsets; the engine cuts views there. By hand: 3 bfloat16
+    (6 bytes) at 0, 2x3 float32 (24 bytes) at 16, one int64 (8 bytes) at 48; 56 bytes in all."""
+    from learner.weight_sync import flat_layout, pack_flat
 
     assert flat_layout([]) == ([], 0) and flat_layout([16, 1, 1]) == ([0, 16, 32], 33)
     a, b, c = torch.ones(3, dtype=torch.bfloat16), torch.arange(6.0).reshape(2, 3), torch.tensor(7)
     meta, flat = pack_flat({"a": a, "b": b.t().contiguous().t(), "c": c}, 3)
     assert meta == {"names": ["a", "b", "c"], "dtype_names": ["bfloat16", "float32", "int64"],
-                    "shapes": [[3], [2, 3], []], "bucket": 3}
+                    "shapes": [[3], [2, 3], []], "bucket": 3, "offsets": [0, 16, 48], "flat_bytes": 56}
     assert flat.dtype == torch.uint8 and flat.shape == (56,)
-    info = ObjectRefUpdateInfo(names=meta["names"], dtype_names=meta["dtype_names"], shapes=meta["shapes"])
+    info = ObjectRefUpdateInfo(**meta)
     views = flat_views(info, flat)
     assert [v.numel() for v in views] == [6, 24, 8] and views[1].data_ptr() == flat.data_ptr() + 16  # no copy
     info.buffers = views
     (_, ta), (_, tb), (_, tc) = bucket_tensors(info)
     assert torch.equal(ta, a) and torch.equal(tb, b) and tc.item() == 7 and tc.shape == ()
-    with pytest.raises(ValueError, match="flat buffer of 55 bytes .* needs 56"):
+    with pytest.raises(ValueError, match="flat buffer of 55 bytes .* says 56"):
         flat_views(info, flat[:55])
+    with pytest.raises(ValueError, match=r"'b' \(float32, 24 bytes\) at offset 6 of 56"):
+        flat_views(ObjectRefUpdateInfo(**{**meta, "offsets": [0, 6, 48]}), flat)
+    with pytest.raises(ValueError, match="2 offsets for 3 tensors"):
+        flat_views(ObjectRefUpdateInfo(**{**meta, "offsets": [0, 16]}), flat)
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM
