@@ -287,9 +287,10 @@ class _Sender:
 
     Through the transfer group while it works, one bucket at a time: its calls, the broadcast, then every
     engine's answer, so a failure is known before the next bucket (the broadcast is lockstep anyway). When the
-    broadcast fails, or an engine answers that its receive failed (a ``str``, not seconds: gloo relays a
-    broadcast through members, so a healthy member can fail on a dead one), the group is closed, the bucket is put in the object store for the
-    engines that did not load it, and the rest of the sync goes through the object store. Through the object
+    broadcast fails, an engine fails, or an engine answers that its receive failed (a ``str``, not seconds:
+    gloo relays a broadcast through members, so a healthy member can fail on a dead one), the group is closed,
+    the bucket is put in the object store for the engines that answered so, and the rest of the sync goes
+    through the object store. Through the object
     store, up to ``max_in_flight`` buckets are unanswered at once (the put of one overlaps the loading of the
     previous)."""
 
@@ -302,9 +303,6 @@ class _Sender:
 
     def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
         self.buckets += 1
-        if self.group is not None and self.fan.live() != self.group.members:
-            self._fall_back(f"bucket {index}: engine(s) {sorted(set(self.group.members) - set(self.fan.live()))} "
-                            "failed earlier in this sync")
         if self.group is not None:
             self._broadcast(index, bucket)
         else:
@@ -334,7 +332,7 @@ class _Sender:
         if error or aborted or self.fan.live() != self.group.members:
             self._fall_back(f"bucket {index}: {error or next(iter(aborted.values()), 'an engine failed')}")
             if aborted:
-                self._put(index, bucket, slots=[i for i in aborted if i not in self.fan.failed])
+                self._put(index, bucket, slots=list(aborted))
 
     def _fall_back(self, why: str) -> None:
         self.fallback = why
@@ -404,8 +402,6 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
     if not keep:
         return {}
     sender.drain()
-    if sender.fallback:
-        rank.transfer_group = None
     fan.wait(fan.call("finish_weight_update", int(version)))
     return {"bytes": sender.sent, "seconds": time.perf_counter() - t0, "buckets": sender.buckets,
             "engine_load_s": sender.load_s, "transport": "collective" if sender.group is not None else "object_store",
