@@ -470,6 +470,18 @@ def test_two_ranks_equal_single_process_full_batch(model_path, ray_cluster, algo
                         num_minibatches=1)
     batch = make_batch(model_path, sum(split), seed=20 + zero_stage)
     shards = [batch.select(list(range(0, split[0]))), batch.select(list(range(split[0], sum(split))))]
+    outs, ref_grads, exported = two_ranks_match_reference(ray, model_path, cfg, batch, shards)
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    assert outs[0]["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert all(torch.equal(v, exported[1][k]) for k, v in exported[0].items())
+
+
+def two_ranks_match_reference(ray, model_path: str, cfg: LearnerConfig, batch: TrainBatch,
+                              shards: list[TrainBatch]) -> tuple[list[dict], dict, list[dict]]:
+    """One minibatch ``batch``, ``shards[r]`` on rank r of 2, against the plain-torch full-batch step: asserts
+    identical metrics on both ranks, each rank's one captured gradient close to the reference gradient,
+    identical weights on both ranks, and rank 0's update close to the reference update. Returns ``(metrics per
+    rank, reference gradients, full state dict per rank)`` for further checks."""
     actors = _start_ranks(ray, model_path, cfg)
     try:
         ray.get([a.capture_gradients.remote(True) for a in actors])
@@ -480,13 +492,11 @@ def test_two_ranks_equal_single_process_full_batch(model_path, ray_cluster, algo
         for g in grads:
             assert len(g) == 1
             assert_grads_close(g[0], ref_grads)
-        ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
-        assert outs[0]["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
         digests = ray.get([a.state_digest.remote() for a in actors])
         assert digests[0] == digests[1]
         exported = ray.get([a.full_state_dict.remote() for a in actors])
-        assert all(torch.equal(v, exported[1][k]) for k, v in exported[0].items())
         assert_params_close(exported[0], ref_params, cfg.lr, ref_grads)
+        return outs, ref_grads, exported
     finally:
         _stop(ray, actors)
 

@@ -165,33 +165,9 @@ def test_two_offloaded_ranks_equal_single_process_full_batch(model_path, ray_clu
     """2 ranks with offload, uneven shards (2 vs 1 micro-batches of 2): DeepSpeed's host-side partitions and
     accumulation buffers give the plain-torch full-minibatch gradient (1e-5 relative) and update
     (``assert_params_close``), ranks bit-identical."""
-    from tests.test_learner_service import (
-        _start_ranks,
-        _stop,
-        _train,
-        assert_grads_close,
-        assert_params_close,
-        reference_step,
-    )
+    from tests.test_learner_service import two_ranks_match_reference
 
-    ray = ray_cluster
     cfg = LearnerConfig(algorithm="grpo", zero_stage=zero_stage, micro_batch_size=2, lr=1e-3, num_minibatches=1,
                         offload_optimizer="cpu", zero3_param_persistence_threshold=0 if zero_stage == 3 else None)
     batch = make_batch(model_path, 6, seed=30 + zero_stage)
-    shards = [batch.select([0, 1, 2, 3]), batch.select([4, 5])]
-    actors = _start_ranks(ray, model_path, cfg)
-    try:
-        ray.get([a.capture_gradients.remote(True) for a in actors])
-        outs = _train(ray, actors, [[s] for s in shards], [batch])
-        grads = ray.get([a.captured_gradients.remote() for a in actors])
-        ref_grads, ref_params = reference_step(model_path, [batch], cfg)
-        assert outs[0] == outs[1]
-        for g in grads:
-            assert len(g) == 1
-            assert_grads_close(g[0], ref_grads)
-        digests = ray.get([a.state_digest.remote() for a in actors])
-        assert digests[0] == digests[1]
-        exported = ray.get([a.full_state_dict.remote() for a in actors])
-        assert_params_close(exported[0], ref_params, cfg.lr, ref_grads)
-    finally:
-        _stop(ray, actors)
+    two_ranks_match_reference(ray_cluster, model_path, cfg, batch, [batch.select([0, 1, 2, 3]), batch.select([4, 5])])
