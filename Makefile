@@ -38,7 +38,7 @@ test: setup
 	$(BIN)/python -m pytest -q --timeout=1800 --durations=15 -m "not matrix" $(ARGS)
 
 # The wide matrices kept out of CI's time budget: every architecture (tests/test_architectures.py, a real 3-step
-# run with weight sync per tiny random architecture of cluster/tiny_archs.py; `make test` runs its qwen2_moe case;
+# run with weight sync per tiny random architecture of cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case;
 # 3-5 min an arch on 2 busy cores, about 25 min for all seven) and a tensor-parallel engine (tests/test_tp_engine.py).
 # One file: `make test-matrix ARGS=tests/test_architectures.py`.
 test-matrix: setup
@@ -51,7 +51,7 @@ test-fast: setup
 # GPU path smoke test (needs a CUDA device; not part of `make test`): 3 steps of a 64-expert MoE on one GPU,
 # checked against the plan. `make gpu-smoke ARGS=--dry-run` prints the plan on any machine.
 gpu-smoke: setup
-	$(BIN)/python -m cluster.gpu_smoke $(ARGS)
+	$(BIN)/python -m cluster.tools.gpu_smoke $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/step.py $(ARGS)

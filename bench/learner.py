@@ -10,7 +10,7 @@ completions each sampled from the config's model at ``rollout.temperature`` with
 ``rollout.max_response_tokens`` tokens (transformers ``generate``), behaviour log-probs from the same model,
 rewards by exact match (the model is not warm-started here, so most are 0; no timed operation depends on the
 values), group advantages, cut into ``learner.num_minibatches`` minibatches and the ranks' shards
-by ``cluster.batching.split_for_ranks``. The health guard is the config's (``health.guard()``).
+by ``cluster.driver.batching.split_for_ranks``. The health guard is the config's (``health.guard()``).
 
 Variants (all from the config's learner section; each on its own engine, built once):
 
@@ -81,9 +81,9 @@ def driver_batch(cfg, model_path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.batching import build_train_batch
-    from cluster.data import PromptStream
-    from cluster.trainer import load_rows, load_tokenizer
+    from cluster.driver.batching import build_train_batch
+    from cluster.data.prompts import PromptStream
+    from cluster.driver.trainer import load_rows, load_tokenizer
     from learner.advantages import group_advantages
     from learner.logprobs import token_log_probs
     from rollout.contracts import Completion
@@ -160,7 +160,7 @@ def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
     """Build the variants' engines, then ``rounds`` interleaved rounds of one update each."""
     import ray
 
-    from cluster.batching import split_for_ranks
+    from cluster.driver.batching import split_for_ranks
 
     batch, facts = driver_batch(cfg, model_path)
     shard_rows = len(batch) // (cfg.learner.num_minibatches * cfg.learner.world_size)
@@ -237,7 +237,7 @@ def main() -> int:
     import torch
 
     from cluster.config import load_config
-    from cluster.tiny_model import ensure_model
+    from cluster.models.resolve import ensure_model
 
     torch.set_num_threads(1)
     cfg = load_config(args.config, args.overrides)

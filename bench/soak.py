@@ -34,8 +34,8 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     from cluster.config import load_config
-    from cluster.data import PromptStream
-    from cluster.trainer import Trainer
+    from cluster.data.prompts import PromptStream
+    from cluster.driver.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="soak-")
     cfg = load_config(args.config, [

@@ -60,7 +60,7 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     from cluster.config import load_config
-    from cluster.trainer import Trainer
+    from cluster.driver.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="bench-")
     cfg = load_config(args.config, [*args.overrides, f"trainer.output_dir={out}", "trainer.run_name=bench",
@@ -71,7 +71,7 @@ def main() -> int:
     t.start()
     startup = time.perf_counter() - t0
     steps = []
-    from cluster.data import PromptStream
+    from cluster.data.prompts import PromptStream
 
     # the prompts of the first step, for the baseline
     first_prompts = PromptStream(t.train_rows, seed=t.stream.seed, position=t.stream.position).take(

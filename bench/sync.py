@@ -185,7 +185,7 @@ def bench_size(ray, name: str, args, root: Path) -> list[dict]:
     import torch
     from safetensors import safe_open
 
-    from cluster.tiny_model import build_tiny_moe
+    from cluster.models.tiny_model import build_tiny_moe
 
     path = str(build_tiny_moe(root / name, seed=0, **SIZES[name]))
     with safe_open(f"{path}/model.safetensors", "pt") as f:

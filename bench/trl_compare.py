@@ -8,7 +8,7 @@ Our side runs the ``lean`` profile unless ``--profile config``: the CPU split ch
 below: overlapped step, one ZeRO-0 learner rank beside a 1-thread engine, no diagnostics or guard; on the
 small workload a token budget and elastic threads), printed before each run; ``--ours`` settings go on top.
 
-Both sides get the same model folder (built once here with ``cluster.tiny_model``), the same prompts in the
+Both sides get the same model folder (built once here with ``cluster.models.tiny_model``), the same prompts in the
 same order (our ``PromptStream``), the same P (prompts per step), G (group size), L (max response tokens),
 M (optimizer steps per rollout batch), learning rate, temperature, clip range and reward function (the
 ``exact`` verifier), and the same cores (``--cores``, default all; TRL gets one torch thread per core unless
@@ -22,7 +22,7 @@ TRL (``pip install -e '.[bench]'``): ``GRPOTrainer`` with ``importance_sampling_
 ``loss_type="grpo"`` (per-sequence token mean, then mean over sequences), ``epsilon``/``epsilon_high`` = our
 clip range, ``beta=0``, fp32, transformers ``generate`` (no vLLM), one process; one generation batch of P x G
 completions feeds M optimizer steps of P x G / M completions (``steps_per_generation=M``, no gradient
-accumulation), as our ``learner.num_minibatches=M`` does. Ours: ``cluster.trainer.Trainer`` run as
+accumulation), as our ``learner.num_minibatches=M`` does. Ours: ``cluster.driver.trainer.Trainer`` run as
 ``bench/step.py`` runs it (no warm start, no eval). Each side runs in its own child process (so neither
 inherits the other's thread settings, imports or Ray state), TRL first. On a busy machine a process with
 several torch threads slows down far more than one with one thread per process (cpu-stack.md), and our learner
@@ -90,8 +90,8 @@ def load_cfg(workload: str, work: Path, steps: int, model_path: str | None = Non
 
 def bench_prompts(cfg, model_path: str, steps: int):
     """The prompts our Trainer takes in steps 1..``steps``, in order (P per step), and the tokenizer."""
-    from cluster.data import PromptStream
-    from cluster.trainer import load_rows, load_tokenizer
+    from cluster.data.prompts import PromptStream
+    from cluster.driver.trainer import load_rows, load_tokenizer
 
     tok = load_tokenizer(model_path)
     train, _ = load_rows(cfg, tok)
@@ -194,7 +194,7 @@ def run_ours(cfg, steps: int) -> dict:
     """Our Trainer for ``steps`` RL steps, as bench/step.py runs it; the mean of each phase."""
     import ray
 
-    from cluster.trainer import Trainer
+    from cluster.driver.trainer import Trainer
 
     t = Trainer(cfg)
     t0 = time.perf_counter()
@@ -262,7 +262,7 @@ def num_params(model_path: str) -> int:
 def prepare(workload: str, root: Path, steps: int, ours: tuple[str, ...] = ()) -> tuple[Path, dict]:
     """Build the workload's model folder (as Trainer.start would) and return its work dir and settings (ours
     with the ``--ours`` settings applied)."""
-    from cluster.tiny_model import ensure_model
+    from cluster.models.resolve import ensure_model
 
     work = root / workload
     work.mkdir(parents=True)

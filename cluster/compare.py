@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.common import mean as _mean
-from cluster.config import Config, ConfigError, load_config
+from cluster.config import Config, ConfigError, absolute_paths, load_config
 
 log = logging.getLogger("cluster.compare")
 
@@ -159,8 +159,8 @@ def run_one(cfg: Config, algorithm: str, seed_index: int, warm_dir: Path) -> Run
     """
     import ray
 
-    from cluster import checkpoint
-    from cluster.trainer import Trainer
+    from cluster.driver import checkpoint
+    from cluster.driver.trainer import Trainer
 
     shared = checkpoint.latest_checkpoint(warm_dir) if warm_dir.is_dir() else None
     if shared is not None and cfg.warm_start.steps > 0:
@@ -425,7 +425,6 @@ def plot_runs(results: list[RunResult], out: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     """The ``gspo-compare`` command (``python -m cluster.compare``); relative paths are from the working
     directory. Returns the exit code."""
-    from cluster.train import absolute_paths
 
     parser = argparse.ArgumentParser(prog="gspo-compare", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config (configs/*.yaml)")

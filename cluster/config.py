@@ -53,7 +53,7 @@ class ModelShape(Section):
 class ModelConfig(Section):
     """Which model to train. ``path`` is a Hugging Face model folder, ``builtin:tiny_moe`` to build the
     embedded tiny Qwen3-MoE (deterministically from ``build_seed``) into the run folder, or
-    ``builtin:tiny_<arch>`` for a tiny random model of another architecture (``cluster.tiny_archs.ARCHS``:
+    ``builtin:tiny_<arch>`` for a tiny random model of another architecture (``cluster.models.tiny_archs.ARCHS``:
     llama, qwen3_tied, qwen3_moe, qwen3_moe_tied, mixtral, qwen2_moe, olmoe; fixed shapes, ``build_seed``)."""
 
     path: str = Field(
@@ -82,7 +82,7 @@ class ModelConfig(Section):
         "taken from the keys above); None: KV tokens, activations and logits are not planned")
 
     def build_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``cluster.tiny_model.ensure_model`` for a ``builtin:`` model: every key of
+        """The keyword arguments of ``cluster.models.resolve.ensure_model`` for a ``builtin:`` model: every key of
         this section but the path, the seed and the dry-run-only ones (``num_params_b``, ``shape``)."""
         return self.model_dump(exclude={"path", "build_seed", "num_params_b", "shape"})
 
@@ -99,7 +99,7 @@ class DataConfig(Section):
         "arithmetic",
         description="arithmetic = generated 2-operand additions; files = your own rows (train_path, test_path); "
         "gsm8k = files with GSM8K's fields, prompt template and the math verifier; code = generated tiny Python "
-        "functions judged by unit tests in the sandbox (cluster/code_task.py)",
+        "functions judged by unit tests in the sandbox (cluster/data/code_task.py)",
     )
     train_path: str | None = Field(
         None, description="files/gsm8k: training rows: a .jsonl/.json/.parquet/.csv file, a glob of them, or a "
@@ -463,6 +463,18 @@ def _format_errors(err: ValidationError) -> str:
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         lines.append(f"  {loc}: {e['msg']}{shown}")
     return "invalid config:\n" + "\n".join(lines)
+
+
+def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
+    """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
+    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...``. (The data files resolve in
+    ``cluster.data.prompts``.) Returns ``cfg``."""
+    cwd = (cwd or Path.cwd()).resolve()
+    if not Path(cfg.trainer.output_dir).is_absolute():
+        cfg.trainer.output_dir = str(cwd / cfg.trainer.output_dir)
+    if not cfg.model.path.startswith("builtin:") and not Path(cfg.model.path).is_absolute():
+        cfg.model.path = str(cwd / cfg.model.path)
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

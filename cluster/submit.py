@@ -37,9 +37,9 @@ from typing import Any
 
 from cluster.common import REPO_ROOT
 from cluster.config import ConfigError, load_config
-from cluster.user_code import check_user_verifiers, verifier_names
+from cluster.runtime.user_code import check_user_verifiers, verifier_names
 # The local head and the Jobs API client; re-exported (cluster.submit.LocalHead etc.).
-from cluster.local_head import (
+from cluster.runtime.local_head import (
     HEAD_STATE_FILE,
     LocalHead,
     SubmitError,
@@ -97,7 +97,7 @@ def resolve_address(address: str | None) -> str | None:
 def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
                     py_modules: list[str] | None = None) -> dict[str, Any]:
     """The job's runtime env: the repository as ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the user
-    verifier modules as ``py_modules`` (``cluster.user_code.check_user_verifiers``: files or folders outside
+    verifier modules as ``py_modules`` (``cluster.runtime.user_code.check_user_verifiers``: files or folders outside
     the repository, shipped to every node and put on the job's and its workers' ``PYTHONPATH``), the
     ``FORWARDED_ENV`` variables set in this shell, ``extra_env``, and ``extra`` merged on top (for example
     ``{"pip": [...]}`` or ``{"image_uri": ...}``; ``env_vars``, ``excludes`` and ``py_modules`` are merged,
@@ -136,7 +136,7 @@ def _config_in_repo(config: str) -> str:
 def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -> list[str]:
     """Overrides that make the run's relative paths absolute, so that the job (which runs in a copy of the
     repository in Ray's temp dir) reads and writes the caller's files: ``trainer.output_dir`` (relative to
-    ``cwd``), ``data.train_path``/``data.test_path`` (as ``cluster.data`` resolves them: from ``cwd`` when the
+    ``cwd``), ``data.train_path``/``data.test_path`` (as ``cluster.data.prompts`` resolves them: from ``cwd`` when the
     file exists there, else from the repository root) and ``model.path`` when it is a relative folder.
 
     On a multi-node cluster these paths must exist on the head node (shared filesystem, same mount point).
@@ -144,7 +144,7 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -
     Raises:
         ConfigError: the config does not load or validate.
     """
-    from cluster.data import resolve_data_path
+    from cluster.data.prompts import resolve_data_path
 
     cwd = (cwd or Path.cwd()).resolve()
     cfg = load_config(config, overrides)
@@ -222,7 +222,7 @@ def _parse_env(items: list[str]) -> dict[str, str]:
 
 
 def _local_cpus(config: str, overrides: list[str]) -> int:
-    from cluster.plan import plan
+    from cluster.planning.plan import plan
 
     cfg = load_config(config, overrides)
     return max(os.cpu_count() or 1, math.ceil(plan(cfg)["logical_cpus"] - 1e-9))

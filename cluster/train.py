@@ -2,10 +2,10 @@
 (installed as ``gspo-train``).
 
 Validates the config, then either prints the resolved config and placement plan (``--dry-run``) or runs the
-job (``cluster.trainer.Trainer``: services up, warm start, RL steps, checkpoints). Relative paths (the config
+job (``cluster.driver.trainer.Trainer``: services up, warm start, RL steps, checkpoints). Relative paths (the config
 file, ``trainer.output_dir``, a ``model.path`` folder) are taken from the working directory, so it runs from
 any folder. The terminal shows the run's own progress and errors; the services' output goes to
-``<run>/logs/`` (``cluster.console``) unless ``--verbose``. Exit codes: 0 done, 2 bad config or plan (or a
+``<run>/logs/`` (``cluster.runtime.console``) unless ``--verbose``. Exit codes: 0 done, 2 bad config or plan (or a
 config the checkpoint to resume from refuses, or a user verifier that does not import), 3 a learner rank died
 (resume from the last checkpoint), 4 the health guard stopped the run.
 """
@@ -21,28 +21,16 @@ from pathlib import Path
 
 import yaml
 
-from cluster import console
-from cluster.checkpoint import latest_checkpoint
-from cluster.config import Config, ConfigError, load_config
-from cluster.plan import cpu_oversubscription, plan
-from cluster.user_code import check_user_verifiers, verifier_names
+from cluster.runtime import console
+from cluster.driver.checkpoint import latest_checkpoint
+from cluster.config import Config, ConfigError, absolute_paths, load_config
+from cluster.planning.plan import cpu_oversubscription, plan
+from cluster.runtime.user_code import check_user_verifiers, verifier_names
 
 
 def is_learner_error(err: Exception) -> bool:
     """True when a Ray actor error comes from a learner rank."""
     return "LearnerRank" in str(err)
-
-
-def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
-    """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
-    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...``. (The data files resolve in
-    ``cluster.data``.) Returns ``cfg``."""
-    cwd = (cwd or Path.cwd()).resolve()
-    if not Path(cfg.trainer.output_dir).is_absolute():
-        cfg.trainer.output_dir = str(cwd / cfg.trainer.output_dir)
-    if not cfg.model.path.startswith("builtin:") and not Path(cfg.model.path).is_absolute():
-        cfg.model.path = str(cwd / cfg.model.path)
-    return cfg
 
 
 def _local_cpu_warning(cfg: Config) -> str | None:
@@ -84,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # config error) answers in a second without them.
     import ray
 
-    from cluster.trainer import HealthStop, Trainer
+    from cluster.driver.trainer import HealthStop, Trainer
 
     logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
     if not args.verbose:
@@ -98,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except HealthStop as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
-    except ConfigError as e:  # found at start-up: e.g. a resume the checkpoint refuses (cluster.checkpoint)
+    except ConfigError as e:  # found at start-up: e.g. a resume the checkpoint refuses (cluster.driver.checkpoint)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:

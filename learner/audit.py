@@ -1,9 +1,9 @@
 """Offline ratio audit: ``python -m learner.audit RUN_DIR --step N [--tolerance X] [--json PATH]``.
 
-Loads a step saved by the driver (``trainer.audit_steps``, see ``cluster/audit_dump.py`` for the folder
+Loads a step saved by the driver (``trainer.audit_steps``, see ``cluster/driver/audit_dump.py`` for the folder
 layout), recomputes the token log-probs at the behaviour weights with a plain transformers forward in float64
 (one sequence at a time, no padding), and checks, with its own masking and normalisation code (nothing from
-``learner.objectives``, ``learner.logprobs`` or ``cluster.batching``):
+``learner.objectives``, ``learner.logprobs`` or ``cluster.driver.batching``):
 
 - ``mask_alignment``: the saved response mask against the one rebuilt from the prompt lengths of the dataset
   rows and the attention mask (target ``t`` predicts token ``t + 1``); also the prompt tokens themselves.
@@ -66,7 +66,7 @@ from learner.audit_checks import (
 
 DEFAULT_TOLERANCE = 1e-4
 
-# The step folder's layout (written by cluster/audit_dump.py).
+# The step folder's layout (written by cluster/driver/audit_dump.py).
 BATCH_FILE = "batch.safetensors"
 SPLIT_FILE = "split.json"
 META_FILE = "meta.json"
@@ -85,7 +85,7 @@ class AuditInputError(ValueError):
 
 @dataclass
 class StepData:
-    """A saved step (see ``cluster/audit_dump.py``)."""
+    """A saved step (see ``cluster/driver/audit_dump.py``)."""
 
     step_dir: Path
     tensors: dict[str, Tensor]

@@ -2,7 +2,7 @@
 ``learner.audit.run_audit`` (see ``learner/audit.py`` for what each check compares and the exit codes).
 
 Written independently of the training code: nothing here comes from ``learner.objectives``,
-``learner.logprobs`` or ``cluster.batching``. Inputs are tensors, the saved split / objective / metrics as plain
+``learner.logprobs`` or ``cluster.driver.batching``. Inputs are tensors, the saved split / objective / metrics as plain
 dicts and lists, and the behaviour model; outputs are ``Check`` records.
 """
 

@@ -1,7 +1,7 @@
 """Learner checkpoints: what resuming a run needs from every rank, plus a Hugging Face copy of the weights.
 
 Layout of one learner checkpoint folder (the driver writes it under a temporary name and renames it when
-complete, ``cluster/checkpoint.py``):
+complete, ``cluster/driver/checkpoint.py``):
 
 - ``deepspeed/``: DeepSpeed's own checkpoint (model, optimizer partitions of every rank, lr);
 - ``rng/rank_<r>.pt``: each rank's Python, NumPy and torch RNG states;

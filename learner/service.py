@@ -313,7 +313,7 @@ class LearnerRank:
             guard skipped the update). Values are those of the steps that ran (0 steps: loss 0, ratios 1).
             ``actor/by_response_length``: ``{response length (tokens): [sequences, sum of s_i, clipped units,
             units]}`` summed over the optimizer steps (units as in the clip fraction), for metrics sliced by
-            length (``cluster.length_slices``).
+            length (``cluster.driver.length_slices``).
 
             MoE models (``cfg.moe_diagnostics``), see ``_moe_metrics``: ``moe/load_imbalance``,
             ``moe/load_imbalance_max``, ``moe/load_cv``, ``moe/layer{L}/load_imbalance``, ``moe/expert_load``

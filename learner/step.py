@@ -311,7 +311,7 @@ class RolloutBatchStep:
             "actor/lr": float(r.base_optimizer().param_groups[0]["lr"]),
             "actor/num_optimizer_steps": float(steps),
             "actor/num_response_tokens": float(pm["num_tokens"]) / max(cfg.ppo_epochs, 1),
-            # per response length: [sequences, sum of s_i, clipped units, units] (cluster.length_slices)
+            # per response length: [sequences, sum of s_i, clipped units, units] (cluster.driver.length_slices)
             "actor/by_response_length": dict(sorted(by_length.items())),
         }
         if r.ref_model is not None:

@@ -134,7 +134,7 @@ class RolloutEngine:
     """One vLLM engine on one model folder: samples groups of completions with behaviour log-probs.
 
     Args:
-        model_path: Hugging Face model folder (for example from ``cluster.tiny_model.ensure_model``).
+        model_path: Hugging Face model folder (for example from ``cluster.models.resolve.ensure_model``).
         cfg: the ``rollout`` config section (dtype, max_model_len, kv_cache_gb, enforce_eager, in_process,
             threads_per_engine, temperature, max_response_tokens, seed).
         engine_index: index of this engine among the run's engines; its sampling seed is ``cfg.seed + engine_index``.

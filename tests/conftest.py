@@ -34,7 +34,7 @@ for _key, _value in TEST_ENV.items():
 def tiny_moe(tmp_path_factory) -> Path:
     """The embedded tiny Qwen3-MoE (default shape, ``build_seed`` 0), built once per session. Tests only read
     it: one that needs to change a model builds its own."""
-    from cluster.tiny_model import build_tiny_moe
+    from cluster.models.tiny_model import build_tiny_moe
 
     return build_tiny_moe(tmp_path_factory.mktemp("tiny_moe") / "tiny_moe", seed=0)
 

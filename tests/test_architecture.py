@@ -115,10 +115,10 @@ def test_checker_sees_every_import_form(tmp_path):
         "    from cluster.config import Config\n"        # 9: cluster, even type only
         "def f():\n"
         "    from cluster import plan\n"                 # 11: cluster, inside a function
-        "    return importlib.import_module('cluster.data')\n"  # 12: cluster, by name
+        "    return importlib.import_module('cluster.data.prompts')\n"  # 12: cluster, by name
     )
     found = imported_modules(src)
-    assert ("rollout.contracts", 8, True) in found and ("cluster.data", 12, False) in found
+    assert ("rollout.contracts", 8, True) in found and ("cluster.data.prompts", 12, False) in found
     bad_lines = [int(v.split(":")[1].split()[0]) for v in room_violations(src, "reward")]
     assert bad_lines == [4, 6, 9, 11, 12]
 

@@ -1,4 +1,4 @@
-"""Architecture matrix: a real 3-step GSPO run per tiny random architecture (``cluster.tiny_archs``): a real
+"""Architecture matrix: a real 3-step GSPO run per tiny random architecture (``cluster.models.tiny_archs``): a real
 DeepSpeed learner rank, a real vLLM engine, rollouts sampled by the engine, one RL step per rollout batch
 (``train_rollout_batch``: pre-update pass, MoE router hooks) and a streamed weight sync after every step.
 
@@ -49,7 +49,7 @@ def _max_diff(ray, learner, engine) -> tuple[float, torch.Tensor]:
 def _rollout_batch(ray, engine, step: int):
     """One rollout batch: 4 prompts x 4 samples from the engine; reward = share of digits in the response
     (varies within a group, so the advantages are not all 0)."""
-    from cluster.batching import build_train_batch
+    from cluster.driver.batching import build_train_batch
     from learner.advantages import group_advantages
     from learner.objectives import loss_normalisers
     from rollout.contracts import PromptRow
@@ -71,7 +71,7 @@ def _weight_change(before: dict, after: dict) -> float:
 @pytest.mark.parametrize("arch", [_params(a) for a in ZERO_STAGE])
 def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arch):
     from cluster.common import free_port
-    from cluster.tiny_archs import build_tiny_arch
+    from cluster.models.tiny_archs import build_tiny_arch
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
 

@@ -1,4 +1,4 @@
-"""The offline ratio audit (learner/audit.py) and the audit dump (cluster/audit_dump.py).
+"""The offline ratio audit (learner/audit.py) and the audit dump (cluster/driver/audit_dump.py).
 
 Fast tests: the audit's own math against hand-computed values and against the training code
 (learner.objectives, imported here only as the thing being cross-checked), and the whole audit on a synthetic
@@ -123,7 +123,7 @@ def test_objective_agrees_with_training_code(algorithm, loss_agg):
 
 
 def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo") -> Path:
-    """A step folder as cluster.audit_dump writes it, with float32 'training' values from the training code:
+    """A step folder as cluster.driver.audit_dump writes it, with float32 'training' values from the training code:
     2 ranks x 2 minibatches x 2 rows; prompt lengths from the 'dataset'."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -238,7 +238,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from cluster.config import load_config
-    from cluster.trainer import Trainer
+    from cluster.driver.trainer import Trainer
 
     cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit", "trainer.total_steps=1",

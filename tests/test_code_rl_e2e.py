@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_code_task_trains_through_the_sandbox(tmp_path):
     from cluster.config import load_config
-    from cluster.trainer import Trainer
+    from cluster.driver.trainer import Trainer
 
     cfg = load_config(
         REPO_ROOT / "configs" / "tiny_code.yaml",

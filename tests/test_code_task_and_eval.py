@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from cluster.code_task import FAMILIES, all_specs, code_rows, solution_code, unit_tests
+from cluster.data.code_task import FAMILIES, all_specs, code_rows, solution_code, unit_tests
 from cluster.config import ConfigError, load_config
-from cluster.data import DataError
-from cluster.eval_metrics import pass_at_k, reported_ks, sampled_metrics
-from cluster.length_slices import bucket_index, bucket_ranges, learner_slices, plot_length_slices, rollout_slices
-from cluster.tiny_model import CHARACTERS
+from cluster.data.prompts import DataError
+from cluster.driver.eval_metrics import pass_at_k, reported_ks, sampled_metrics
+from cluster.driver.length_slices import bucket_index, bucket_ranges, learner_slices, plot_length_slices, rollout_slices
+from cluster.models.tiny_model import CHARACTERS
 from learner.objectives import policy_loss
 from tests.conftest import REPO_ROOT
 

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from cluster import checkpoint
-from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
+from cluster.driver import checkpoint
+from cluster.driver.batching import build_sft_batch, build_train_batch, split_for_ranks
 from rollout.contracts import Completion
-from cluster.data import DataError, PromptStream, arithmetic_rows
-from cluster.data_files import gsm8k_rows
+from cluster.data.prompts import DataError, PromptStream, arithmetic_rows
+from cluster.data.files import gsm8k_rows
 from tests.conftest import REPO_ROOT
 
 GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -35,7 +35,7 @@ def test_arithmetic_split_is_disjoint_and_deterministic():
 
 
 def test_demonstration_slips_only_touch_carries_and_training_rows():
-    from cluster.data import arithmetic_solution
+    from cluster.data.prompts import arithmetic_solution
 
     assert arithmetic_solution(37, 48) == "85" and arithmetic_solution(37, 48, slip=True) == "75"
     assert arithmetic_solution(31, 48, slip=True) == "79"  # no units carry: nothing to drop

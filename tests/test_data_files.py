@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from cluster.config import ConfigError, DataConfig, load_config
-from cluster.data import DataError, resolve_data_path
-from cluster.data_files import file_rows
-from cluster.prompting import PromptEncoder, PromptError, tokenizer_adds_bos
-from cluster.tiny_model import build_char_tokenizer, char_vocab
+from cluster.data.prompts import DataError, resolve_data_path
+from cluster.data.files import file_rows
+from cluster.data.prompting import PromptEncoder, PromptError, tokenizer_adds_bos
+from cluster.models.tiny_model import build_char_tokenizer, char_vocab
 from rollout.engine import eos_token_ids
 from tests.conftest import REPO_ROOT
 

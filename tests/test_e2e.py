@@ -26,7 +26,7 @@ REQUIRED_KEYS = [
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     from cluster.config import load_config
-    from cluster.trainer import Trainer
+    from cluster.driver.trainer import Trainer
 
     out = tmp_path_factory.mktemp("e2e")
     cfg = load_config(
@@ -56,7 +56,7 @@ def _checksums(t):
 def test_two_steps_end_to_end(trainer):
     import ray
 
-    from cluster.batching import build_train_batch
+    from cluster.driver.batching import build_train_batch
     from rollout.contracts import Completion
 
     before = _checksums(trainer)
@@ -90,7 +90,7 @@ def test_two_steps_end_to_end(trainer):
     assert "eval/accuracy" in steps[-1]  # final eval
     assert math.isfinite(steps[-1]["loss/policy"])
     assert (trainer.run_dir / "curves.png").stat().st_size > 0
-    from cluster.checkpoint import latest_checkpoint
+    from cluster.driver.checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(trainer.run_dir)
     assert ck is not None and ck.name == "step_00000002"

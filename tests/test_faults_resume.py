@@ -24,7 +24,7 @@ BASE = [
 
 def _trainer(out, name, extra):
     from cluster.config import load_config
-    from cluster.trainer import Trainer
+    from cluster.driver.trainer import Trainer
 
     overrides = [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]
     return Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", overrides))
@@ -137,7 +137,7 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
     state = json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert state["data_fingerprint"]["rows"] == 16
     # another seed would reorder the prompts under the restored position: refused before any actor starts
-    from cluster.checkpoint import ResumeMismatch
+    from cluster.driver.checkpoint import ResumeMismatch
 
     reseeded = _trainer(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=true",
                                            "trainer.seed=1"])
@@ -162,7 +162,7 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
 def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
     import ray
 
-    from cluster.trainer import HealthStop
+    from cluster.driver.trainer import HealthStop
 
     t = _trainer(tmp_path, "health", ["trainer.total_steps=20", "health.enabled=true", "health.rollback_after=2",
                                       "health.max_rollbacks=1", "health.max_grad_norm=1e6"])

@@ -257,7 +257,7 @@ def test_routing_replay_keeps_recorded_experts_and_is_exact_at_unchanged_weights
 def test_routing_replay_needs_an_moe_model(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from cluster.tiny_model import build_char_tokenizer
+    from cluster.models.tiny_model import build_char_tokenizer
 
     config = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)

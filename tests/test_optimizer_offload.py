@@ -138,13 +138,13 @@ def _host_offload_bytes(learner) -> tuple[int, int]:
 
 @pytest.mark.parametrize("zero_stage,dtype", [(3, "bfloat16"), (2, "bfloat16"), (2, "float32")])
 def test_plan_counts_the_offloaded_buffers(model_path, zero_stage, dtype):
-    """cluster.plan.learner_host_offload_gib against a real engine after a step of 3 micro-batches (one rank,
+    """cluster.planning.plan.learner_host_offload_gib against a real engine after a step of 3 micro-batches (one rank,
     so N = 1): 12 bytes a parameter of optimizer state, 4 or 8 of gradients; at ZeRO-3 DeepSpeed's optimizer
     device, where it also puts the gradient partitions, is the host. DeepSpeed pads partitions for alignment,
     hence 1 %."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-    from cluster.plan import learner_host_offload_gib
+    from cluster.planning.plan import learner_host_offload_gib
 
     cfg = LearnerConfig(zero_stage=zero_stage, dtype=dtype, micro_batch_size=2, lr=1e-3, num_minibatches=1,
                         offload_optimizer="cpu")

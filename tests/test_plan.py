@@ -1,4 +1,4 @@
-"""The dry-run resource plan: placement per node and the GPU memory check (cluster/plan.py), and the GPU
+"""The dry-run resource plan: placement per node and the GPU memory check (cluster/planning/plan.py), and the GPU
 configs validated through ``python -m cluster.train CONFIG --dry-run``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster.config import load_config
-from cluster.plan import (
+from cluster.planning.plan import (
     PlanError,
     cpu_oversubscription,
     learner_host_offload_gib,
@@ -273,8 +273,8 @@ def test_param_count_matches_the_real_tiny_model():
     """memory_model.param_count from the config keys equals the parameters transformers builds."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from cluster import memory_model as mm
-    from cluster.plan import model_shape
+    from cluster.planning import memory_model as mm
+    from cluster.planning.plan import model_shape
 
     cfg = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["model.num_experts=64"])
     shape = model_shape(cfg)
@@ -289,7 +289,7 @@ def test_param_count_matches_the_real_tiny_model():
 
 
 def test_kv_and_activation_hand_values():
-    from cluster import memory_model as mm
+    from cluster.planning import memory_model as mm
     from cluster.config import ModelShape
 
     s = ModelShape(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -310,7 +310,7 @@ def test_kv_and_activation_hand_values():
 def test_zero3_constants_are_deepspeeds_defaults():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from cluster import memory_model as mm
+    from cluster.planning import memory_model as mm
 
     fields = DeepSpeedZeroConfig.model_fields
     assert fields["max_live_parameters"].default == mm.ZERO3_MAX_LIVE_PARAMETERS
@@ -370,14 +370,14 @@ def test_gpu_smoke_dry_run_and_refusal_without_cuda():
     import sys
 
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke", "--dry-run"], cwd=REPO_ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "cluster.tools.gpu_smoke", "--dry-run"], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = yaml.safe_load(r.stdout)
     assert "model.num_experts=64" in out["overrides"]
     assert out["plan"]["memory"]["fullest_gpu"]["holds"] == ["learner rank 0", "rollout engine 0"]
     assert out["plan"]["memory"]["rollout_kv"]["kv_tokens_needed"] == 256 * 32
-    r = subprocess.run([sys.executable, "-m", "cluster.gpu_smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "cluster.tools.gpu_smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
 

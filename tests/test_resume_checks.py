@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from cluster.checkpoint import (
+from cluster.driver.checkpoint import (
     RESUME_FREE,
     RESUME_RL_ONLY,
     ResumeMismatch,
@@ -21,8 +21,8 @@ from cluster.checkpoint import (
     read_learner_state,
 )
 from cluster.config import Config, ConfigError, load_config
-from cluster.data import arithmetic_rows
-from cluster.data_files import gsm8k_rows
+from cluster.data.prompts import arithmetic_rows
+from cluster.data.files import gsm8k_rows
 from tests.conftest import REPO_ROOT
 
 TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
@@ -128,7 +128,7 @@ def test_algorithm_is_refused_after_rl_steps_and_free_on_a_warm_start_checkpoint
                    "learner.loss_agg: checkpoint None, config 'token_mean'",
                    "trainer.dynamic_sampling: checkpoint False, config True", "step-2 checkpoint"):
         assert needle in msg
-    with caplog.at_level(logging.INFO, logger="cluster.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="cluster.driver.checkpoint"):
         notes = _check(_saved(step=0), dapo)  # cluster/compare.py: every algorithm resumes one warm start
     assert "learner.algorithm: 'gspo' -> 'grpo' (the checkpoint is from before the first RL step)" in notes
     assert "learner.algorithm: 'gspo' -> 'grpo'" in caplog.text
@@ -141,7 +141,7 @@ def test_algorithm_is_refused_after_rl_steps_and_free_on_a_warm_start_checkpoint
 def test_engine_and_reward_worker_counts_are_free_with_a_log_line(caplog):
     free = ["rollout.num_engines=3", "reward.num_workers=4", "trainer.total_steps=200", "wandb.mode=disabled",
             "health.max_grad_norm=50", "warm_start.steps=0"]
-    with caplog.at_level(logging.INFO, logger="cluster.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="cluster.driver.checkpoint"):
         notes = _check(_saved(step=7), free)
     assert "rollout.num_engines: 1 -> 3 (free to change on resume)" in notes
     assert "reward.num_workers: 1 -> 4 (free to change on resume)" in notes

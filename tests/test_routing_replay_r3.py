@@ -64,7 +64,7 @@ def test_rollout_replay_ids_layout_and_fill():
 
 
 def test_train_batch_carries_engine_routing_with_padding():
-    from cluster.batching import build_train_batch
+    from cluster.driver.batching import build_train_batch
     from rollout.contracts import Completion
 
     def comp(p, r, ids):

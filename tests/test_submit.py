@@ -59,7 +59,7 @@ def test_entrypoint_and_config_path():
 def test_path_overrides_make_relative_paths_absolute(tmp_path):
     got = submit.path_overrides(str(REPO_ROOT / "configs/gsm8k_tiny.yaml"), ["trainer.output_dir=runs"], cwd=tmp_path)
     assert f"trainer.output_dir={tmp_path / 'runs'}" in got
-    # data paths resolve as cluster.data does: from the repository root when not found from cwd
+    # data paths resolve as cluster.data.prompts does: from the repository root when not found from cwd
     shared = (REPO_ROOT / "../shared/data/gsm8k").resolve()
     assert f"data.train_path={shared / 'train.jsonl'}" in got and f"data.test_path={shared / 'test.jsonl'}" in got
     assert not any(o.startswith("model.path=") for o in got)  # builtin:tiny_moe stays

@@ -6,13 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.tiny_model import (
+from cluster.models.tiny_model import (
     BUILD_INFO_FILE,
     VOCAB_SIZE,
     build_char_tokenizer,
     build_tiny_moe,
-    ensure_model,
 )
+from cluster.models.resolve import ensure_model
 
 
 def test_same_seed_bit_identical_other_seed_differs(tiny_moe, tmp_path):
@@ -124,7 +124,7 @@ def test_ensure_model(tmp_path, tiny_moe):
 
 
 def test_tiny_archs_build_deterministically_and_resolve_as_builtins(tmp_path):
-    from cluster.tiny_archs import ARCHS, build_tiny_arch
+    from cluster.models.tiny_archs import ARCHS, build_tiny_arch
 
     built = ensure_model("builtin:tiny_qwen2_moe", tmp_path, seed=5, num_layers=7)  # tiny_moe's shape keys ignored
     assert built == tmp_path / "tiny_qwen2_moe"

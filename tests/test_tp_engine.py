@@ -31,7 +31,7 @@ def perturbed_state(folder) -> dict[str, torch.Tensor]:
 
 
 def test_tp2_engine_loads_a_sync_exactly(ray_cluster, tmp_path):
-    from cluster.tiny_model import build_tiny_moe
+    from cluster.models.tiny_model import build_tiny_moe
     from learner.weight_sync import pack_bucket
     from rollout.engine import RolloutEngine
 
@@ -66,7 +66,7 @@ def test_tp2_engine_loads_a_collective_sync_exactly(ray_cluster, tmp_path):
     """``sync.transport=collective`` with a TP=2 engine: both of its workers join the transfer group (ranks 2
     and 3 after a TP=1 engine's rank 1; this process sends as rank 0 over gloo); every worker receives the
     whole bucket and loads its shard; log-probs equal the TP=1 engine's after the sync."""
-    from cluster.tiny_model import build_tiny_moe
+    from cluster.models.tiny_model import build_tiny_moe
     from learner.weight_sync import TransferGroup, _Fanout, pack_flat
     from rollout.engine import RolloutEngine
 

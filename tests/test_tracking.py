@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.tracking import WANDB_ID_FILE, MetricsLogger, wandb_run_id
+from cluster.driver.tracking import WANDB_ID_FILE, MetricsLogger, wandb_run_id
 
 
 def _offline_run_ids(run_dir):

@@ -1,9 +1,9 @@
 """User verifiers in the user's own folder, the command-line entry points and the quiet terminal.
 
 The fast tests check the pieces: which ``module:function`` verifiers a run names and where, the driver's
-import check and what is shipped to the workers (``cluster.user_code``), the job's runtime env, relative CLI
+import check and what is shipped to the workers (``cluster.runtime.user_code``), the job's runtime env, relative CLI
 paths, the ``[project.scripts]`` entries, and the terminal filter and worker-output redirection
-(``cluster.console``). The slow test runs ``python -m cluster.train`` with ``reward.verifier=myrew:score`` and
+(``cluster.runtime.console``). The slow test runs ``python -m cluster.train`` with ``reward.verifier=myrew:score`` and
 ``myrew.py`` on the user's PYTHONPATH (not in the working directory) and checks that the rewards are that
 function's.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.user_code import check_user_verifiers, module_source, verifier_names
+from cluster.runtime.user_code import check_user_verifiers, module_source, verifier_names
 from tests.conftest import REPO_ROOT, TEST_ENV
 
 TINY = str(REPO_ROOT / "configs" / "tiny_moe.yaml")
@@ -119,7 +119,7 @@ def test_cli_paths_are_from_the_working_dir(tmp_path):
 
 
 def test_absolute_paths_leaves_builtin_and_absolute_alone(tmp_path):
-    from cluster.train import absolute_paths
+    from cluster.config import absolute_paths
 
     cfg = absolute_paths(load_config(TINY, ["trainer.output_dir=/abs/out"]), cwd=tmp_path)
     assert cfg.model.path == "builtin:tiny_moe" and cfg.trainer.output_dir == "/abs/out"
@@ -148,7 +148,7 @@ def test_project_scripts_point_to_main_functions():
 
 
 def test_terminal_filter_passes_own_records_and_errors():
-    from cluster.console import OwnOrErrors
+    from cluster.runtime.console import OwnOrErrors
 
     f = OwnOrErrors()
 
@@ -163,7 +163,7 @@ def test_terminal_filter_passes_own_records_and_errors():
 def test_worker_output_goes_to_the_log_folder(tmp_path):
     """The worker setup hook moves file descriptors 1 and 2: Python prints, raw fd writes and a child's
     output land in worker-<pid>.log, nothing on the process's own stdout/stderr."""
-    code = ("import os, subprocess, sys; from cluster.console import redirect_worker_output; "
+    code = ("import os, subprocess, sys; from cluster.runtime.console import redirect_worker_output; "
             "redirect_worker_output(); print('py-out'); print('py-err', file=sys.stderr); sys.stdout.flush(); "
             "os.write(2, b'fd-err\\n'); subprocess.run(['echo', 'child-out']); print(os.getpid(), file=sys.__stdout__)")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "GSPO_WORKER_LOG_DIR": str(tmp_path / "w")}

@@ -27,7 +27,7 @@ def build_model(folder, kind: str):
     ``moe_tied`` (the same with tied embeddings) or ``dense_tied`` (Qwen3 dense, tied)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from cluster.tiny_model import build_char_tokenizer, build_tiny_moe
+    from cluster.models.tiny_model import build_char_tokenizer, build_tiny_moe
 
     build_tiny_moe(folder, seed=0)
     if kind == "moe":

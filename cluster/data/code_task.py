@@ -17,7 +17,7 @@ training rows (chosen with the seed), which carry that family's classic bug: a f
 ``-2``), missing parentheses (``x+a%m``), an off-by-one comparison (``>=`` for ``>``) or loop bound
 (``range(n+1)``). Imitation learns the bugs; the unit tests' reward (share of tests passed) lets RL unlearn
 them. Every character is printable ASCII or ``"\\n"``: the embedded model's character tokenizer
-(``cluster.tiny_model``) can read and emit all of it.
+(``cluster.models.tiny_model``) can read and emit all of it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.data import DataError
+from cluster.data.prompts import DataError
 from rollout.contracts import PromptRow
 
 FAMILIES = ("linear", "mod", "threshold", "sum")

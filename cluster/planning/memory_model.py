@@ -1,4 +1,4 @@
-"""The memory model behind the resource plan (``cluster/plan.py``): per-token and per-rank byte counts from a
+"""The memory model behind the resource plan (``cluster/planning/plan.py``): per-token and per-rank byte counts from a
 model's architecture (``model.shape``), torch-free so that ``--dry-run`` imports nothing heavy.
 
 All results are bytes unless a name ends in ``_gib``. ``b`` is the bytes of one element of the dtype named.

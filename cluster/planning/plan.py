@@ -1,6 +1,6 @@
 """Resource plan of a run, computed from the config alone (``--dry-run``): placement per node and GPU memory.
 
-Nothing is started. The plan mirrors what ``cluster/services.py`` asks Ray for: the learner ranks share one
+Nothing is started. The plan mirrors what ``cluster/runtime/services.py`` asks Ray for: the learner ranks share one
 placement group (STRICT_PACK, so one node, when they hold GPUs; PACK on CPU), every rollout engine has a
 group of its own with ``tensor_parallel_size`` GPUs on one node, reward workers hold CPUs only. Nodes are
 assumed alike (``gpus_per_node`` GPUs of ``gpu_memory_gib`` each); Ray may place groups differently, but never
@@ -21,9 +21,9 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   8 for float32 (the weights are the master copy; the two moments). ``LEARNER_OVERHEAD_GIB`` covers the CUDA
   context, NCCL and DeepSpeed's communication buckets. When ``model.shape`` is known (or the model is
   ``builtin:tiny_moe``) the rank's claim adds the working memory of one micro-batch of
-  ``cluster.memory_model.micro_batch_tokens`` tokens: activations (with or without
+  ``cluster.planning.memory_model.micro_batch_tokens`` tokens: activations (with or without
   ``learner.gradient_checkpointing``; both are reported), logits, and under ZeRO-3 the gathered parameters
-  (``cluster/memory_model.py`` has the formulas and their sources).
+  (``cluster/planning/memory_model.py`` has the formulas and their sources).
 
   With ``learner.offload_optimizer: cpu`` (ZeRO-Offload; DeepSpeed 0.19.8 ``deepspeed/runtime/zero/stage3.py``
   and ``stage_1_and_2.py``; tests/test_optimizer_offload.py counts the host buffers of a real engine) the
@@ -58,9 +58,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster import memory_model as mm
-from cluster.config import Config, ConfigError
-from cluster.memory_model import (  # noqa: F401 - re-exported: the formula of this module's docstring
+from cluster.planning import memory_model as mm
+from cluster.config import Config, ConfigError, ModelShape
+from cluster.models.tiny_model import VOCAB_SIZE
+from cluster.planning.memory_model import (  # noqa: F401 - re-exported: the formula of this module's docstring
     LEARNER_OVERHEAD_GIB,
     learner_host_offload_gib,
     learner_memory_gib,
@@ -265,7 +266,7 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
 
 
 def _placement_groups(cfg: Config) -> dict[str, Any]:
-    """The placement groups as ``cluster/services.py`` requests them (bundles and strategy per service)."""
+    """The placement groups as ``cluster/runtime/services.py`` requests them (bundles and strategy per service)."""
     lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
     return {
         "learner": {"bundles": [{"CPU": lc.num_cpus_per_rank, "GPU": lc.num_gpus_per_rank} for _ in range(lc.world_size)],
@@ -282,15 +283,12 @@ def _placement_groups(cfg: Config) -> dict[str, Any]:
 
 def model_shape(cfg: Config) -> Any:
     """The architecture the plan models: ``model.shape``, or for ``builtin:tiny_moe`` its build keys (vocabulary
-    from ``cluster.tiny_model``); None when unknown."""
+    from ``cluster.models.tiny_model``); None when unknown."""
     m = cfg.model
     if m.shape is not None:
         return m.shape
     if m.path != "builtin:tiny_moe":
         return None
-    from cluster.config import ModelShape
-    from cluster.tiny_model import VOCAB_SIZE
-
     return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, vocab_size=VOCAB_SIZE,
                       moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,

@@ -63,7 +63,7 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
 
     Args:
         batch: the step's ``TrainBatch`` (N rows).
-        plans: ``cluster.batching.RankPlan`` per rank (``minibatches[m]`` is a ``TrainBatch`` shard).
+        plans: ``cluster.driver.batching.RankPlan`` per rank (``minibatches[m]`` is a ``TrainBatch`` shard).
 
     Returns:
         One dict per minibatch: ``{"ranks": [[row indices of rank 0], ...], "num_sequences": S, "num_tokens":
@@ -151,7 +151,7 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
     called on all of them).
 
     Args:
-        trainer: the ``cluster.trainer.Trainer`` (uses ``cfg``, ``run_dir``, ``learners``, ``model_path``,
+        trainer: the ``cluster.driver.trainer.Trainer`` (uses ``cfg``, ``run_dir``, ``learners``, ``model_path``,
             ``train_rows``, ``weight_version``).
         step: the 1-based RL step.
         batch: the step's ``TrainBatch``.

@@ -23,16 +23,18 @@ import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, services, user_code
-from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
-from cluster.collect import Collected, Collector, all_equal, score
+from cluster.data import prompts as data
+from cluster.driver import audit_dump, checkpoint, eval_metrics, length_slices
+from cluster.runtime import services, user_code
+from cluster.driver.batching import build_sft_batch, build_train_batch, split_for_ranks
+from cluster.driver.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
-from cluster.data_files import file_rows
+from cluster.data.files import file_rows
 from cluster.config import Config, ConfigError
-from cluster.learner_group import LearnerGroup
-from cluster.prompting import PromptEncoder, PromptError
-from cluster.tiny_model import ensure_model
-from cluster.tracking import MetricsLogger, plot_curves, progress_line
+from cluster.runtime.learner_group import LearnerGroup
+from cluster.data.prompting import PromptEncoder, PromptError
+from cluster.models.resolve import ensure_model
+from cluster.driver.tracking import MetricsLogger, plot_curves, progress_line
 from learner.advantages import group_advantages
 from learner.objective_names import TOKEN_CORRECTIONS
 from reward.pool import RewardPool
@@ -78,7 +80,7 @@ def load_tokenizer(model_path: str):
 
 def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]:
     """Training and held-out rows for ``cfg.data``; every task's prompts are encoded by one
-    ``cluster.prompting.PromptEncoder`` (``data.apply_chat_template``, ``data.system_prompt``, the BOS rule).
+    ``cluster.data.prompting.PromptEncoder`` (``data.apply_chat_template``, ``data.system_prompt``, the BOS rule).
 
     Raises:
         ConfigError: ``data.apply_chat_template=true`` with a tokenizer that has no chat template.
@@ -95,7 +97,7 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
             demo_slip_rate=d.demo_slip_rate,
         )
     if d.task == "code":
-        from cluster.code_task import code_rows
+        from cluster.data.code_task import code_rows
 
         return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
                          demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)
@@ -139,12 +141,12 @@ def correction_warning(metrics: dict[str, Any], lc) -> str | None:
 
 class Trainer:
     """Owns the actors, the prompt stream, logging and checkpoints of one run. ``verbose=False``: the actors'
-    output goes to the run's ``logs/workers/`` instead of the terminal (``cluster.console``)."""
+    output goes to the run's ``logs/workers/`` instead of the terminal (``cluster.runtime.console``)."""
 
     def __init__(self, cfg: Config, verbose: bool = True):
         self.cfg = cfg
         self.verbose = verbose
-        self.user_modules: list[str] = []  # user verifier modules shipped to the workers (cluster.user_code)
+        self.user_modules: list[str] = []  # user verifier modules shipped to the workers (cluster.runtime.user_code)
         self.t_start = time.perf_counter()
         self.run_dir = setup_run_dir(cfg)
         self.step = 0
@@ -238,7 +240,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy decoding on the held-out prompts; accuracy = share judged correct by the verifier. With
         ``trainer.eval_samples`` = k > 0 also k samples per prompt at the rollout temperature (the same seed at
-        every evaluation): ``eval/pass@j`` and ``eval/mean@k`` (``cluster.eval_metrics``)."""
+        every evaluation): ``eval/pass@j`` and ``eval/mean@k`` (``cluster.driver.eval_metrics``)."""
         t = time.perf_counter()
         comps = self.fleet.generate(self.eval_rows, 1, greedy=True)
         results = score(self.rewards, {r.uid: r for r in self.eval_rows}, comps)
@@ -414,7 +416,7 @@ class Trainer:
         return m
 
     def length_metrics(self, c: Collected, rewards: torch.Tensor, by_length: dict[int, list[float]]) -> dict[str, float]:
-        """The step's metrics per response-length bucket (``cluster.length_slices``; none when
+        """The step's metrics per response-length bucket (``cluster.driver.length_slices``; none when
         ``trainer.length_buckets`` is 0): reward and accuracy of the rollout, clip fraction and sequence ratio
         of the learner's update (absent when no update ran)."""
         n = self.cfg.trainer.length_buckets

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cluster.driver.collect import score
 from rollout.contracts import PromptRow
 
 EVAL_SAMPLING_SEED = 2_000_003  # + rollout.seed: the same held-out samples' randomness at every evaluation
@@ -70,8 +71,7 @@ def sampled_metrics(correct: list[list[bool]]) -> dict[str, float]:
 def evaluate_sampled(fleet: Any, rewards: Any, rows: list[PromptRow], k: int, seed: int) -> dict[str, float]:
     """Sample ``k`` completions per held-out prompt at the rollout temperature (seeded with ``seed``), score
     them with the reward pool and return ``sampled_metrics`` plus ``eval/sampled_response_length_mean``
-    (tokens). ``fleet``: ``cluster.services.EngineFleet``; ``rewards``: ``reward.pool.RewardPool``."""
-    from cluster.collect import score
+    (tokens). ``fleet``: ``cluster.runtime.services.EngineFleet``; ``rewards``: ``reward.pool.RewardPool``."""
 
     comps = fleet.generate(rows, k, seed=seed)
     results = score(rewards, {r.uid: r for r in rows}, comps)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 LOG_DIR_ENV = "GSPO_WORKER_LOG_DIR"  # the workers' log folder, read by redirect_worker_output
-WORKER_SETUP_HOOK = "cluster.console.redirect_worker_output"  # a module path: Ray imports it in each worker
+WORKER_SETUP_HOOK = "cluster.runtime.console.redirect_worker_output"  # a module path: Ray imports it in each worker
 OWN_LOGGERS = ("cluster", "learner", "reward", "rollout", "bench", "__main__")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

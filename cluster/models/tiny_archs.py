@@ -1,7 +1,7 @@
 """Tiny random models of several causal-LM architectures that transformers and vLLM both load, built locally.
 
 ``build_tiny_arch(out_dir, arch)`` writes a Hugging Face folder (``config.json``, ``generation_config.json``,
-``model.safetensors``, the character tokenizer of ``cluster.tiny_model``) holding a seeded random init of
+``model.safetensors``, the character tokenizer of ``cluster.models.tiny_model``) holding a seeded random init of
 one of the architectures in ``ARCHS``. No hub access. Used by the architecture test matrix
 (``tests/test_architectures.py``, ``make test-matrix``) and by ``model.path: builtin:tiny_<arch>``.
 
@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cluster.tiny_model import (
+from cluster.models.tiny_model import (
     BOS_TOKEN,
     BUILD_FORMAT_VERSION,
     BUILD_INFO_FILE,
@@ -98,7 +98,7 @@ def build_tiny_arch(out_dir: str | os.PathLike, arch: str, *, seed: int = 0, max
 
     The weights are the transformers class's own random init under ``torch.manual_seed(seed)`` (the caller's
     RNG state is left untouched), float32: the same arguments give bit-identical weights. Building, reuse
-    and replacement of ``out_dir`` as in ``cluster.tiny_model.install_build``.
+    and replacement of ``out_dir`` as in ``cluster.models.tiny_model.install_build``.
 
     Raises:
         ValueError: an unknown ``arch`` or ``max_position_embeddings`` < 8.

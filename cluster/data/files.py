@@ -8,7 +8,7 @@ that a bad line costs only itself (counted and skipped).
 
 A row becomes a ``PromptRow``: the prompt is the ``data.prompt_key`` field (text, or chat messages
 ``[{role, content}, ...]``) or ``data.prompt_template`` filled from the row's fields, encoded by
-``cluster.prompting.PromptEncoder`` (chat template, BOS); the reference is the ``data.answer_key`` field as
+``cluster.data.prompting.PromptEncoder`` (chat template, BOS); the reference is the ``data.answer_key`` field as
 text; the verifier the row's ``data.verifier_key`` field, else ``data.verifier``; ``meta`` holds the
 ``data.meta_keys`` fields (and the ``data.solution_key`` field as ``"solution"``). A field the file does not
 have at all stops loading with a ``DataError`` naming the key, the file and the row; a row without a value
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.data import DataError, LoadReport, read_jsonl, resolve_data_path
-from cluster.prompting import PromptError
+from cluster.data.prompts import DataError, LoadReport, read_jsonl, resolve_data_path
+from cluster.data.prompting import PromptError
 from rollout.contracts import PromptRow
 
 log = logging.getLogger(__name__)

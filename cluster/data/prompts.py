@@ -1,5 +1,5 @@
 """Prompts for training and evaluation: the procedural arithmetic task, data paths, and the prompt stream
-(rows from files, GSM8K included: ``cluster/data_files.py``).
+(rows from files, GSM8K included: ``cluster/data/files.py``).
 
 Rows become ``PromptRow`` (rollout/contracts.py). Bad rows (missing fields, empty or over-long prompts,
 undecodable bytes) are counted and skipped with a warning that names the row; a split with no usable row

@@ -215,33 +215,3 @@ def install_build(out_dir: str | os.PathLike, args: dict[str, Any], write: Calla
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwargs: Any) -> Path:
-    """The model folder for ``model.path``: builds ``builtin:tiny_moe`` into ``out_root/tiny_moe`` (with
-    ``build_kwargs`` passed to ``build_tiny_moe``), ``builtin:tiny_<arch>`` (``cluster.tiny_archs.ARCHS``)
-    into ``out_root/tiny_<arch>`` (only ``build_kwargs["seed"]`` applies: their shapes are fixed), or checks
-    that a Hugging Face folder exists.
-
-    Raises:
-        FileNotFoundError: a folder path that does not exist or has no ``config.json``.
-        ValueError: an unknown ``builtin:`` name, or build arguments ``build_tiny_moe`` refuses.
-    """
-    if path_or_builtin.startswith("builtin:"):
-        from cluster.tiny_archs import ARCHS, build_tiny_arch, builtin_arch
-
-        arch = builtin_arch(path_or_builtin)
-        if arch is not None:
-            return build_tiny_arch(Path(out_root) / f"tiny_{arch}", arch, seed=build_kwargs.get("seed", 0))
-        if path_or_builtin != BUILTIN_TINY_MOE:
-            names = [BUILTIN_TINY_MOE] + [f"builtin:tiny_{a}" for a in ARCHS]
-            raise ValueError(f"model.path={path_or_builtin!r}: the builtin models are {names}")
-        return build_tiny_moe(Path(out_root) / "tiny_moe", **build_kwargs)
-    path = Path(path_or_builtin).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model.path={path_or_builtin!r} is not a folder (give a Hugging Face model folder or {BUILTIN_TINY_MOE!r})"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={path_or_builtin!r} has no config.json (not a Hugging Face model folder)")
-    return path

@@ -1,6 +1,6 @@
 """Starting the services as Ray actors in placement groups, and the calls that fan work out to them.
 
-This module (with ``cluster.learner_group`` for the learner's ranks) is where Ray placement is decided. Each learner rank, rollout engine and
+This module (with ``cluster.runtime.learner_group`` for the learner's ranks) is where Ray placement is decided. Each learner rank, rollout engine and
 reward worker is one actor (one process). Learner ranks share one placement group; every rollout engine has
 a group of its own, so engines can be added and removed while the run goes on.
 """
@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import console
+from cluster.runtime import console
 from cluster.common import REPO_ROOT
 from cluster.config import Config
 from rollout.contracts import Completion, PromptRow
@@ -74,7 +74,7 @@ def init_ray(cfg: Config, run_dir: Path, py_modules: list[str] | None = None, ve
     before running on a machine reachable from a network. A local cluster gets as many logical CPUs as the
     actors reserve (at least the machine's cores): phases run one after another, so they share the cores.
 
-    ``py_modules``: the user modules every worker must import (``cluster.user_code``), shipped with Ray's
+    ``py_modules``: the user modules every worker must import (``cluster.runtime.user_code``), shipped with Ray's
     runtime env to every node; inside a Ray job they come with the job's runtime env instead
     (``cluster.submit``), which a driver's own ``py_modules`` would conflict with. ``verbose=False``: the
     actors' output goes to ``console.worker_log_dir(run_dir)`` (a worker setup hook), not to this terminal.
@@ -104,7 +104,7 @@ def init_ray(cfg: Config, run_dir: Path, py_modules: list[str] | None = None, ve
         _temp_dir=None,
         log_to_driver=verbose,
         # Quiet: Ray's own records go through the root logger (its warnings to the run's driver.log, its
-        # errors to the terminal too: cluster.console); verbose: Ray's handler prints its warnings as before.
+        # errors to the terminal too: cluster.runtime.console); verbose: Ray's handler prints its warnings as before.
         configure_logging=verbose,
         logging_level=logging.WARNING,
     )
@@ -134,7 +134,7 @@ class EngineFleet:
         self.max_retries = 3
         self.restarts = 0  # engines replaced after dying (for fault/rollout_restarts)
         # Streams the current weights to a list of engines as a version: ``(engines, version) -> sync report``
-        # (``cluster.learner_group.LearnerGroup.sync_weights`` bound to the sync settings). None: nothing synced yet.
+        # (``cluster.runtime.learner_group.LearnerGroup.sync_weights`` bound to the sync settings). None: nothing synced yet.
         self.weight_source: Callable[[list[Any], int], dict[str, Any]] | None = None
 
     def _start_one(self) -> tuple[Any, Any]:

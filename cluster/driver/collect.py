@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.config import Config
-from cluster.data import PromptStream
+from cluster.data.prompts import PromptStream
 from reward.contracts import RewardRequest, RewardResult
 from rollout.contracts import Completion, PromptRow
 
@@ -67,7 +67,7 @@ class Collector:
     Args:
         cfg: the run config.
         stream: the training prompt stream (its position advances by the prompts taken).
-        fleet: the ``cluster.services.EngineFleet``.
+        fleet: the ``cluster.runtime.services.EngineFleet``.
         rewards: the ``reward.pool.RewardPool``.
     """
 

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.common import free_port
 from cluster.config import Config
-from cluster.services import actor_env, get_fail_fast, wait_ready
+from cluster.runtime.services import actor_env, get_fail_fast, wait_ready
 from learner.contracts import SFTBatch
 
 
@@ -107,7 +107,7 @@ class LearnerGroup:
         self.call("pid")
 
     def train(self, plans: list[Any], guard: dict[str, float] | None) -> dict[str, Any]:
-        """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.batching.RankPlan``). Returns the
+        """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``). Returns the
         metrics (identical on every rank)."""
         outs = self.call_sharded("train_rollout_batch", [(p.minibatches, p.num_sequences, p.num_tokens) for p in plans],
                                  guard=guard)

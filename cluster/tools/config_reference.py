@@ -3,7 +3,7 @@ type, default and description.
 
 Regenerate after changing a config class::
 
-    python -m cluster.config_reference > docs/config.md
+    python -m cluster.tools.config_reference > docs/config.md
 
 ``tests/test_config.py`` fails when ``docs/config.md`` differs from :func:`reference_markdown`.
 """
@@ -22,7 +22,7 @@ from pydantic.fields import FieldInfo
 
 from cluster.config import Config
 
-COMMAND = "python -m cluster.config_reference > docs/config.md"
+COMMAND = "python -m cluster.tools.config_reference > docs/config.md"
 
 
 def _model_in(annotation: Any) -> tuple[type[BaseModel], bool] | None:
@@ -153,7 +153,7 @@ def reference_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the reference to stdout (``python -m cluster.config_reference > docs/config.md``)."""
+    """Print the reference to stdout (``python -m cluster.tools.config_reference > docs/config.md``)."""
     if argv if argv is not None else sys.argv[1:]:
         print(f"usage: {COMMAND}", file=sys.stderr)
         return 2

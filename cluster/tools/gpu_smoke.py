@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from cluster.config import apply_overrides, load_config
-from cluster.plan import num_params, plan
+from cluster.planning.plan import num_params, plan
 
 #: the smoke run's overrides of configs/tiny_moe.yaml (one GPU: the learner and the engine share it).
 SMOKE_OVERRIDES = [
@@ -88,7 +88,7 @@ def _engine_kv_tokens(cfg) -> int:
     import ray
 
     from rollout.engine import RolloutEngine
-    from cluster.tiny_model import ensure_model
+    from cluster.models.resolve import ensure_model
 
     m = cfg.model
     build = m.build_kwargs()
