@@ -6,6 +6,7 @@
   imports no Ray, vLLM, DeepSpeed or config classes (CONTRIBUTING.md);
 - loading the config (``cluster.config``, what ``--dry-run`` and ``cluster.submit`` do) does not import torch
   (checked in a fresh interpreter: the one exception to "nothing imported");
+- no import circle anywhere in the project, lazy imports included;
 - source files (600 lines) and functions (100 lines, docstring included) stay small enough to read.
 """
 
@@ -187,3 +188,95 @@ def test_no_function_over_100_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{_rel(path)}:{node.lineno} {node.name}: {n} lines")
     assert not long, "\n".join(long)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# import circles
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its file (module level or inside a function: a lazy
+    import closes a circle as surely as a top-level one), type-only imports left out. ``from pkg import sub``
+    counts as an import of ``pkg.sub`` when ``sub`` is a module of the project."""
+    files = {_module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name, _line, type_only in imported_modules(path):
+            if not type_only and name in files and name != module:
+                graph[module].add(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    if sub in files and sub != module:
+                        graph[module].add(sub)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_circle_checker_sees_a_lazy_circle(tmp_path):
+    pkg = tmp_path / "cluster"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "a.py").write_text("from cluster.models import b\n")
+    (pkg / "models" / "b.py").write_text("def f():\n    from cluster.models.a import x\n")  # lazy: still a circle
+    (pkg / "models" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    from cluster.models.a import x\n")  # type-only: no edge
+    graph = import_graph(tmp_path, ("cluster",))
+    assert graph["cluster.models.a"] == {"cluster.models", "cluster.models.b"} and graph["cluster.models.c"] == set()
+    assert import_circles(graph) == [["cluster.models.a", "cluster.models.b"]]
+
+
+def test_no_import_circle_in_the_project():
+    graph = import_graph(REPO_ROOT, PACKAGES)
+    assert len(graph) > 50 and sum(len(v) for v in graph.values()) > 100  # the walk found the imports
+    circles = import_circles(graph)
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
