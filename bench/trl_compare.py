@@ -124,7 +124,8 @@ def run_trl(cfg, model_path: str, steps: int, threads: int, out: Path) -> dict:
 
     lc, tc, ro = cfg.learner, cfg.trainer, cfg.rollout
     P, G, M = tc.prompts_per_step, tc.group_size, lc.num_minibatches
-    clip_low, clip_high, _ = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    objective = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    clip_low, clip_high = objective.clip_low, objective.clip_high
     prompts, tok = bench_prompts(cfg, model_path, steps)
     ids = tok(text=[r.prompt for r in prompts])["input_ids"]
     if ids != [r.prompt_token_ids for r in prompts]:

@@ -116,7 +116,8 @@ def _settings(cfg: Config) -> str:
     from learner.objectives import resolve_objective
 
     lc = cfg.learner
-    low, high, agg = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    low, high, agg = obj.clip_low, obj.clip_high, obj.loss_agg
     return f"{lc.algorithm}, clip [1-{low:g}, 1+{high:g}], {agg}" + (
         f", routing replay {lc.routing_replay}" if getattr(lc, "routing_replay", "off") != "off" else "") + (
         f", {lc.rollout_correction} [{lc.rollout_correction_low:g}, {lc.rollout_correction_high:g}]"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -64,19 +65,43 @@ COUNT_METRICS = (
 )
 
 
+@dataclass(frozen=True)
+class Objective:
+    """The policy loss's settings, resolved and checked by :func:`resolve_objective`: ``algorithm`` (one of
+    ``ALGORITHMS``), the clip range ``[1 - clip_low, 1 + clip_high]`` and the loss aggregation ``loss_agg`` (one
+    of ``LOSS_AGGS``)."""
+
+    algorithm: str
+    clip_low: float
+    clip_high: float
+    loss_agg: str
+
+    @property
+    def low(self) -> float:
+        """The lower clip bound of the importance ratio, ``1 - clip_low``."""
+        return 1.0 - self.clip_low
+
+    @property
+    def high(self) -> float:
+        """The upper clip bound of the importance ratio, ``1 + clip_high``."""
+        return 1.0 + self.clip_high
+
+    @property
+    def sequence_level(self) -> bool:
+        """True for GSPO and GSPO-token (one ratio per sequence, ``SEQUENCE_LEVEL_ALGORITHMS``)."""
+        return self.algorithm in SEQUENCE_LEVEL_ALGORITHMS
+
+
 def resolve_objective(
     algorithm: str,
     clip_low: float | None = None,
     clip_high: float | None = None,
     loss_agg: str | None = None,
-) -> tuple[float, float, str]:
+) -> Objective:
     """Fill in the per-algorithm defaults and refuse invalid combinations.
 
     Defaults: ``gspo`` and ``gspo_token``: ``clip_low=3e-4``, ``clip_high=4e-4`` (GSPO paper, section 5.1),
     ``loss_agg="seq_mean_token_mean"``; ``grpo``: 0.2 / 0.2, ``loss_agg="token_mean"``.
-
-    Returns:
-        ``(clip_low, clip_high, loss_agg)``.
 
     Raises:
         ValueError: unknown ``algorithm`` or ``loss_agg``; a negative or non-finite clip value; GSPO or
@@ -95,7 +120,7 @@ def resolve_objective(
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg={loss_agg!r} is not one of {LOSS_AGGS}")
     check_loss_agg(algorithm, loss_agg)
-    return clip_low, clip_high, loss_agg
+    return Objective(algorithm, clip_low, clip_high, loss_agg)
 
 
 def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:
@@ -208,21 +233,46 @@ def sequence_log_ratio(log_probs: Tensor, old_log_probs: Tensor, response_mask: 
     return diff.sum(-1) / mask.sum(-1).clamp(min=1).to(dtype)
 
 
+class SequenceCounts(NamedTuple):
+    """Per-row counts of :func:`policy_loss` (no gradient): response tokens, units and clipped units."""
+
+    length: Tensor  # int64 [B]: response tokens of the row
+    units: Tensor  # float [B]: units of the row (1 or 0 per sequence for GSPO; its response tokens for GRPO)
+    clipped: Tensor  # float [B]: clipped units of the row
+
+
+@dataclass
+class PolicyLoss:
+    """What :func:`policy_loss` returns: the loss (0-dim, gradients flow), its metrics, per-row counts."""
+
+    loss: Tensor
+    metrics: dict[str, float]
+    per_sequence: SequenceCounts
+
+
+class _Inputs(NamedTuple):
+    """Sanitised ``[B, T]`` loss inputs (0 outside ``mask``), the advantages and the normalisers."""
+
+    lp: Tensor  # current log-probs
+    old: Tensor  # behaviour log-probs
+    adv: Tensor  # [B] or [B, T]
+    mask: Tensor  # bool [B, T]
+    lengths: Tensor  # |y_i|, [B]
+    seq_den: float  # S, the number of sequences the loss is averaged over
+    tok_den: float  # N, the number of tokens
+
+
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    objective: Objective,
     *,
-    algorithm: str,
-    clip_low: float | None = None,
-    clip_high: float | None = None,
-    loss_agg: str | None = None,
     num_sequences: float | None = None,
     num_tokens: float | None = None,
-    return_per_sequence: bool = False,
     token_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]] | tuple[Tensor, dict[str, float], dict[str, Tensor]]:
+) -> PolicyLoss:
     """Clipped policy-gradient loss (negative surrogate objective, to minimise) and its metrics.
 
     With ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``A`` the advantage and ``B`` the number of sequences:
@@ -247,18 +297,15 @@ def policy_loss(
         advantages: float ``[B]`` (one per sequence) or ``[B, T]`` (``gspo_token`` and ``grpo`` only); must
             be finite on response positions.
         response_mask: bool or 0/1 ``[B, T]``.
-        algorithm: ``"gspo"``, ``"gspo_token"`` or ``"grpo"``.
-        clip_low, clip_high: the clip range is ``[1 - clip_low, 1 + clip_high]``; None: per-algorithm default
-            (see :func:`resolve_objective`).
-        loss_agg: None (per-algorithm default) or one of ``LOSS_AGGS``.
+        objective: the algorithm (``"gspo"``, ``"gspo_token"`` or ``"grpo"``), clip range and aggregation, from
+            :func:`resolve_objective`.
         num_sequences, num_tokens: global normalisers (minibatch totals across micro-batches and ranks, see
             :func:`loss_normalisers`); None: this call's own counts.
-        return_per_sequence: also return the per-sequence clip counts (for metrics sliced by length).
         token_weights: None, or float ``[B, T]`` detached per-token weights multiplying each token's clipped
             surrogate (``"grpo"`` only: the truncated-IS mismatch correction, ``learner.rollout_correction``).
 
     Returns:
-        ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, float64 for float64 inputs). ``metrics``
+        A :class:`PolicyLoss`: ``loss`` a 0-dim tensor (float32, float64 for float64 inputs). ``metrics``
         (Python floats; a "unit" is a sequence for GSPO / GSPO-token and a token for GRPO; only sequences
         with response tokens count): ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high`` (share
         of units clipped; for GSPO-token each sequence counts the share of its tokens clipped), ``ratio_mean``,
@@ -266,48 +313,41 @@ def policy_loss(
         (largest |log-ratio| before the clamp), and the sums in ``COUNT_METRICS``: ``num_sequences``,
         ``num_tokens``, ``num_ratios`` (units), ``num_clipped``, ``num_clipped_low``, ``num_clipped_high``,
         ``ratio_sum``. With no unit, fractions are 0, ratio statistics 1 and ``log_ratio_abs_max`` 0.
-        With ``return_per_sequence``, a third item: ``{"length": int64 [B] response tokens, "units": float
-        [B] units of the row, "clipped": float [B] clipped units of the row}`` (no gradient); their sums over
-        rows are ``num_tokens``, ``num_ratios`` and ``num_clipped``.
+        ``per_sequence`` (:class:`SequenceCounts`, no gradient, for metrics sliced by length): int64 ``[B]``
+        response tokens, float ``[B]`` units and clipped units of each row; their sums over rows are
+        ``num_tokens``, ``num_ratios`` and ``num_clipped``.
 
     Raises:
-        ValueError: unknown algorithm or loss_agg, GSPO with another loss_agg, negative clip values, shapes
+        ValueError: shapes
             that do not match, ``[B, T]`` advantages with ``"gspo"``, a normaliser smaller than this call's
             own count, or ``token_weights`` with a sequence-level algorithm (it would change GSPO's aggregation).
     """
-    clip_low, clip_high, loss_agg = resolve_objective(algorithm, clip_low, clip_high, loss_agg)
-    if token_weights is not None and algorithm in SEQUENCE_LEVEL_ALGORITHMS:
-        raise ValueError(f"token_weights with algorithm={algorithm!r}: per-token weights change GSPO's "
+    if token_weights is not None and objective.sequence_level:
+        raise ValueError(f"token_weights with algorithm={objective.algorithm!r}: per-token weights change GSPO's "
                          "sequence-level aggregation")
     mask, dtype = _mask_and_dtype(log_probs, old_log_probs, response_mask, ("log_probs", "old_log_probs"))
-    adv = _advantages(advantages, mask, algorithm, dtype)
+    adv = _advantages(advantages, mask, objective.algorithm, dtype)
     lengths = mask.sum(-1)
     n_seq, n_tok = int((lengths > 0).sum()), int(lengths.sum())
-    seq_den = _normaliser(num_sequences, n_seq, "num_sequences")
-    tok_den = _normaliser(num_tokens, n_tok, "num_tokens")
-
     # Sanitise first: nothing at a masked position (NaN, inf) takes part in any later op or gradient.
-    lp = torch.where(mask, log_probs.to(dtype), 0.0)
-    old = torch.where(mask, old_log_probs.to(dtype), 0.0)
-    if algorithm in SEQUENCE_LEVEL_ALGORITHMS:
-        loss, units = _sequence_level_loss(algorithm, lp, old, adv, mask, lengths, 1.0 - clip_low, 1.0 + clip_high,
-                                           loss_agg, seq_den, tok_den)
+    x = _Inputs(torch.where(mask, log_probs.to(dtype), 0.0), torch.where(mask, old_log_probs.to(dtype), 0.0), adv,
+                mask, lengths, _normaliser(num_sequences, n_seq, "num_sequences"),
+                _normaliser(num_tokens, n_tok, "num_tokens"))
+    if objective.sequence_level:
+        loss, units = _sequence_level_loss(objective, x)
     else:
         weights = None if token_weights is None else torch.where(mask, token_weights.detach().to(dtype), 0.0)
-        loss, units = _token_level_loss(algorithm, lp, old, adv, mask, lengths, 1.0 - clip_low, 1.0 + clip_high,
-                                        loss_agg, seq_den, tok_den, weights)
+        loss, units = _token_level_loss(objective, x, weights)
 
     metrics = _ratio_metrics(units.mask, units.ratio.detach(), units.abs_log_ratio.detach(), units.clip_low,
                              units.clip_high)
     metrics["num_sequences"] = float(n_seq)
     metrics["num_tokens"] = float(n_tok)
-    if not return_per_sequence:
-        return loss, metrics
     with torch.no_grad():
         row_units, row_clipped = units.mask.to(dtype), (units.clip_low + units.clip_high).detach()
         if row_units.dim() == 2:  # token units (GRPO): count them per row
             row_units, row_clipped = row_units.sum(-1), torch.where(units.mask, row_clipped, 0.0).sum(-1)
-    return loss, metrics, {"length": lengths.to(torch.int64), "units": row_units, "clipped": row_clipped}
+    return PolicyLoss(loss, metrics, SequenceCounts(lengths.to(torch.int64), row_units, row_clipped))
 
 
 class _Units(NamedTuple):
@@ -321,19 +361,17 @@ class _Units(NamedTuple):
     clip_high: Tensor  # float: likewise for the high side
 
 
-def _sequence_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, lengths: Tensor,
-                         low: float, high: float, loss_agg: str, seq_den: float,
-                         tok_den: float) -> tuple[Tensor, _Units]:
-    """GSPO (Eq. 5) or GSPO-token (section 4.3) on sanitised ``[B, T]`` inputs (0 outside ``mask``), as
-    documented in :func:`policy_loss`; ``lengths`` are ``|y_i|``, ``[low, high]`` the clip range."""
-    dtype, c = lp.dtype, LOG_RATIO_CLAMP
+def _sequence_level_loss(objective: Objective, x: _Inputs) -> tuple[Tensor, _Units]:
+    """GSPO (Eq. 5) or GSPO-token (section 4.3) on sanitised inputs, as documented in :func:`policy_loss`."""
+    lp, old, adv, mask, lengths = x.lp, x.old, x.adv, x.mask, x.lengths
+    dtype, c, low, high = lp.dtype, LOG_RATIO_CLAMP, objective.low, objective.high
     has_tokens = lengths > 0
     seq_lr = (lp - old).sum(-1) / lengths.clamp(min=1).to(dtype)  # Eq. 7, log space
     seq_lr_c = seq_lr.clamp(-c, c)
-    if algorithm == "gspo":
+    if objective.algorithm == "gspo":
         ratio = torch.exp(seq_lr_c)  # s_i
         surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
-        loss = -torch.where(has_tokens, surrogate, 0.0).sum() / seq_den
+        loss = -torch.where(has_tokens, surrogate, 0.0).sum() / x.seq_den
         unit_clip_lo = (clip_lo & has_tokens).to(dtype)
         unit_clip_hi = (clip_hi & has_tokens).to(dtype)
     else:
@@ -343,7 +381,7 @@ def _sequence_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, m
         tok_lr = torch.where(inside, lp - lp.detach(), 0.0) + seq_lr_c.detach()[:, None]
         ratio_t = torch.exp(tok_lr)
         surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio_t, adv, low, high)
-        loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
+        loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, objective.loss_agg, x.seq_den, x.tok_den)
         len_f = lengths.clamp(min=1).to(dtype)
         unit_clip_lo = (clip_lo & mask).sum(-1) / len_f
         unit_clip_hi = (clip_hi & mask).sum(-1) / len_f
@@ -351,21 +389,17 @@ def _sequence_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, m
     return loss, _Units(has_tokens, ratio, seq_lr.abs(), unit_clip_lo, unit_clip_hi)
 
 
-def _token_level_loss(algorithm: str, lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, lengths: Tensor,
-                      low: float, high: float, loss_agg: str, seq_den: float, tok_den: float,
-                      weights: Tensor | None = None) -> tuple[Tensor, _Units]:
-    """GRPO / DAPO on sanitised ``[B, T]`` inputs, as documented in :func:`policy_loss`: per-token clipped
-    ratios (times ``weights`` when given) aggregated by ``loss_agg`` (``algorithm`` and ``lengths`` are taken
-    for the common signature)."""
-    dtype = lp.dtype
-    token_log_ratio = lp - old
+def _token_level_loss(objective: Objective, x: _Inputs, weights: Tensor | None = None) -> tuple[Tensor, _Units]:
+    """GRPO / DAPO on sanitised inputs, as documented in :func:`policy_loss`: per-token clipped ratios (times
+    ``weights`` when given) aggregated by ``objective.loss_agg``."""
+    token_log_ratio = x.lp - x.old
     ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # r_i,t
-    surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, adv, low, high)
+    surrogate, clip_lo, clip_hi = _clipped_surrogate(ratio, x.adv, objective.low, objective.high)
     if weights is not None:
         surrogate = surrogate * weights
-    loss = -_aggregate(torch.where(mask, surrogate, 0.0), mask, loss_agg, seq_den, tok_den)
-    unit_clip_lo, unit_clip_hi = (clip_lo & mask).to(dtype), (clip_hi & mask).to(dtype)
-    return loss, _Units(mask, ratio, token_log_ratio.abs(), unit_clip_lo, unit_clip_hi)
+    loss = -_aggregate(torch.where(x.mask, surrogate, 0.0), x.mask, objective.loss_agg, x.seq_den, x.tok_den)
+    unit_clip_lo, unit_clip_hi = (clip_lo & x.mask).to(x.lp.dtype), (clip_hi & x.mask).to(x.lp.dtype)
+    return loss, _Units(x.mask, ratio, token_log_ratio.abs(), unit_clip_lo, unit_clip_hi)
 
 
 @torch.no_grad()

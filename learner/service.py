@@ -251,7 +251,7 @@ class LearnerRank:
         self.warm_start = warm_start
         self.model_path = str(model_path)
         self.zero3 = cfg.zero_stage == 3
-        self.clip = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg)
+        self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg)
         _init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
         self.replica = _build_replica(self.model_path, cfg, rank, world_size, self.temperature)
@@ -331,7 +331,7 @@ class LearnerRank:
             ValueError: inconsistent list lengths, normalisers that do not match the data, a response mask
                 on padding, or an invalid guard.
         """
-        return RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.clip).run()
+        return RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective).run()
 
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on ``batch`` (this rank's shard).

@@ -31,7 +31,8 @@ from learner.logprobs import token_log_probs
 from learner.microbatch import MicroBatch, length_order
 from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
                          volatility_metrics)
-from learner.objectives import LOG_RATIO_CLAMP, combine_policy_metrics, kl_penalty, policy_loss, sequence_log_ratio
+from learner.objectives import (LOG_RATIO_CLAMP, Objective, SequenceCounts, combine_policy_metrics, kl_penalty,
+                                policy_loss, sequence_log_ratio)
 from learner.replica import Replica
 from learner.rollout_correction import mismatch_metrics, mismatch_sums, rollout_correction
 
@@ -67,14 +68,14 @@ class RolloutBatchStep:
     arguments, the metrics returned and the errors raised. Collective: every rank runs it on its shard."""
 
     def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
-                 num_tokens: list[int], guard: dict[str, float] | None, clip: tuple[float, float, str]):
+                 num_tokens: list[int], guard: dict[str, float] | None, objective: Objective):
         self.r, self.cfg = replica, replica.cfg
         self.guard = GuardDecision(guard)
         replica.check_normalisers(minibatches, num_sequences, num_tokens)
         if self.cfg.group_by_length:  # longest rows first: micro-batches of like length pad little
             minibatches = [mb.select(length_order(mb.attention_mask)) for mb in minibatches]
         self.minibatches, self.num_sequences, self.num_tokens = minibatches, num_sequences, num_tokens
-        self.clip_low, self.clip_high, self.loss_agg = clip
+        self.objective = objective
         self.tap = replica.tap
         self.moe_diag = self.tap is not None and self.cfg.moe_diagnostics
         self.run_pre_update = self.pre_update_decision()
@@ -219,16 +220,15 @@ class RolloutBatchStep:
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
         # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
         weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
-        loss, metrics, per_seq = policy_loss(lp, old, mb.advantages, kept, algorithm=cfg.algorithm,
-                                             clip_low=self.clip_low, clip_high=self.clip_high, loss_agg=self.loss_agg,
-                                             token_weights=weights, return_per_sequence=True, **norms)
+        result = policy_loss(lp, old, mb.advantages, kept, self.objective, token_weights=weights, **norms)
+        loss, metrics = result.loss, result.metrics
         value = float(loss.detach())
         t.loss_sum += value
         if self.r.ref_model is not None:
             with torch.no_grad():
                 ref_lp = token_log_probs(self.r.logits(self.r.ref_model, mb.input_ids, mb.attention_mask),
                                          mb.targets, self.r.temperature)
-            kl = kl_penalty(lp, ref_lp, mb.mask, cfg.kl_estimator, loss_agg=self.loss_agg, **norms)
+            kl = kl_penalty(lp, ref_lp, mb.mask, cfg.kl_estimator, loss_agg=self.objective.loss_agg, **norms)
             t.kl_sum += float(kl.detach())
             loss = loss + cfg.kl_coef * kl
         finite = math.isfinite(float(loss.detach()))
@@ -237,7 +237,7 @@ class RolloutBatchStep:
         # DeepSpeed averages gradients over the ranks: x world_size turns that into the sum.
         self.r.engine.backward(loss * self.r.world_size, scale_wrt_gas=False)
         t.parts.append(metrics)
-        self.sequence_ratio_stats(lp.detach(), old, mb.mask, per_seq)
+        self.sequence_ratio_stats(lp.detach(), old, mb.mask, result.per_sequence)
         return value, finite
 
     def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
@@ -261,7 +261,7 @@ class RolloutBatchStep:
 
     @torch.no_grad()
     def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
-                             per_seq: dict[str, torch.Tensor]) -> None:
+                             per_seq: SequenceCounts) -> None:
         """Accumulate GSPO's sequence ratio ``s_i`` (Eq. 7) of the sequences with response tokens, and per
         response length the sequences, ``s_i`` and the clip counts of ``per_seq`` (``policy_loss``)."""
         has = mask.any(-1)
@@ -269,8 +269,8 @@ class RolloutBatchStep:
             return
         s = torch.exp(sequence_log_ratio(lp, old, mask).double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[has]
         t = self.t
-        rows = zip(per_seq["length"][has].tolist(), s.tolist(), per_seq["clipped"][has].tolist(),
-                   per_seq["units"][has].tolist())
+        rows = zip(per_seq.length[has].tolist(), s.tolist(), per_seq.clipped[has].tolist(),
+                   per_seq.units[has].tolist())
         for length, ratio, clipped, units in rows:
             acc = t.by_length.setdefault(int(length), [0.0, 0.0, 0.0, 0.0])
             acc[0], acc[1], acc[2], acc[3] = acc[0] + 1, acc[1] + ratio, acc[2] + clipped, acc[3] + units

@@ -92,7 +92,7 @@ def test_grpo_objective_aggregations_hand_values():
 def test_objective_agrees_with_training_code(algorithm, loss_agg):
     """Cross-check against learner.objectives (the code under audit) on random data, value and gradient,
     with the training side split into two micro-batches with global normalisers."""
-    from learner.objectives import loss_normalisers, policy_loss
+    from learner.objectives import loss_normalisers, policy_loss, resolve_objective
 
     g = torch.Generator().manual_seed(0)
     b, t = 6, 9
@@ -109,8 +109,9 @@ def test_objective_agrees_with_training_code(algorithm, loss_agg):
     theirs = 0.0
     parts = []
     for lo, hi in ((0, 4), (4, 6)):
-        part, m = policy_loss(lp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], algorithm=algorithm, clip_low=clip[0],
-                              clip_high=clip[1], loss_agg=loss_agg, num_sequences=s, num_tokens=n)
+        result = policy_loss(lp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi],
+            resolve_objective(algorithm, clip_low=clip[0], clip_high=clip[1], loss_agg=loss_agg), num_sequences=s, num_tokens=n)
+        part, m = result.loss, result.metrics
         theirs = theirs + part
         parts.append(m)
     (g_theirs,) = torch.autograd.grad(theirs, lp)
@@ -154,10 +155,12 @@ def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo
     for mb in split:
         rows = [i for r in mb["ranks"] for i in r]
         mb["num_sequences"], mb["num_tokens"] = loss_normalisers(mask[rows])
-    clip_low, clip_high, loss_agg = resolve_objective(algorithm)
+    objective = resolve_objective(algorithm)
+    clip_low, clip_high, loss_agg = objective.clip_low, objective.clip_high, objective.loss_agg
     rows0 = [i for r in split[0]["ranks"] for i in r]
-    loss, m = policy_loss(lp[rows0], old[rows0], adv[rows0], mask[rows0], algorithm=algorithm,
-                          num_sequences=split[0]["num_sequences"], num_tokens=split[0]["num_tokens"])
+    result = policy_loss(lp[rows0], old[rows0], adv[rows0], mask[rows0],
+        resolve_objective(algorithm), num_sequences=split[0]["num_sequences"], num_tokens=split[0]["num_tokens"])
+    loss, m = result.loss, result.metrics
     loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
     ent = 0.0

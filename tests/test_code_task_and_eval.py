@@ -13,7 +13,7 @@ from cluster.data.prompts import DataError
 from cluster.driver.eval_metrics import pass_at_k, reported_ks, sampled_metrics
 from cluster.driver.length_slices import bucket_index, bucket_ranges, learner_slices, plot_length_slices, rollout_slices
 from cluster.models.tiny_model import CHARACTERS
-from learner.objectives import policy_loss
+from learner.objectives import policy_loss, resolve_objective
 from tests.conftest import REPO_ROOT
 
 
@@ -108,14 +108,14 @@ def test_policy_loss_per_sequence_counts(algorithm):
     lp = torch.tensor([[0.01, 0.01 if algorithm == "gspo" else 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
     adv = torch.tensor([1.0, -1.0, 0.5])
-    _, m, per = policy_loss(lp, old, adv, mask, algorithm=algorithm, return_per_sequence=True)
-    assert per["length"].tolist() == [2, 1, 0]
+    result = policy_loss(lp, old, adv, mask, resolve_objective(algorithm))
+    _, m, per = result.loss, result.metrics, result.per_sequence
+    assert per.length.tolist() == [2, 1, 0]
     if algorithm == "gspo":
-        assert per["units"].tolist() == [1.0, 1.0, 0.0] and per["clipped"].tolist() == [1.0, 0.0, 0.0]
+        assert per.units.tolist() == [1.0, 1.0, 0.0] and per.clipped.tolist() == [1.0, 0.0, 0.0]
     else:
-        assert per["units"].tolist() == [2.0, 1.0, 0.0] and per["clipped"].tolist() == [1.0, 0.0, 0.0]
-    assert float(per["units"].sum()) == m["num_ratios"] and float(per["clipped"].sum()) == m["num_clipped"]
-    assert len(policy_loss(lp, old, adv, mask, algorithm=algorithm)) == 2  # default: unchanged signature
+        assert per.units.tolist() == [2.0, 1.0, 0.0] and per.clipped.tolist() == [1.0, 0.0, 0.0]
+    assert float(per.units.sum()) == m["num_ratios"] and float(per.clipped.sum()) == m["num_clipped"]
 
 
 def test_plot_length_slices(tmp_path):

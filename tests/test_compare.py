@@ -18,8 +18,8 @@ def _resolved(cfg):
     from learner.objectives import resolve_objective
 
     lc = cfg.learner
-    return (lc.algorithm, *resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg),
-            cfg.trainer.dynamic_sampling)
+    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    return (obj.algorithm, obj.clip_low, obj.clip_high, obj.loss_agg, cfg.trainer.dynamic_sampling)
 
 
 def test_algorithm_settings(tmp_path):

@@ -17,7 +17,7 @@ from learner.contracts import SFTBatch, TrainBatch
 from cluster.common import free_port
 from learner.config import LearnerConfig
 from learner.logprobs import token_log_probs
-from learner.objectives import loss_normalisers, policy_loss
+from learner.objectives import loss_normalisers, policy_loss, resolve_objective
 
 TEMPERATURE = 0.7
 GRAD_RTOL = 1e-5
@@ -85,8 +85,9 @@ def reference_step(model_path: str, batches: list[TrainBatch], cfg: LearnerConfi
     for m, b in enumerate(batches):
         old = olds[m] if olds else b.old_log_probs
         lp = _ref_log_probs(model, b)
-        loss, _ = policy_loss(lp, old, b.advantages, b.response_mask, algorithm=cfg.algorithm,
-                              clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg)
+        result = policy_loss(lp, old, b.advantages, b.response_mask,
+            resolve_objective(cfg.algorithm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg))
+        loss, _ = result.loss, result.metrics
         opt.zero_grad()
         loss.backward()
         if first is None:
@@ -201,8 +202,8 @@ def test_metrics_are_exact(model_path, port):
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         lp = token_log_probs(logits, batch.input_ids[:, 1:], TEMPERATURE)
-        loss, pm, per_seq = policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask,
-                                        algorithm="gspo", return_per_sequence=True)
+        result = policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask, resolve_objective("gspo"))
+        loss, pm, per_seq = result.loss, result.metrics, result.per_sequence
     mask = batch.response_mask
     diff = float(torch.where(mask, (lp - batch.old_log_probs).abs(), 0.0).sum() / mask.sum())
     p = torch.softmax(logits.double() / TEMPERATURE, -1)
@@ -229,7 +230,7 @@ def test_metrics_are_exact(model_path, port):
     # per response length: [sequences, sum of s_i, clipped, units], from the whole batch computed at once
     has = mask.any(-1)
     want: dict[int, list[float]] = {}
-    for n, s_i, c in zip(per_seq["length"][has].tolist(), seq.tolist(), per_seq["clipped"][has].tolist()):
+    for n, s_i, c in zip(per_seq.length[has].tolist(), seq.tolist(), per_seq.clipped[has].tolist()):
         acc = want.setdefault(n, [0.0, 0.0, 0.0, 0.0])
         acc[0], acc[1], acc[2], acc[3] = acc[0] + 1, acc[1] + s_i, acc[2] + c, acc[3] + 1
     got = out["actor/by_response_length"]

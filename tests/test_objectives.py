@@ -12,6 +12,7 @@ import torch
 
 from learner.objectives import (
     LOG_RATIO_CLAMP,
+    Objective,
     combine_policy_metrics,
     kl_penalty,
     loss_normalisers,
@@ -111,7 +112,8 @@ def test_9000_token_response_ratio_is_length_normalised():
     lp, old, mask = make_batch([[-0.002] * 9000, [0.001] * 10])
     lr = sequence_log_ratio(lp, old, mask)
     assert lr[0].item() == pytest.approx(-0.002, abs=1e-6)
-    loss, m = policy_loss(lp, old, torch.tensor([1.0, 0.0]), mask, algorithm="gspo")
+    result = policy_loss(lp, old, torch.tensor([1.0, 0.0]), mask, resolve_objective("gspo"))
+    loss, m = result.loss, result.metrics
     s = math.exp(-0.002)  # 0.998002, below 1 - 3e-4 but A > 0: the min keeps the unclipped term
     assert m["ratio_min"] == pytest.approx(s, abs=1e-6)
     assert m["ratio_min"] > 0.99  # a token product would be exp(-18) ~ 1.5e-8
@@ -127,10 +129,12 @@ def test_gspo_matches_float64_formula(clips):
     log_ratios = random_log_ratios(12, 9, scale=0.08, seed=1) + [[]]
     g = torch.Generator().manual_seed(2)
     adv = (torch.randn(13, generator=g, dtype=torch.float64)).tolist()
-    clip_low, clip_high, _ = resolve_objective("gspo", *clips)
+    objective = resolve_objective("gspo", *clips)
+    clip_low, clip_high = objective.clip_low, objective.clip_high
     lp, old, mask = make_batch(log_ratios, dtype=torch.float64)
-    loss, m = policy_loss(lp, old, torch.tensor(adv, dtype=torch.float64), mask, algorithm="gspo",
-                          clip_low=clips[0], clip_high=clips[1])
+    result = policy_loss(lp, old, torch.tensor(adv, dtype=torch.float64), mask,
+        resolve_objective("gspo", clip_low=clips[0], clip_high=clips[1]))
+    loss, m = result.loss, result.metrics
     expected = ref_loss(log_ratios, adv, "gspo", clip_low, clip_high, "seq_mean_token_mean")
     assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-14)
     # clip statistics from the definition: sequence clipped when min picks a different, clipped term
@@ -163,7 +167,8 @@ def test_gspo_just_inside_and_just_outside_clip_range(side, adv_sign, outside):
     lp, old, mask = make_batch([[per_token] * 7])
     lp.requires_grad_(True)
     A = torch.tensor([adv_sign * 1.5])
-    loss, m = policy_loss(lp, old, A, mask, algorithm="gspo")
+    result = policy_loss(lp, old, A, mask, resolve_objective("gspo"))
+    loss, m = result.loss, result.metrics
     loss.backward()
     s = math.exp(per_token)
     clipped = outside and ((side == "high" and adv_sign > 0) or (side == "low" and adv_sign < 0))
@@ -185,8 +190,9 @@ def test_gspo_gradient_identity():
     lp, old, mask = make_batch(log_ratios, T=6, dtype=torch.float64)
     lp[~mask] = NAN
     lp.requires_grad_(True)
-    loss, m = policy_loss(lp, old, torch.tensor(adv, dtype=torch.float64), mask, algorithm="gspo",
-                          clip_low=clip_low, clip_high=clip_high)
+    result = policy_loss(lp, old, torch.tensor(adv, dtype=torch.float64), mask,
+        resolve_objective("gspo", clip_low=clip_low, clip_high=clip_high))
+    loss, m = result.loss, result.metrics
     loss.backward()
     B = len(log_ratios)
     n_clipped = 0
@@ -213,7 +219,9 @@ def test_gspo_token_equals_gspo_for_sequence_advantages():
         if a is None:
             a = adv[:, None].expand_as(lp).clone()
             a[~mask] = NAN
-        loss, m = policy_loss(lp, old, a, mask, algorithm=algorithm.replace("_2d", ""), clip_low=0.01, clip_high=0.02)
+        result = policy_loss(lp, old, a, mask,
+            resolve_objective(algorithm.replace("_2d", ""), clip_low=0.01, clip_high=0.02))
+        loss, m = result.loss, result.metrics
         loss.backward()
         results[algorithm] = (loss.detach(), lp.grad, m)
     ref_loss_, ref_grad, ref_m = results["gspo"]
@@ -235,7 +243,8 @@ def test_gspo_token_with_token_advantages_matches_formula():
     for i, a in enumerate(token_adv):
         A[i, : len(a)] = torch.tensor(a, dtype=torch.float64)
     lp.requires_grad_(True)
-    loss, m = policy_loss(lp, old, A, mask, algorithm="gspo_token", clip_low=0.005, clip_high=0.005)
+    result = policy_loss(lp, old, A, mask, resolve_objective("gspo_token", clip_low=0.005, clip_high=0.005))
+    loss, m = result.loss, result.metrics
     expected = ref_loss(log_ratios, token_adv, "gspo_token", 0.005, 0.005, "seq_mean_token_mean")
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     # gradient of token t: -A_t s_i / (|y_i| B) when that token's term is unclipped
@@ -255,7 +264,8 @@ def test_identical_log_probs_clip_fraction_is_exactly_zero():
     mask = torch.rand(16, 40, generator=g) > 0.2
     adv = torch.randn(16, generator=g)
     for algorithm in ("gspo", "gspo_token", "grpo"):
-        loss, m = policy_loss(lp, lp.clone(), adv, mask, algorithm=algorithm)
+        result = policy_loss(lp, lp.clone(), adv, mask, resolve_objective(algorithm))
+        loss, m = result.loss, result.metrics
         assert m["clip_fraction"] == 0.0
         assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0 and m["log_ratio_abs_max"] == 0.0
 
@@ -266,12 +276,14 @@ def test_extreme_log_ratios_stay_finite(algorithm):
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     lp, old, mask = make_batch(log_ratios)
     lp.requires_grad_(True)
-    loss, m = policy_loss(lp, old, adv, mask, algorithm=algorithm)
+    result = policy_loss(lp, old, adv, mask, resolve_objective(algorithm))
+    loss, m = result.loss, result.metrics
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert all(math.isfinite(v) for v in m.values())
     assert m["log_ratio_abs_max"] == pytest.approx(100.0, rel=1e-5)
-    clip_low, clip_high, _ = resolve_objective(algorithm)
+    objective = resolve_objective(algorithm)
+    clip_low, clip_high = objective.clip_low, objective.clip_high
     big, small = math.exp(LOG_RATIO_CLAMP), math.exp(-LOG_RATIO_CLAMP)
     # +100 A>0: clipped high; +100 A<0: unclipped, s capped at exp(20); -100 A>0: unclipped ~0; -100 A<0: clipped
     per_seq = [(1 + clip_high) * 1.0, big * -1.0, small * 1.0, (1 - clip_low) * -1.0]
@@ -285,8 +297,9 @@ def test_clamp_acts_on_sequence_mean_not_tokens():
     # tokens at +30 / -29.98 (outside the band) whose mean 0.01 is well inside: the ratio is exp(0.01); a
     # per-token clamp would give exp(0.005)
     lp, old, mask = make_batch([[30.0, -29.98, 0.0, 0.02]], dtype=torch.float64)
-    loss, m = policy_loss(lp, old, torch.tensor([1.0], dtype=torch.float64), mask, algorithm="gspo",
-                          clip_low=0.1, clip_high=0.1)
+    result = policy_loss(lp, old, torch.tensor([1.0], dtype=torch.float64), mask,
+        resolve_objective("gspo", clip_low=0.1, clip_high=0.1))
+    loss, m = result.loss, result.metrics
     assert m["ratio_mean"] == pytest.approx(math.exp(0.01), rel=1e-12)
     assert loss.item() == pytest.approx(-math.exp(0.01), rel=1e-12)
 
@@ -304,7 +317,8 @@ def test_nan_inf_in_padding_policy_loss(algorithm):
     losses, grads = [], []
     for a, b, msk in (clean, (lp, old, mask)):
         a = a.clone().requires_grad_(True)
-        loss, m = policy_loss(a, b, adv, msk, algorithm=algorithm)
+        result = policy_loss(a, b, adv, msk, resolve_objective(algorithm))
+        loss, m = result.loss, result.metrics
         loss.backward()
         assert all(math.isfinite(v) for v in m.values())
         losses.append(loss.detach())
@@ -318,7 +332,8 @@ def test_nan_inf_in_padding_policy_loss(algorithm):
 def test_empty_responses_are_not_counted():
     lp, old, mask = make_batch([[0.01, 0.02], [], [-0.01]], dtype=torch.float64)
     adv = torch.tensor([1.0, 5.0, -1.0], dtype=torch.float64)
-    loss, m = policy_loss(lp, old, adv, mask, algorithm="gspo", clip_low=0.1, clip_high=0.1)
+    result = policy_loss(lp, old, adv, mask, resolve_objective("gspo", clip_low=0.1, clip_high=0.1))
+    loss, m = result.loss, result.metrics
     expected = -(math.exp(0.015) * 1.0 + math.exp(-0.01) * -1.0) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert m["num_sequences"] == 2 and m["num_tokens"] == 3
@@ -329,8 +344,9 @@ def test_empty_responses_are_not_counted():
 def test_zero_valid_sequences_gives_zero_loss_and_clean_metrics(algorithm):
     lp = torch.full((3, 4), NAN, requires_grad=True)
     mask = torch.zeros(3, 4, dtype=torch.bool)
-    loss, m = policy_loss(lp, lp.detach().clone(), torch.ones(3), mask, algorithm=algorithm,
-                          num_sequences=8, num_tokens=40)
+    result = policy_loss(lp, lp.detach().clone(), torch.ones(3), mask,
+        resolve_objective(algorithm), num_sequences=8, num_tokens=40)
+    loss, m = result.loss, result.metrics
     loss.backward()
     assert loss.item() == 0.0 and (lp.grad == 0).all()
     assert all(math.isfinite(v) for v in m.values())
@@ -346,8 +362,9 @@ def test_grpo_matches_float64_formula(loss_agg):
     g = torch.Generator().manual_seed(9)
     adv = torch.randn(10, generator=g, dtype=torch.float64).tolist()
     lp, old, mask = make_batch(log_ratios, dtype=torch.float64)
-    loss, m = policy_loss(lp, old, torch.tensor(adv, dtype=torch.float64), mask, algorithm="grpo",
-                          loss_agg=loss_agg)
+    result = policy_loss(lp, old, torch.tensor(adv, dtype=torch.float64), mask,
+        resolve_objective("grpo", loss_agg=loss_agg))
+    loss, m = result.loss, result.metrics
     expected = ref_loss(log_ratios, adv, "grpo", 0.2, 0.2, loss_agg)
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     n_tok = sum(len(lr) for lr in log_ratios)
@@ -362,7 +379,8 @@ def test_grpo_default_is_token_mean():
     log_ratios = [[0.1], [0.05, -0.1, 0.2, 0.0, 0.02]]
     lp, old, mask = make_batch(log_ratios, dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, _ = policy_loss(lp, old, adv, mask, algorithm="grpo")
+    result = policy_loss(lp, old, adv, mask, resolve_objective("grpo"))
+    loss, _ = result.loss, result.metrics
     per_token = [math.exp(0.1)] + [-math.exp(x) for x in log_ratios[1]]
     assert loss.item() == pytest.approx(-sum(per_token) / 6, rel=1e-12)
 
@@ -373,8 +391,10 @@ def test_dapo_clip_higher():
     log_ratios = [[math.log(1.25), math.log(0.75)]]
     lp, old, mask = make_batch(log_ratios, dtype=torch.float64)
     A = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
-    loss_sym, m_sym = policy_loss(lp, old, A, mask, algorithm="grpo")
-    loss_dapo, m_dapo = policy_loss(lp, old, A, mask, algorithm="grpo", clip_low=0.2, clip_high=0.28)
+    result = policy_loss(lp, old, A, mask, resolve_objective("grpo"))
+    loss_sym, m_sym = result.loss, result.metrics
+    result = policy_loss(lp, old, A, mask, resolve_objective("grpo", clip_low=0.2, clip_high=0.28))
+    loss_dapo, m_dapo = result.loss, result.metrics
     assert loss_sym.item() == pytest.approx(-(1.2 - 0.8) / 2, rel=1e-12)
     assert loss_dapo.item() == pytest.approx(-(1.25 - 0.8) / 2, rel=1e-12)
     assert (m_sym["clip_fraction_high"], m_sym["clip_fraction_low"]) == (0.5, 0.5)
@@ -398,7 +418,9 @@ def test_four_micro_batches_equal_whole_minibatch(algorithm, loss_agg):
     lp, old, mask = make_batch(log_ratios, pad=NAN)
 
     whole_lp = lp.clone().requires_grad_(True)
-    whole, whole_m = policy_loss(whole_lp, old, adv, mask, algorithm=algorithm, loss_agg=loss_agg, **clips)
+    objective = resolve_objective(algorithm, loss_agg=loss_agg, **clips)
+    result = policy_loss(whole_lp, old, adv, mask, objective)
+    whole, whole_m = result.loss, result.metrics
     whole.backward()
 
     parts_lp = lp.clone().requires_grad_(True)
@@ -406,9 +428,9 @@ def test_four_micro_batches_equal_whole_minibatch(algorithm, loss_agg):
     num_sequences, num_tokens = sum(c[0] for c in counts), sum(c[1] for c in counts)
     total, metrics = 0.0, []
     for i in range(0, 16, 4):
-        loss, m = policy_loss(parts_lp[i : i + 4], old[i : i + 4], adv[i : i + 4], mask[i : i + 4],
-                              algorithm=algorithm, loss_agg=loss_agg, num_sequences=num_sequences,
-                              num_tokens=num_tokens, **clips)
+        result = policy_loss(parts_lp[i : i + 4], old[i : i + 4], adv[i : i + 4], mask[i : i + 4], objective,
+                             num_sequences=num_sequences, num_tokens=num_tokens)
+        loss, m = result.loss, result.metrics
         loss.backward()
         total = total + loss.detach()
         metrics.append(m)
@@ -430,35 +452,37 @@ def test_four_micro_batches_equal_whole_minibatch(algorithm, loss_agg):
 def test_gspo_refuses_length_weighted_aggregation(algorithm, loss_agg):
     lp, old, mask = make_batch([[0.0, 0.1]])
     with pytest.raises(ValueError, match=f"loss_agg='{loss_agg}'.*{algorithm}"):
-        policy_loss(lp, old, torch.ones(1), mask, algorithm=algorithm, loss_agg=loss_agg)
+        policy_loss(lp, old, torch.ones(1), mask, resolve_objective(algorithm, loss_agg=loss_agg))
 
 
 def test_defaults_per_algorithm():
-    assert resolve_objective("gspo") == (3e-4, 4e-4, "seq_mean_token_mean")
-    assert resolve_objective("gspo_token") == (3e-4, 4e-4, "seq_mean_token_mean")
-    assert resolve_objective("grpo") == (0.2, 0.2, "token_mean")
-    assert resolve_objective("grpo", 0.2, 0.28, "seq_mean_token_mean") == (0.2, 0.28, "seq_mean_token_mean")
+    assert resolve_objective("gspo") == Objective("gspo", 3e-4, 4e-4, "seq_mean_token_mean")
+    assert resolve_objective("gspo_token") == Objective("gspo_token", 3e-4, 4e-4, "seq_mean_token_mean")
+    assert resolve_objective("grpo") == Objective("grpo", 0.2, 0.2, "token_mean")
+    dapo = resolve_objective("grpo", 0.2, 0.28, "seq_mean_token_mean")
+    assert dapo == Objective("grpo", 0.2, 0.28, "seq_mean_token_mean")
+    assert (dapo.low, dapo.high, dapo.sequence_level) == (0.8, 1.28, False)
 
 
 def test_bad_inputs_raise_clear_errors():
     lp, old, mask = make_batch([[0.0, 0.1], [0.2]])
     adv = torch.ones(2)
     with pytest.raises(ValueError, match="algorithm='ppo'"):
-        policy_loss(lp, old, adv, mask, algorithm="ppo")
+        policy_loss(lp, old, adv, mask, resolve_objective("ppo"))
     with pytest.raises(ValueError, match="loss_agg='sum'"):
-        policy_loss(lp, old, adv, mask, algorithm="grpo", loss_agg="sum")
+        policy_loss(lp, old, adv, mask, resolve_objective("grpo", loss_agg="sum"))
     with pytest.raises(ValueError, match="clip_low=-0.1"):
-        policy_loss(lp, old, adv, mask, algorithm="grpo", clip_low=-0.1)
+        policy_loss(lp, old, adv, mask, resolve_objective("grpo", clip_low=-0.1))
     with pytest.raises(ValueError, match="old_log_probs shape"):
-        policy_loss(lp, old[:, :1], adv, mask, algorithm="gspo")
+        policy_loss(lp, old[:, :1], adv, mask, resolve_objective("gspo"))
     with pytest.raises(ValueError, match="one advantage per sequence"):
-        policy_loss(lp, old, torch.ones(2, 2), mask, algorithm="gspo")
+        policy_loss(lp, old, torch.ones(2, 2), mask, resolve_objective("gspo"))
     with pytest.raises(ValueError, match="advantages shape"):
-        policy_loss(lp, old, torch.ones(3), mask, algorithm="grpo")
+        policy_loss(lp, old, torch.ones(3), mask, resolve_objective("grpo"))
     with pytest.raises(ValueError, match="num_sequences=1"):
-        policy_loss(lp, old, adv, mask, algorithm="gspo", num_sequences=1)
+        policy_loss(lp, old, adv, mask, resolve_objective("gspo"), num_sequences=1)
     with pytest.raises(ValueError, match="num_tokens=2"):
-        policy_loss(lp, old, adv, mask, algorithm="grpo", num_tokens=2)
+        policy_loss(lp, old, adv, mask, resolve_objective("grpo"), num_tokens=2)
     with pytest.raises(ValueError, match="estimator='k4'"):
         kl_penalty(lp, old, mask, "k4")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.objectives import policy_loss
+from learner.objectives import policy_loss, resolve_objective
 from learner.rollout_correction import mismatch_metrics, mismatch_sums, rollout_correction
 
 # two sequences, 3 positions; row 1 has 2 response tokens. d = train - engine
@@ -56,13 +56,14 @@ def test_token_weights_multiply_grpo_surrogates_and_are_refused_for_gspo():
     adv = torch.tensor([1.0])
     mask = torch.ones(1, 2, dtype=torch.bool)
     w = torch.tensor([[2.0, 0.5]])
-    loss, _ = policy_loss(lp, old, adv, mask, algorithm="grpo", loss_agg="token_mean", token_weights=w)
+    result = policy_loss(lp, old, adv, mask, resolve_objective("grpo", loss_agg="token_mean"), token_weights=w)
+    loss, _ = result.loss, result.metrics
     loss.backward()
     # ratio 1, inside the clip: loss = -(2 + 0.5)/2, d loss / d lp_t = -w_t / 2
     assert float(loss.detach()) == pytest.approx(-1.25)
     assert lp.grad.tolist() == [[-1.0, -0.25]]
     with pytest.raises(ValueError, match="aggregation"):
-        policy_loss(lp, old, adv, mask, algorithm="gspo", token_weights=w)
+        policy_loss(lp, old, adv, mask, resolve_objective("gspo"), token_weights=w)
 
 
 def test_config_refuses_token_corrections_with_gspo():

@@ -107,12 +107,12 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
 
 def _objective_settings(cfg: Any) -> dict[str, Any]:
     lc = cfg.learner
-    clip_low, clip_high, loss_agg = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
     return {
         "algorithm": lc.algorithm,
-        "clip_low": clip_low,
-        "clip_high": clip_high,
-        "loss_agg": loss_agg,
+        "clip_low": obj.clip_low,
+        "clip_high": obj.clip_high,
+        "loss_agg": obj.loss_agg,
         "temperature": float(cfg.rollout.temperature),
         "micro_batch_size": int(lc.micro_batch_size),
         "world_size": int(lc.world_size),
