@@ -35,6 +35,7 @@ The issue's target is a sync within 3x of the copy: ``ratio_to_copy`` <= 3. Prin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -165,11 +166,11 @@ def run_syncs(ray, learner, engines: list, args, transport: str) -> list[dict]:
         ray.get(learner.sft_step.remote(batch, 60))
         t = time.perf_counter()
         rep = ray.get(learner.sync_weights.remote(engines, v, args.bucket_mb, 2, None, transport))
-        rep["wall_s"] = time.perf_counter() - t
-        if rep["failed_engines"] or rep["transport"] != transport:
-            raise RuntimeError(f"sync over {transport}: engines failed {rep['failed_engines']}, carried by "
-                               f"{rep['transport']} ({rep['fallback']})")
-        reports.append(rep)
+        wall_s = time.perf_counter() - t
+        if rep.failed_engines or rep.transport != transport:
+            raise RuntimeError(f"sync over {transport}: engines failed {rep.failed_engines}, carried by "
+                               f"{rep.transport} ({rep.fallback})")
+        reports.append({**dataclasses.asdict(rep), "wall_s": wall_s})
     return reports[1:]
 
 

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 import yaml
 

@@ -6,7 +6,7 @@ flow of one step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,3 +78,36 @@ class SFTBatch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass
+class SyncReport:
+    """What one weight sync did (``learner.weight_sync.sync_weights``, rank 0's view).
+
+    Attributes:
+        bytes: weight bytes loaded, summed over the engines that acknowledged each bucket.
+        seconds: the sync's wall time on rank 0 (gather, conversion, sending, loads, start and finish).
+        buckets: buckets sent.
+        engine_load_s: for each bucket the seconds the slowest acknowledging engine spent loading it, summed.
+        transport: what carried the last bucket: ``"object_store"`` or ``"collective"``.
+        fallback: why the collective transfer stopped mid-sync ('' if it did not).
+        failed_engines: index in the engine list -> error text, for engines that died, failed or did not
+            answer within ``sync.engine_timeout_s``: they got no further calls and are to be replaced.
+    """
+
+    bytes: int = 0
+    seconds: float = 0.0
+    buckets: int = 0
+    engine_load_s: float = 0.0
+    transport: str = "object_store"
+    fallback: str = ""
+    failed_engines: dict[int, str] = field(default_factory=dict)
+
+    def metrics(self, wall_s: float) -> dict[str, float]:
+        """The step metrics ``sync/*`` of this sync, ``wall_s`` being the driver's wall time for it (the
+        learner's sync plus any engine replacement)."""
+        return {"sync/bytes": float(self.bytes), "sync/seconds": wall_s,
+                "sync/gb_per_s": self.bytes / wall_s / 1e9 if wall_s > 0 else 0.0,
+                "sync/buckets": float(self.buckets), "sync/engine_load_s": float(self.engine_load_s),
+                # 1 when the bytes went by broadcast to the end (sync.transport=collective), 0 otherwise
+                "sync/collective": float(self.transport == "collective")}

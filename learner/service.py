@@ -37,7 +37,7 @@ import torch
 
 from learner import checkpoint, state, weight_sync
 from learner.config import LearnerConfig, WarmStartConfig
-from learner.contracts import SFTBatch, TrainBatch
+from learner.contracts import SFTBatch, SyncReport, TrainBatch
 from learner.moe import RouterTap, find_routers
 from learner.objectives import resolve_objective
 from learner.replica import Replica
@@ -251,6 +251,8 @@ class LearnerRank:
         self.warm_start = warm_start
         self.model_path = str(model_path)
         self.zero3 = cfg.zero_stage == 3
+        # rank 0's collective weight-transfer group with the engines (sync.transport=collective), kept across syncs
+        self.transfer_group: weight_sync.TransferGroup | None = None
         self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg)
         _init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
@@ -403,10 +405,10 @@ class LearnerRank:
         return out
 
     def sync_weights(self, engines: list, version: int, bucket_mb: float = 64.0, max_in_flight: int = 2,
-                     engine_timeout_s: float | None = None, transport: str = "object_store") -> dict:
+                     engine_timeout_s: float | None = None, transport: str = "object_store") -> SyncReport | None:
         """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``) through
-        ``transport`` (``object_store`` or ``collective``). Collective; rank 0 returns the sync's bytes, seconds,
-        buckets, engine load seconds (``engine_load_s``), transport and failed engines, the others ``{}``.
+        ``transport`` (``object_store`` or ``collective``). Collective; rank 0 returns the ``SyncReport``, the
+        others None.
 
         Raises:
             ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
@@ -465,7 +467,7 @@ class LearnerRank:
         process itself is ended by its owner)."""
         import torch.distributed as dist
 
-        group, self.transfer_group = getattr(self, "transfer_group", None), None
+        group, self.transfer_group = self.transfer_group, None
         if group is not None:
             group.close()
 

@@ -35,9 +35,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from learner.contracts import SyncReport
+
+if TYPE_CHECKING:
+    from rollout.contracts import BucketLoad
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +241,7 @@ def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None
     members are the same engines, else a new one (the old one closed). None, with a warning, when it cannot be
     built: that sync goes through the object store."""
     key = tuple(fan.engines[i]._actor_id.hex() for i in fan.live())
-    kept = getattr(rank, "transfer_group", None)
+    kept = rank.transfer_group
     if kept is not None and kept.key == key and kept.pg is not None:
         return kept
     if kept is not None:
@@ -326,7 +331,7 @@ class _Sender:
             error = str(err).splitlines()[0][:300]
         del flat
         answers, _ = self.fan.wait(calls)
-        aborted = {i: v for i, v in answers.items() if isinstance(v, str)}
+        aborted = {i: v.error for i, v in answers.items() if not v.loaded}
         acks = {i: v for i, v in answers.items() if i not in aborted}
         self._count(acks, sum(t.numel() * t.element_size() for t in bucket.values()))
         if error or aborted or self.fan.live() != self.group.members:
@@ -340,10 +345,10 @@ class _Sender:
         self.group.close()
         self.group = None
 
-    def _count(self, acks: dict[int, Any], nbytes: int) -> None:
+    def _count(self, acks: dict[int, BucketLoad], nbytes: int) -> None:
         """A bucket's answers: its bytes once per acknowledging engine, and the slowest acknowledging engine's
-        seconds (non-numeric answers count 0)."""
-        seconds = [float(v) for v in acks.values() if isinstance(v, (int, float))]
+        seconds."""
+        seconds = [v.seconds for v in acks.values()]
         self.sent += nbytes * len(acks)
         self.load_s += max(seconds, default=0.0)
 
@@ -357,7 +362,7 @@ class _Sender:
 
 
 def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int = 2,
-                 engine_timeout_s: float | None = None, transport: str = "object_store") -> dict[str, Any]:
+                 engine_timeout_s: float | None = None, transport: str = "object_store") -> SyncReport | None:
     """Stream the current weights to ``engines`` (Ray actor handles of ``rollout.engine.RolloutEngine``) as
     weight version ``version``. Collective over the learner ranks; only rank 0 talks to the engines.
 
@@ -367,14 +372,10 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
     engines still live; the group's timeout is half of ``engine_timeout_s``, 300 s without one).
 
     Returns:
-        On rank 0: ``{"bytes": weight bytes loaded, summed over the engines that acknowledged each bucket,
-        "seconds": wall time, "buckets": count, "engine_load_s": seconds, "transport": what carried the last
-        bucket, "fallback": why the collective stopped mid-sync ('' if not), "failed_engines": {index in
-        engines: error text}}``; ``{}`` on the other ranks. ``engine_load_s``: for each bucket the seconds the
-        slowest acknowledging engine spent in ``update_weights`` (its own timing: the load, including a
-        collective receive, not the object store's transport or the queueing), summed over the buckets; the
-        rest of ``seconds`` is the learner's gather, conversion and sending, the round trips, start and finish,
-        partly overlapped with the loads. An engine that fails or does not answer a call within
+        On rank 0 a ``SyncReport``; None on the other ranks. Its ``engine_load_s`` is each engine's own timing
+        of ``update_weights`` (the load, including a collective receive, not the object store's transport or
+        the queueing); the rest of ``seconds`` is the learner's gather, conversion and sending, the round
+        trips, start and finish, partly overlapped with the loads. An engine that fails or does not answer a call within
         ``engine_timeout_s`` seconds (None: wait forever) gets no further calls in this sync and is listed in
         ``failed_engines``.
 
@@ -400,12 +401,13 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
             sender.send(index, bucket)
         del bucket
     if not keep:
-        return {}
+        return None
     sender.drain()
     fan.wait(fan.call("finish_weight_update", int(version)))
-    return {"bytes": sender.sent, "seconds": time.perf_counter() - t0, "buckets": sender.buckets,
-            "engine_load_s": sender.load_s, "transport": "collective" if sender.group is not None else "object_store",
-            "fallback": sender.fallback, "failed_engines": fan.failed}
+    return SyncReport(bytes=sender.sent, seconds=time.perf_counter() - t0, buckets=sender.buckets,
+                      engine_load_s=sender.load_s,
+                      transport="collective" if sender.group is not None else "object_store",
+                      fallback=sender.fallback, failed_engines=dict(fan.failed))
 
 
 def checkpoint_state_dict(rank, bucket_mb: float = 64.0) -> dict[str, torch.Tensor]:

@@ -69,3 +69,18 @@ class Completion:
     def truncated(self) -> bool:
         """True when the response was cut at the length limit."""
         return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class BucketLoad:
+    """An engine's answer to one weight bucket (``RolloutEngine.update_weights``): the seconds it took, or, when
+    the collective receive failed before any tensor of the bucket was loaded, the error's text (the weight-sync
+    session stays open, so the same bucket may come again through the object store)."""
+
+    seconds: float = 0.0
+    error: str = ""  # '' when the bucket was loaded
+
+    @property
+    def loaded(self) -> bool:
+        """True when the bucket was loaded."""
+        return not self.error

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollout.config import RolloutConfig
-from rollout.contracts import Completion, PromptRow
+from rollout.contracts import BucketLoad, Completion, PromptRow
 from rollout.routing_capture import RoutingStore
 
 
@@ -409,7 +409,7 @@ class RolloutEngine:
         """
         self._llm.init_weight_transfer_engine({"init_info": dict(info)})
 
-    def update_weights(self, meta: Mapping[str, Any], buffers: list[Any] | None) -> float | str:
+    def update_weights(self, meta: Mapping[str, Any], buffers: list[Any] | None) -> BucketLoad:
         """Load one bucket of checkpoint-format tensors (layer-wise: a layer is processed once complete).
 
         Args:
@@ -422,9 +422,9 @@ class RolloutEngine:
                 (``init_weight_transfer_group``).
 
         Returns:
-            seconds taken; or, when the collective receive failed before any tensor of the bucket was loaded,
-            the error's text (a ``str``): the session stays open, so the same bucket may come again through the
-            object store.
+            a ``BucketLoad``: the seconds taken; or, when the collective receive failed before any tensor of the
+            bucket was loaded, the error's text (the session stays open, so the same bucket may come again
+            through the object store).
 
         Raises:
             RuntimeError: no session is open.
@@ -455,8 +455,8 @@ class RolloutEngine:
             self._close_session()
             raise
         if aborted:
-            return f"receive failed: {aborted[0]}"
-        return time.perf_counter() - t0
+            return BucketLoad(error=f"receive failed: {aborted[0]}")
+        return BucketLoad(seconds=time.perf_counter() - t0)
 
     def finish_weight_update(self, version: int) -> int:
         """Close the session: finalize the layer-wise reload, check that every checkpoint tensor arrived,

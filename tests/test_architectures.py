@@ -96,7 +96,7 @@ def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arc
             assert out["actor/train_rollout_logprob_diff"] < TOL, (arch, step, out["actor/train_rollout_logprob_diff"])
             assert ("moe/load_imbalance" in out) == (arch not in ("llama", "qwen3_tied")), sorted(out)
             report = ray.get(learner.sync_weights.remote([engine], step, 0.05, 2))
-            assert not report["failed_engines"] and ray.get(engine.weight_version.remote()) == step
+            assert not report.failed_engines and ray.get(engine.weight_version.remote()) == step
             new_weights = ray.get(learner.checkpoint_state_dict.remote())
             change = _weight_change(weights, new_weights)
             diff, new_lp = _max_diff(ray, learner, engine)

@@ -109,13 +109,13 @@ def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero
         for version in (1, 2):
             ray.get(learner.sft_step.remote(sft_batch(version), 8 * 11))
             report = ray.get(learner.sync_weights.remote([engine, dead, hung], version, 0.01, 2, 2.0, transport))
-            assert sorted(report["failed_engines"]) == [1, 2]  # dead and hung engines are reported, not raised
-            assert (report["transport"], report["fallback"]) == (transport, "")  # the group left them out
-            assert "engine_timeout_s" in report["failed_engines"][2]
-            assert report["buckets"] > 2
+            assert sorted(report.failed_engines) == [1, 2]  # dead and hung engines are reported, not raised
+            assert (report.transport, report.fallback) == (transport, "")  # the group left them out
+            assert "engine_timeout_s" in report.failed_engines[2]
+            assert report.buckets > 2
             # the one live engine's own load seconds, summed over buckets: within the sync (its calls run in turn)
-            assert 0 < report["engine_load_s"] <= report["seconds"]
-            assert report["bytes"] == checkpoint_bytes  # each byte once to the one live engine, no view blowup;
+            assert 0 < report.engine_load_s <= report.seconds
+            assert report.bytes == checkpoint_bytes  # each byte once to the one live engine, no view blowup;
             # failed engines count nothing
             assert ray.get(engine.weight_version.remote()) == version
             engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
@@ -189,12 +189,12 @@ def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path
         ray.get([learner.pid.remote(), dying.pid.remote()] + [e.pid.remote() for e in live])
         ray.get(learner.sft_step.remote(sft_batch(1), 8 * 11))
         report = ray.get(learner.sync_weights.remote([*live, dying], 1, 0.01, 2, 10.0, "collective"))
-        assert sorted(report["failed_engines"]) == [2], report["failed_engines"]
-        assert report["fallback"].startswith("bucket 2: ") and report["transport"] == "object_store"
+        assert sorted(report.failed_engines) == [2], report.failed_engines
+        assert report.fallback.startswith("bucket 2: ") and report.transport == "object_store"
         assert_exact()
         ray.get(learner.sft_step.remote(sft_batch(2), 8 * 11))
         report = ray.get(learner.sync_weights.remote(live, 2, 0.01, 2, 10.0, "collective"))
-        assert (report["transport"], report["fallback"], report["failed_engines"]) == ("collective", "", {})
+        assert (report.transport, report.fallback, report.failed_engines) == ("collective", "", {})
         assert_exact()
     finally:
         for a in (learner, dying, *live):

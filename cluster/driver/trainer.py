@@ -32,6 +32,7 @@ from cluster.common import mean
 from cluster.data.files import file_rows
 from cluster.config import Config, ConfigError
 from cluster.runtime.learner_group import LearnerGroup
+from cluster.runtime.weight_sync import WeightSync
 from cluster.data.prompting import PromptEncoder, PromptError
 from cluster.models.resolve import ensure_model
 from cluster.driver.tracking import MetricsLogger, plot_curves, progress_line
@@ -210,10 +211,8 @@ class Trainer:
         services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
-        self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
-        sc = cfg.sync
-        self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
-            engines, version, sc.bucket_mb, sc.max_buckets_in_flight, sc.engine_timeout_s, sc.transport)
+        self.weight_sync = WeightSync(self.learners, cfg.sync)
+        self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache", self.weight_sync)
         self.fleet.start(cfg.rollout.num_engines)
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
@@ -229,12 +228,7 @@ class Trainer:
         report = self.fleet.sync(version)
         self.weight_version = version
         seconds = time.perf_counter() - t
-        self.last_sync = {"sync/bytes": float(report.get("bytes", 0)), "sync/seconds": seconds,
-                          "sync/gb_per_s": report.get("bytes", 0) / seconds / 1e9 if seconds > 0 else 0.0,
-                          "sync/buckets": float(report.get("buckets", 0)),
-                          "sync/engine_load_s": float(report.get("engine_load_s", 0.0)),
-                          # 1 when the bytes went by broadcast to the end (sync.transport=collective), 0 otherwise
-                          "sync/collective": float(report.get("transport") == "collective")}
+        self.last_sync = report.metrics(seconds)
         return seconds
 
     def evaluate(self) -> dict[str, float]:

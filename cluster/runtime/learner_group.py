@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.common import free_port
 from cluster.config import Config
 from cluster.runtime.services import actor_env, get_fail_fast, wait_ready
-from learner.contracts import SFTBatch
+from learner.contracts import SFTBatch, SyncReport
 
 
 def _node_address() -> tuple[str, int]:
@@ -122,9 +122,9 @@ class LearnerGroup:
         return self.call_sharded("sft_step", shards)[0]
 
     def sync_weights(self, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int,
-                     engine_timeout_s: float | None = None, transport: str = "object_store") -> dict[str, Any]:
+                     engine_timeout_s: float | None = None, transport: str = "object_store") -> SyncReport | None:
         """Stream the weights to ``engines`` as ``version`` (every rank takes part: ZeRO-3 gathers); rank 0's
-        report (``learner.weight_sync.sync_weights``)."""
+        ``SyncReport`` (``learner.weight_sync.sync_weights``)."""
         return self.call("sync_weights", engines, version, bucket_mb, max_in_flight, engine_timeout_s, transport)[0]
 
     def save_checkpoint(self, path: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -20,6 +20,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.runtime import console
 from cluster.common import REPO_ROOT
 from cluster.config import Config
+from cluster.runtime.weight_sync import WeightSync
+from learner.contracts import SyncReport
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
@@ -123,8 +125,9 @@ class EngineFleet:
     """The rollout engines: one actor and one placement group each. Spreads prompts over the engines,
     syncs weights to all of them at once, and can grow or shrink between steps."""
 
-    def __init__(self, cfg: Config, model_path: str, cache_dir: Path):
+    def __init__(self, cfg: Config, model_path: str, cache_dir: Path, weight_sync: WeightSync):
         self.cfg = cfg
+        self.weight_sync = weight_sync  # every sync, and the current weights for new engines, go through it
         self.model_path = model_path
         self.cache_dir = cache_dir
         self.engines: list[Any] = []
@@ -133,9 +136,6 @@ class EngineFleet:
         self.weight_version = 0
         self.max_retries = 3
         self.restarts = 0  # engines replaced after dying (for fault/rollout_restarts)
-        # Streams the current weights to a list of engines as a version: ``(engines, version) -> sync report``
-        # (``cluster.runtime.learner_group.LearnerGroup.sync_weights`` bound to the sync settings). None: nothing synced yet.
-        self.weight_source: Callable[[list[Any], int], dict[str, Any]] | None = None
 
     def _start_one(self) -> tuple[Any, Any]:
         from rollout.engine import RolloutEngine
@@ -175,12 +175,12 @@ class EngineFleet:
         Raises:
             RuntimeError: an engine failed to load them.
         """
-        if self.weight_version == 0 or self.weight_source is None or not engines:
+        if self.weight_version == 0 or not engines:
             return
-        report = self.weight_source(engines, self.weight_version)
-        if report.get("failed_engines"):
+        report = self.weight_sync.push(engines, self.weight_version)
+        if report.failed_engines:
             raise RuntimeError(f"new rollout engines could not load weight version {self.weight_version}: "
-                               f"{report['failed_engines']}")
+                               f"{report.failed_engines}")
 
     def _start_loaded(self, count: int) -> list[tuple[Any, Any]]:
         """``count`` new engines holding the current weights (one sync for all), as (actor, placement group).
@@ -332,21 +332,19 @@ class EngineFleet:
         offsets = list(range(0, len(share), size))
         return offsets, [share[o : o + size] for o in offsets]
 
-    def sync(self, version: int) -> dict[str, Any]:
-        """Stream the current weights (``weight_source``) into every engine as ``version``; an engine that
+    def sync(self, version: int) -> SyncReport:
+        """Stream the current weights (``weight_sync``) into every engine as ``version``; an engine that
         died or failed during the sync is replaced by one that loads the same version.
 
         Returns:
-            the sync report (``bytes``, ``seconds``, ``buckets``, ``engine_load_s``, ``failed_engines``).
+            the learner's ``SyncReport`` of the sync (the replacements' own sync not included).
 
         Raises:
-            RuntimeError: no weight source, or an engine reports another version afterwards.
+            RuntimeError: an engine reports another version afterwards.
         """
-        if self.weight_source is None:
-            raise RuntimeError("EngineFleet.sync: no weight_source set")
-        report = self.weight_source(list(self.engines), version)
+        report = self.weight_sync.push(list(self.engines), version)
         self.weight_version = version
-        failed = report.get("failed_engines", {})
+        failed = report.failed_engines
         for slot, why in sorted(failed.items()):
             log.warning("rollout engine %d failed during weight sync (%s)", slot, why)
         if failed:
