@@ -83,7 +83,7 @@ def driver_batch(cfg, model_path: str):
 
     from cluster.driver.batching import build_train_batch
     from cluster.data.prompts import PromptStream
-    from cluster.driver.trainer import load_rows, load_tokenizer
+    from cluster.data.tasks import load_rows, load_tokenizer
     from learner.advantages import group_advantages
     from learner.logprobs import token_log_probs
     from rollout.contracts import Completion

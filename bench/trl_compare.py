@@ -91,7 +91,7 @@ def load_cfg(workload: str, work: Path, steps: int, model_path: str | None = Non
 def bench_prompts(cfg, model_path: str, steps: int):
     """The prompts our Trainer takes in steps 1..``steps``, in order (P per step), and the tokenizer."""
     from cluster.data.prompts import PromptStream
-    from cluster.driver.trainer import load_rows, load_tokenizer
+    from cluster.data.tasks import load_rows, load_tokenizer
 
     tok = load_tokenizer(model_path)
     train, _ = load_rows(cfg, tok)

@@ -182,7 +182,7 @@ def run_one(cfg: Config, algorithm: str, seed_index: int, warm_dir: Path) -> Run
                 result.status, result.note = "skipped", f"the learner refused Routing Replay: {_first_line(e)}"
                 return result
             raise
-        if cfg.warm_start.steps > 0 and not trainer.warm_start_done:
+        if cfg.warm_start.steps > 0 and not trainer.state.warm_start_done:
             result.warm_start = trainer.warm_start()
             saved = trainer.save()
             _copy_checkpoint(saved, checkpoint.checkpoint_root(warm_dir) / saved.name)

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     # config error) answers in a second without them.
     import ray
 
-    from cluster.driver.trainer import HealthStop, Trainer
+    from cluster.driver.guard import HealthStop
+    from cluster.driver.trainer import Trainer
 
     logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
     if not args.verbose:

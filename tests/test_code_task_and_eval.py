@@ -10,7 +10,7 @@ import torch
 from cluster.data.code_task import FAMILIES, all_specs, code_rows, solution_code, unit_tests
 from cluster.config import ConfigError, load_config
 from cluster.data.prompts import DataError
-from cluster.driver.eval_metrics import pass_at_k, reported_ks, sampled_metrics
+from cluster.driver.evaluation import pass_at_k, reported_ks, sampled_metrics
 from cluster.driver.length_slices import bucket_index, bucket_ranges, learner_slices, plot_length_slices, rollout_slices
 from cluster.models.tiny_model import CHARACTERS
 from learner.objectives import policy_loss, resolve_objective

@@ -288,7 +288,7 @@ def test_audit_steps_refused_in_the_overlapped_mode():
 
 
 def test_linear_warmup_hand_values():
-    from cluster.driver.trainer import linear_warmup
+    from cluster.driver.warm_start import linear_warmup
 
     assert [linear_warmup(1e-6, s, 4) for s in range(6)] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6, 1e-6, 1e-6])
     assert linear_warmup(3e-6, 0, 0) == 3e-6  # no warm-up: the constant lr
@@ -297,7 +297,7 @@ def test_linear_warmup_hand_values():
 
 
 def test_correction_warning_counts_the_unit_the_correction_drops():
-    from cluster.driver.trainer import correction_warning
+    from cluster.driver.step_metrics import correction_warning
 
     lc = LearnerConfig(algorithm="gspo", rollout_correction="seq_geo_rs", rollout_correction_low=0.998,
                        rollout_correction_high=1.002)

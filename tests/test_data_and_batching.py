@@ -128,6 +128,9 @@ def test_split_for_ranks_partitions_with_global_normalisers():
     plans = split_for_ranks(b, num_minibatches=2, world_size=2, seed=0)
     seen = sorted(int(a) for p in plans for mb in p.minibatches for a in mb.advantages)
     assert seen == list(range(n))  # every sequence exactly once
+    # the plans carry their rows: advantage i is row i, so each shard's advantages are its row indices
+    assert all([int(a) for a in p.minibatches[m].advantages] == p.row_indices[m] for p in plans for m in range(2))
+    assert sorted(i for p in plans for rows in p.row_indices for i in rows) == list(range(n))
     for m in range(2):
         tokens = sum(int(p.minibatches[m].response_mask.sum()) for p in plans)
         nonempty = sum(int(p.minibatches[m].response_mask.any(-1).sum()) for p in plans)

@@ -162,7 +162,7 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
 def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
     import ray
 
-    from cluster.driver.trainer import HealthStop
+    from cluster.driver.guard import HealthStop
 
     t = _trainer(tmp_path, "health", ["trainer.total_steps=20", "health.enabled=true", "health.rollback_after=2",
                                       "health.max_rollbacks=1", "health.max_grad_norm=1e6"])

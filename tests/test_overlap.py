@@ -25,7 +25,7 @@ def ray_session():
 
 
 def test_overlapped_run_bounds_staleness_and_resumes_exactly(tmp_path, ray_session):
-    from cluster.driver.trainer import PENDING_FILE
+    from cluster.driver.resume import PENDING_FILE
 
     full = _trainer(tmp_path, "overlap", OVERLAP)
     full.start()

@@ -11,8 +11,8 @@ Layout of ``RUN_DIR/audit/step_NNNNNNNN/`` (read by ``learner.audit``):
   log-probs at the behaviour weights, ``compute_log_probs`` on every rank, rank 0's result; 0 outside the
   response mask) and ``prompt_lengths`` (int64 ``[N]``, from the dataset rows, not from the batch).
 - ``split.json``: per minibatch, the batch row indices each rank trained on and the global normalisers the
-  driver passed (``num_sequences``, ``num_tokens``). The indices are recovered by matching the rows the
-  learner actually receives against the batch (identical rows are interchangeable).
+  driver passed (``num_sequences``, ``num_tokens``). The indices are the rank plans' own
+  (``RankPlan.row_indices``).
 - ``meta.json``: step, weight version, prompt uids and prompt token ids, and the objective's settings
   (algorithm, resolved clip range and loss aggregation, temperature, micro-batch size, world size, ...).
 - ``model/``: the behaviour weights in Hugging Face format (``model.safetensors`` plus the config and tokenizer
@@ -47,23 +47,13 @@ FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
 
 
-def _row_key(batch: Any, i: int) -> tuple:
-    """Content of row ``i`` of a ``TrainBatch``: equal keys mean interchangeable rows for the learner."""
-    return (
-        batch.input_ids[i].numpy().tobytes(),
-        batch.attention_mask[i].numpy().tobytes(),
-        batch.response_mask[i].numpy().tobytes(),
-        batch.old_log_probs[i].numpy().tobytes(),
-        float(batch.advantages[i]),
-    )
-
-
 def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
     """The rows of ``batch`` that every rank receives for every minibatch, with the driver's normalisers.
 
     Args:
         batch: the step's ``TrainBatch`` (N rows).
-        plans: ``cluster.driver.batching.RankPlan`` per rank (``minibatches[m]`` is a ``TrainBatch`` shard).
+        plans: ``cluster.driver.batching.RankPlan`` per rank (``row_indices[m]`` are the rows of its shard of
+            minibatch ``m``).
 
     Returns:
         One dict per minibatch: ``{"ranks": [[row indices of rank 0], ...], "num_sequences": S, "num_tokens":
@@ -71,27 +61,16 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
         hold each rank's value when they differ).
 
     Raises:
-        ValueError: a shard row that is not a (not yet used) row of ``batch``, or ranks with different numbers
-            of minibatches.
+        ValueError: ranks with different numbers of minibatches, or a row index outside ``batch``.
     """
-    pool: dict[tuple, list[int]] = {}
-    for i in range(len(batch)):
-        pool.setdefault(_row_key(batch, i), []).append(i)
-    counts = {len(p.minibatches) for p in plans}
+    counts = {len(p.row_indices) for p in plans}
     if len(counts) != 1:
         raise ValueError(f"ranks have different numbers of minibatches: {sorted(counts)}")
     out = []
     for m in range(counts.pop()):
-        ranks = []
-        for r, plan in enumerate(plans):
-            shard = plan.minibatches[m]
-            rows = []
-            for j in range(len(shard)):
-                queue = pool.get(_row_key(shard, j))
-                if not queue:
-                    raise ValueError(f"minibatch {m}, rank {r}, row {j} is not a row of the step's batch")
-                rows.append(queue.pop(0))
-            ranks.append(rows)
+        ranks = [[int(i) for i in plan.row_indices[m]] for plan in plans]
+        if any(not 0 <= i < len(batch) for rows in ranks for i in rows):
+            raise ValueError(f"minibatch {m}: a row index outside the step's {len(batch)} rows")
         entry: dict[str, Any] = {
             "ranks": ranks,
             "num_sequences": int(plans[0].num_sequences[m]),

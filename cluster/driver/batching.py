@@ -116,6 +116,7 @@ class RankPlan:
     minibatches: list[TrainBatch]
     num_sequences: list[int]
     num_tokens: list[int]
+    row_indices: list[list[int]]  # per minibatch: the rows of the step's batch in this rank's shard, in order
 
 
 def split_for_ranks(batch: TrainBatch, num_minibatches: int, world_size: int, seed: int) -> list[RankPlan]:
@@ -133,13 +134,15 @@ def split_for_ranks(batch: TrainBatch, num_minibatches: int, world_size: int, se
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     mb = n // num_minibatches
     shard = mb // world_size
-    plans = [RankPlan([], [], []) for _ in range(world_size)]
+    plans = [RankPlan([], [], [], []) for _ in range(world_size)]
     for m in range(num_minibatches):
         idx = perm[m * mb : (m + 1) * mb]
         # sequences with at least one response token, and response tokens, over the whole minibatch
         sequences, tokens = loss_normalisers(batch.response_mask[idx])
         for r in range(world_size):
-            plans[r].minibatches.append(batch.select(idx[r * shard : (r + 1) * shard]))
+            rows = idx[r * shard : (r + 1) * shard]
+            plans[r].minibatches.append(batch.select(rows))
+            plans[r].row_indices.append(rows.tolist())
             plans[r].num_sequences.append(sequences)
             plans[r].num_tokens.append(tokens)
     return plans

@@ -1,4 +1,4 @@
-"""Held-out evaluation from k samples per prompt: pass@k (unbiased estimator) and mean@k.
+"""Held-out evaluation: greedy accuracy, and from k samples per prompt pass@k (unbiased estimator) and mean@k.
 
 ``pass@k`` is the probability that at least one of k samples is correct, estimated per prompt from ``n``
 samples of which ``c`` are correct with the unbiased estimator of Chen et al. 2021 ("Evaluating Large
@@ -8,14 +8,17 @@ Language Models Trained on Code", arXiv 2107.03374, Eq. 1)::
 
 and ``mean@k`` is the mean accuracy over the k samples, ``E_prompts[c / k]`` (with ``n = k``; it equals the
 unbiased pass@1). The samples are drawn at the rollout temperature (the policy being trained), beside the
-greedy accuracy of ``Trainer.evaluate``.
+greedy accuracy of ``evaluate``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
+from cluster.common import mean
+from cluster.config import Config
 from cluster.driver.collect import score
 from rollout.contracts import PromptRow
 
@@ -79,4 +82,25 @@ def evaluate_sampled(fleet: Any, rewards: Any, rows: list[PromptRow], k: int, se
     correct = [[bool(r.correct) for r in results[i * k : (i + 1) * k]] for i in range(len(rows))]
     out = sampled_metrics(correct)
     out["eval/sampled_response_length_mean"] = sum(len(c.response_token_ids) for c in comps) / max(len(comps), 1)
+    return out
+
+
+def evaluate(cfg: Config, fleet: Any, rewards: Any, rows: list[PromptRow]) -> dict[str, float]:
+    """Greedy decoding on the held-out ``rows``; accuracy = share judged correct by the verifier. With
+    ``trainer.eval_samples`` = k > 0 also k samples per prompt at the rollout temperature (the same seed at
+    every evaluation): ``eval/pass@j`` and ``eval/mean@k``. ``fleet``: ``cluster.runtime.services.EngineFleet``;
+    ``rewards``: ``reward.pool.RewardPool``. Returns the ``eval/*`` metrics and ``timing/eval_s``."""
+    t = time.perf_counter()
+    comps = fleet.generate(rows, 1, greedy=True)
+    results = score(rewards, {r.uid: r for r in rows}, comps)
+    rewards.metrics()  # eval's counters are not the step's
+    out = {
+        "eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]),
+        "eval/num_prompts": float(len(results)),
+        "eval/response_length_mean": mean([float(len(c.response_token_ids)) for c in comps]),
+    }
+    k = cfg.trainer.eval_samples
+    if k:
+        out.update(evaluate_sampled(fleet, rewards, rows, k, seed=cfg.rollout.seed + EVAL_SAMPLING_SEED))
+    out["timing/eval_s"] = time.perf_counter() - t
     return out

@@ -1,0 +1,52 @@
+"""A run's model tokenizer and its prompts: the one dispatch from ``data.task`` to the task's rows.
+
+``arithmetic`` (``cluster.data.prompts``), ``code`` (``cluster.data.code_task``) and ``files`` / ``gsm8k``
+(``cluster.data.files``); every task's prompts are encoded by one ``cluster.data.prompting.PromptEncoder``.
+"""
+
+from __future__ import annotations
+
+from cluster.config import Config, ConfigError
+from cluster.data import prompts as data
+from cluster.data.code_task import code_rows
+from cluster.data.files import file_rows
+from cluster.data.prompting import PromptEncoder, PromptError
+from rollout.contracts import PromptRow
+
+
+def load_tokenizer(model_path: str):
+    """The model folder's tokenizer.
+
+    Raises:
+        ConfigError: the tokenizer has no EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.eos_token_id is None:
+        raise ConfigError(f"model.path={model_path!r}: the tokenizer has no eos token")
+    return tok
+
+
+def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Training and held-out rows for ``cfg.data``; every task's prompts are encoded by one
+    ``cluster.data.prompting.PromptEncoder`` (``data.apply_chat_template``, ``data.system_prompt``, the BOS rule).
+
+    Raises:
+        ConfigError: ``data.apply_chat_template=true`` with a tokenizer that has no chat template.
+        data.DataError: a missing file or field, or a split with no usable row.
+    """
+    d = cfg.data
+    try:
+        encoder = PromptEncoder(tokenizer, d.apply_chat_template, d.system_prompt)
+    except PromptError as e:
+        raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None
+    if d.task == "arithmetic":
+        return data.arithmetic_rows(
+            encoder.ids, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
+            demo_slip_rate=d.demo_slip_rate,
+        )
+    if d.task == "code":
+        return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
+                         demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)
+    return file_rows(d, encoder.encode)

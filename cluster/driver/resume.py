@@ -1,0 +1,103 @@
+"""The driver's state in a checkpoint, and a run resumed from it.
+
+A checkpoint folder (``cluster.driver.checkpoint``: written atomically) holds the learner's own checkpoint
+(``learner/``), ``trainer_state.json`` (the ``DriverState`` below, the config and the data fingerprint) and, in
+the overlapped mode (``trainer.max_staleness=1``), the rollout collected ahead of the learner
+(``pending_rollout.pkl``: sampled with weights no checkpoint holds, so it is kept rather than regenerated; it is
+the driver's own object written by this code and read back only from the run's own folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.config import Config
+from cluster.driver import checkpoint
+from cluster.driver.collect import Collected
+
+log = logging.getLogger("cluster.train")
+
+PENDING_FILE = "pending_rollout.pkl"  # in a checkpoint: the rollout collected ahead of the learner (max_staleness=1)
+
+
+@dataclass
+class DriverState:
+    """What the driver needs besides the learner's checkpoint to continue a run exactly."""
+
+    step: int = 0  # RL steps done
+    weight_version: int = 0  # the engines' (and learner's) weight version
+    warm_start_done: bool = False
+    stream_position: int = 0  # prompts taken from the training stream
+    sft_rng: Any = None  # ``random.Random.getstate()`` of the warm start's row sampler (None: not started)
+
+    def to_json(self) -> dict[str, Any]:
+        """The state as ``trainer_state.json`` keys."""
+        return {"step": self.step, "weight_version": self.weight_version, "warm_start_done": self.warm_start_done,
+                "stream_position": self.stream_position, "sft_rng": self.sft_rng}
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any]) -> DriverState:
+        """The state read back from ``trainer_state.json`` (JSON lists of the RNG state back to tuples).
+
+        Raises:
+            KeyError: a key missing from ``state``.
+        """
+        return cls(int(state["step"]), int(state["weight_version"]), bool(state["warm_start_done"]),
+                   int(state["stream_position"]), _as_tuples(state["sft_rng"]))
+
+    def restore_rng(self, rng: random.Random) -> None:
+        """Put the warm start's sampler back where the checkpoint left it."""
+        if self.sft_rng is not None:
+            rng.setstate(self.sft_rng)
+
+
+def _as_tuples(state: Any) -> Any:
+    """random.Random state from JSON (lists back to tuples)."""
+    if isinstance(state, list):
+        return tuple(_as_tuples(x) for x in state)
+    return state
+
+
+@dataclass
+class ResumePoint:
+    """A checkpoint a run continues from: its folder, the driver's state and the rollout collected ahead."""
+
+    path: Path
+    state: DriverState
+    pending: Collected | None
+
+
+def find_resume_point(cfg: Config, run_dir: Path, fingerprint: dict[str, Any]) -> ResumePoint | None:
+    """The latest complete checkpoint of ``run_dir`` when ``trainer.resume`` is on, checked against ``cfg``
+    before any actor starts; None when there is none (a fresh run).
+
+    Raises:
+        ConfigError: the config or the data cannot continue this run (``checkpoint.check_resume`` names it).
+    """
+    path = checkpoint.latest_checkpoint(run_dir) if cfg.trainer.resume else None
+    if path is None:
+        return None
+    saved = checkpoint.read_state(path)
+    checkpoint.check_resume(saved, cfg, fingerprint, checkpoint.read_learner_state(path))
+    pending_file = path / PENDING_FILE
+    pending = pickle.loads(pending_file.read_bytes()) if pending_file.is_file() else None
+    return ResumePoint(path, DriverState.from_json(saved), pending)
+
+
+def save_checkpoint(run_dir: Path, cfg: Config, learners: Any, state: DriverState, pending: Collected | None,
+                    fingerprint: dict[str, Any]) -> Path:
+    """Write a checkpoint of the learner (``learners``: ``LearnerGroup``) and the driver's state, atomically
+    renamed when complete, keeping ``trainer.keep_checkpoints``. Returns the final folder."""
+    tmp = checkpoint.temp_dir_for(run_dir, state.step)
+    learners.save_checkpoint(str(tmp / "learner"))
+    if pending is not None:  # sampled with weights no checkpoint holds: kept, not regenerated
+        (tmp / PENDING_FILE).write_bytes(pickle.dumps(pending))
+    saved = {**state.to_json(), "config": cfg.model_dump(mode="json"), "data_fingerprint": fingerprint}
+    final = checkpoint.finalize(run_dir, tmp, state.step, saved, cfg.trainer.keep_checkpoints)
+    log.info("checkpoint written: %s", final)
+    return final
