@@ -37,16 +37,17 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q --timeout=1800 --durations=15 -m "not matrix" $(ARGS)
 
-# The wide matrices kept out of CI's time budget: every architecture (tests/test_architectures.py, a real 3-step
-# run with weight sync per tiny random architecture of cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case;
-# 3-5 min an arch on 2 busy cores, about 25 min for all seven) and a tensor-parallel engine (tests/test_tp_engine.py).
-# One file: `make test-matrix ARGS=tests/test_architectures.py`.
+# The wide matrices kept out of CI's time budget (marked `matrix`): every architecture
+# (tests/integration/test_architectures.py, a real 3-step run with weight sync per tiny random architecture of
+# cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case; 3-5 min an arch on 2 busy cores, about 25 min
+# for all seven), the tied-MoE collective sync and a tensor-parallel engine (tests/matrix/).
+# One file: `make test-matrix ARGS=tests/integration/test_architectures.py`.
 test-matrix: setup
 	$(BIN)/python -m pytest -q --timeout=3600 --durations=30 -m matrix $(ARGS)
 
-# Unit tests only (seconds).
+# Unit tests only (tests/unit: no DeepSpeed, Ray or vLLM; a few minutes on 2 cores).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
 # GPU path smoke test (needs a CUDA device; not part of `make test`): 3 steps of a 64-expert MoE on one GPU,
 # checked against the plan. `make gpu-smoke ARGS=--dry-run` prints the plan on any machine.

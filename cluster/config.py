@@ -21,14 +21,14 @@ from rollout.config import RolloutConfig
 
 # vLLM's sampling-temperature range (vllm/sampling_params.py, ``SamplingParams``: ``__post_init__`` raises a
 # temperature in (0, _MAX_TEMP) to _MAX_TEMP = 0.01; ``_verify_args`` refuses one above 2). Copied here so the
-# config loads without importing vLLM; tests/test_config.py reads both from the installed vLLM.
+# config loads without importing vLLM; tests/unit/cluster/test_config.py reads both from the installed vLLM.
 VLLM_MIN_TEMPERATURE = 0.01
 VLLM_MAX_TEMPERATURE = 2.0
 
 
 class Section(BaseModel):
     """Base of the run-level config sections: unknown keys are refused and values are validated on assignment
-    (tests/test_config.py checks that every section of the composed schema is strict)."""
+    (tests/unit/cluster/test_config.py checks that every section of the composed schema is strict)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 

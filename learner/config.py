@@ -29,7 +29,7 @@ PRE_UPDATE_GUARD_KEYS = tuple(key for key, (_, _, phase) in GUARD_CHECKS.items()
 
 class Section(BaseModel):
     """Base of the learner config sections: unknown keys are refused and values are validated on assignment
-    (tests/test_config.py checks that every section of the composed schema is strict)."""
+    (tests/unit/cluster/test_config.py checks that every section of the composed schema is strict)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 

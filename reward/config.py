@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class Section(BaseModel):
     """Base of the reward config sections: unknown keys are refused and values are validated on assignment
-    (tests/test_config.py checks that every section of the composed schema is strict)."""
+    (tests/unit/cluster/test_config.py checks that every section of the composed schema is strict)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 

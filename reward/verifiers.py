@@ -40,7 +40,7 @@ from reward.answers import (
 
 Verifier = Callable[[str, dict], "float | dict"]
 
-# The config's default ``reward.format_regex`` (kept equal by tests/test_reward_verifiers.py): the answer on the
+# The config's default ``reward.format_regex`` (kept equal by tests/unit/reward/test_verifiers.py): the answer on the
 # marker's line, line-bounded (``[ \t]*``, not ``\s*``, which runs across blank lines and backtracks
 # quadratically on them).
 DEFAULT_FORMAT_REGEX = r"(?m)^[ \t]*####[ \t]*(?P<answer>\S[^\n]*)"

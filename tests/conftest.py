@@ -1,8 +1,16 @@
-"""What the tests share: the environment of every test process, the repository root, the embedded tiny model
-and a private local Ray cluster.
+"""What the tests share: the environment of every test process, the markers each folder sets, the embedded tiny
+model and a private local Ray cluster.
 
-Tests run from any directory: paths into the checkout are built from ``REPO_ROOT`` (``from tests.conftest
-import REPO_ROOT``), never relative to the working directory.
+The folders say what a test starts, and set its markers (so ``-m`` and the make targets select by folder):
+
+- ``unit/<room>/`` (``learner``, ``rollout``, ``reward``, ``cluster``): no DeepSpeed, Ray or vLLM; seconds.
+  ``make test-fast`` runs these. ``unit/conftest.py`` fails a unit test that leaves Ray or a process group up.
+- ``integration/``: real Ray, vLLM and DeepSpeed on the CPU; marked ``slow``. A parameter marked ``matrix``
+  is a wide case of an integration test (``make test-matrix``).
+- ``matrix/``: the wide matrices kept out of ``make test``; marked ``slow`` and ``matrix``.
+
+Helpers several test modules use live in ``tests/helpers/`` (a test module never imports another one); paths
+into the checkout are built from ``tests.helpers.REPO_ROOT``, never relative to the working directory.
 """
 
 from __future__ import annotations
@@ -12,22 +20,27 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO_ROOT, TEST_ENV  # noqa: E402 - read before any heavy import
 
-# Set here, before any test module imports torch, DeepSpeed or Ray (pytest imports conftest first); a value
-# already in the environment wins. One thread pool of one thread per process on this 2-core machine
-# (CONTRIBUTING.md), DeepSpeed's CPU accelerator, no Hugging Face hub, no usage reports.
-TEST_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "WANDB_SILENT": "true",
-}
 for _key, _value in TEST_ENV.items():
     os.environ.setdefault(_key, _value)
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = {"integration": ("slow",), "matrix": ("slow", "matrix")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by its folder (``FOLDER_MARKERS``); a test outside the three folders is refused."""
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if not path.is_relative_to(TESTS):
+            continue
+        kind = path.relative_to(TESTS).parts[0]
+        if kind not in ("unit", "integration", "matrix"):
+            raise pytest.UsageError(f"{path}: tests live in tests/unit/<room>/, tests/integration/ or tests/matrix/")
+        for name in FOLDER_MARKERS.get(kind, ()):
+            item.add_marker(getattr(pytest.mark, name))
 
 
 @pytest.fixture(scope="session")

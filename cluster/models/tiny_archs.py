@@ -3,7 +3,7 @@
 ``build_tiny_arch(out_dir, arch)`` writes a Hugging Face folder (``config.json``, ``generation_config.json``,
 ``model.safetensors``, the character tokenizer of ``cluster.models.tiny_model``) holding a seeded random init of
 one of the architectures in ``ARCHS``. No hub access. Used by the architecture test matrix
-(``tests/test_architectures.py``, ``make test-matrix``) and by ``model.path: builtin:tiny_<arch>``.
+(``tests/integration/test_architectures.py``, ``make test-matrix``) and by ``model.path: builtin:tiny_<arch>``.
 
 Every model is float32, 2 decoder layers, hidden size 64, 2 query heads of size 32 over 1 KV head (shapes
 the vLLM CPU kernels run exactly: hidden and expert sizes multiples of 32, head_dim 32; see

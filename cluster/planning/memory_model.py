@@ -21,7 +21,7 @@ The terms and their sources (docs/cluster.md, "Memory model", explains them with
   float32 softmax work runs in chunks of about ``2**25`` logits (``learner/logprobs.py``, ``token_log_probs``),
   a few such float32 chunks alive at once: ``2 V b`` bytes per token + ``min(LOGPROB_CHUNK_BYTES, 12 T V)``.
 - ZeRO-3 gathered working set (DeepSpeed 0.19.8 ``deepspeed/runtime/zero/config.py`` defaults, checked against
-  the installed DeepSpeed by tests/test_plan.py): at most ``stage3_max_live_parameters +
+  the installed DeepSpeed by tests/unit/cluster/test_plan.py): at most ``stage3_max_live_parameters +
   stage3_prefetch_bucket_size`` parameters gathered at once, never fewer than the largest layer's.
 """
 

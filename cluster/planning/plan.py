@@ -26,7 +26,7 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   (``cluster/planning/memory_model.py`` has the formulas and their sources).
 
   With ``learner.offload_optimizer: cpu`` (ZeRO-Offload; DeepSpeed 0.19.8 ``deepspeed/runtime/zero/stage3.py``
-  and ``stage_1_and_2.py``; tests/test_optimizer_offload.py counts the host buffers of a real engine) the
+  and ``stage_1_and_2.py``; tests/integration/test_optimizer_offload.py counts the host buffers of a real engine) the
   optimizer term leaves the GPU (``optimizer = 0``), and at ZeRO-3 so do the gradient partitions
   (``gradients = 0``: stage 3 allocates them on its optimizer device, the host; stages 1-2 still reduce them,
   and in bf16 accumulate them, on the GPU). Each rank holds instead, in host RAM (``learner_host_offload_gib``):

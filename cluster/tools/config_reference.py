@@ -5,7 +5,7 @@ Regenerate after changing a config class::
 
     python -m cluster.tools.config_reference > docs/config.md
 
-``tests/test_config.py`` fails when ``docs/config.md`` differs from :func:`reference_markdown`.
+``tests/unit/cluster/test_config.py`` fails when ``docs/config.md`` differs from :func:`reference_markdown`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def reference_markdown() -> str:
         COMMAND,
         "```",
         "",
-        "`tests/test_config.py` fails when this file and the schema differ.",
+        "`tests/unit/cluster/test_config.py` fails when this file and the schema differ.",
         "",
         "A run's config is one YAML file with these sections; any key can also be overridden on the command line",
         "as `section.key=value` (the value is parsed as YAML). Unknown keys, wrong types and impossible",

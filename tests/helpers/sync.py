@@ -1,0 +1,23 @@
+"""Weight sync learner -> engine, for real: a DeepSpeed learner rank streams its weights through the Ray object
+store into an in-process vLLM engine (vLLM's weight-transfer protocol, our ``ray_object`` backend, layer-wise
+reload), after real optimizer steps; the engine's log-probs must equal the learner's (fp32, 1e-5) after every
+sync, for an MoE (untied, ZeRO-3 with every parameter partitioned), a tied MoE and a tied dense model.
+
+The tied cases fail without the CPU ``lm_head`` repack refresh in ``rollout.weight_sync`` (log-probs drift by
+~0.5 from the first sync on); the MoE cases fail without the CPU expert-repack fix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def learner_logprobs(ray, learner, seq: list[int], start: int) -> torch.Tensor:
+    from learner.contracts import TrainBatch
+
+    ids = torch.tensor([seq])
+    resp = torch.zeros((1, len(seq) - 1), dtype=torch.bool)
+    resp[0, start - 1 :] = True
+    batch = TrainBatch(ids, torch.ones_like(ids), resp, torch.zeros(resp.shape), torch.zeros(1), torch.zeros(1), ["s"],
+                       torch.zeros(1, dtype=torch.long))
+    return ray.get(learner.compute_log_probs.remote(batch))[0][resp[0]]

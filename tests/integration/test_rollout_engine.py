@@ -1,0 +1,137 @@
+"""The vLLM rollout engine on the tiny Qwen3-MoE, run for real inside Ray actors and compared with a
+transformers float32 forward of the same tokens.
+
+One in-process engine (a Ray actor, so vLLM's process-wide settings stay out of the pytest process) is shared
+by the module; the tests that update its weights record the reference model it now holds in ``_current``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.rollout import LONG_PROMPT, TEMPERATURE, _current, checkpoint_state, perturbed, rows, sync
+from tests.helpers.rollout import base_model, engine, mp_engine, tokenizer  # noqa: F401 - fixtures
+
+TOL = 1e-4
+
+
+def hf_logprobs(model, prompt_ids, response_ids, temperature):
+    """log softmax(logits / temperature) of each response token, from a transformers forward."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(prompt_ids) - 1
+    return torch.stack([logp[start + j, t] for j, t in enumerate(response_ids)])
+
+
+def max_diff(model, completions, temperature):
+    return max(
+        (hf_logprobs(model, c.prompt_token_ids, c.response_token_ids, temperature) - torch.tensor(c.response_logprobs))
+        .abs()
+        .max()
+        .item()
+        for c in completions
+    )
+
+
+def test_generate_groups_with_post_temperature_logprobs(ray_cluster, engine, tokenizer):
+    prompts = rows(tokenizer, ["12 + 7 = ", "3 * 4 =", "hello\n"])
+    n = 4
+    out = ray_cluster.get(engine.generate.remote(prompts, n, seed=11))
+    assert len(out) == len(prompts) * n
+    for i, row in enumerate(prompts):
+        group = out[i * n : (i + 1) * n]
+        assert [c.prompt_uid for c in group] == [row.uid] * n
+        assert [c.sample_index for c in group] == list(range(n))
+        assert len({tuple(c.response_token_ids) for c in group}) > 1  # samples of a group differ
+    for c in out:
+        assert c.prompt_token_ids == tokenizer(prompts[int(c.prompt_uid[1:])].prompt)["input_ids"]
+        assert 1 <= len(c.response_token_ids) == len(c.response_logprobs) <= 12
+        assert c.finish_reason in ("stop", "length") and c.weight_version == _current["version"]
+        if c.finish_reason == "length":
+            assert len(c.response_token_ids) == 12
+        else:
+            assert c.response_token_ids[-1] == tokenizer.eos_token_id
+        assert c.response_text == tokenizer.decode(c.response_token_ids, skip_special_tokens=True)
+    model = _current["model"]
+    assert max_diff(model, out, TEMPERATURE) < TOL
+    assert max_diff(model, out, 1.0) > 1e-2  # the log-probs are post-temperature ones, not raw
+    again = ray_cluster.get(engine.generate.remote(prompts, n, seed=11))
+    assert [c.response_token_ids for c in again] == [c.response_token_ids for c in out]
+
+
+def test_greedy_and_sequence_logprobs_match_transformers(ray_cluster, engine, tokenizer):
+    prompts = rows(tokenizer, ["2 + 2 = ", "abc"])
+    greedy = ray_cluster.get(engine.generate_greedy.remote(prompts, max_tokens=8))
+    model = _current["model"]
+    assert [(c.prompt_uid, c.sample_index) for c in greedy] == [("p0", 0), ("p1", 0)]
+    for c in greedy:
+        ids = torch.tensor([c.prompt_token_ids + c.response_token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+        p = len(c.prompt_token_ids)
+        expected = logits[p - 1 : p - 1 + len(c.response_token_ids)].argmax(-1).tolist()
+        assert c.response_token_ids == expected
+    seq = greedy[0].prompt_token_ids + greedy[0].response_token_ids
+    start = len(greedy[0].prompt_token_ids)
+    got = torch.tensor(ray_cluster.get(engine.sequence_logprobs.remote(seq, start)))
+    want = hf_logprobs(model, seq[:start], seq[start:], 1.0)
+    assert got.shape == want.shape and (got - want).abs().max().item() < TOL
+
+
+def test_update_weights_moe_reload_and_prefix_cache_reset(ray_cluster, engine, tokenizer):
+    """Perturbed weights (transformers' fused expert tensors, split over buckets) must give the perturbed
+    model's log-probs: fails without the MoE repack fix (stale expert packing) and without the prefix-cache
+    reset (the long prompt's KV from the old weights would be reused)."""
+    long_rows = rows(tokenizer, [LONG_PROMPT])
+    assert len(long_rows[0].prompt_token_ids) > 128
+    old = _current["model"]
+    before = ray_cluster.get(engine.generate.remote(long_rows, 2, max_tokens=6, seed=3))
+    assert max_diff(old, before, TEMPERATURE) < TOL
+
+    new = perturbed(old, seed=1)
+    loaded = sync(ray_cluster, engine, checkpoint_state(new), 1)
+    _current.update(model=new, version=1)
+    assert loaded == len(checkpoint_state(new))
+    assert ray_cluster.get(engine.weight_version.remote()) == 1
+
+    after = ray_cluster.get(engine.generate.remote(long_rows, 2, max_tokens=6, seed=3))
+    assert all(c.weight_version == 1 for c in after)
+    assert max_diff(new, after, TEMPERATURE) < TOL
+    assert max_diff(old, after, TEMPERATURE) > 1e-2  # the update changed the model
+    seq = after[0].prompt_token_ids + after[0].response_token_ids
+    got = torch.tensor(ray_cluster.get(engine.sequence_logprobs.remote(seq, 5)))
+    assert (got - hf_logprobs(new, seq[:5], seq[5:], 1.0)).abs().max().item() < TOL
+
+
+def test_update_weights_from_object_refs_and_bad_buckets(ray_cluster, engine, tokenizer):
+    new = perturbed(_current["model"], seed=2)
+    state = checkpoint_state(new)
+    with pytest.raises(ValueError, match="unloaded"):  # a sync that leaves tensors out is refused at finish
+        sync(ray_cluster, engine, {k: v for k, v in state.items() if "norm" not in k}, 9)
+    with pytest.raises(RuntimeError, match="between weight versions"):  # and the engine samples nothing
+        ray_cluster.get(engine.generate.remote(rows(tokenizer, ["7 - 5 = "]), 2, seed=4))
+    with pytest.raises(ValueError, match="not in its checkpoint"):
+        sync(ray_cluster, engine, {**state, "model.extra.weight": torch.zeros(1)}, 9)
+    with pytest.raises(ValueError, match="in place of fused"):  # transformers' in-memory names are refused
+        sync(ray_cluster, engine, new.state_dict(), 9)
+    assert ray_cluster.get(engine.weight_version.remote()) == _current["version"]
+
+    sync(ray_cluster, engine, state, 2, parts=2)
+    _current.update(model=new, version=2)
+    out = ray_cluster.get(engine.generate.remote(rows(tokenizer, ["7 - 5 = "]), 3, seed=4))
+    assert all(c.weight_version == 2 for c in out)
+    assert max_diff(new, out, TEMPERATURE) < TOL
+    assert ray_cluster.get(engine.pid.remote()) != __import__("os").getpid()
+
+
+def test_multiprocess_mode_update_through_byte_blobs(ray_cluster, mp_engine, base_model, tokenizer):
+    """vLLM's default mode (EngineCore and Worker subprocesses): numpy arrays do not survive the msgpack hop
+    to the engine core, so each tensor's bytes travel as ``bytes``; the reloaded engine must match."""
+    new = perturbed(base_model, seed=3)
+    sync(ray_cluster, mp_engine, checkpoint_state(new), 1)
+    out = ray_cluster.get(mp_engine.generate.remote(rows(tokenizer, ["1 + 1 = "]), 2, temperature=1.0, seed=1))
+    assert [c.weight_version for c in out] == [1, 1]
+    assert max_diff(new, out, 1.0) < TOL

@@ -1,0 +1,127 @@
+"""The equal-budget comparison (cluster/compare.py): settings per algorithm, the report's figures on hand-made
+histories, and (slow) two real 2-step runs that share one warm start and end in a report and a plot."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster import compare
+from cluster.config import load_config
+from tests.helpers.compare import CONFIG
+
+
+def _resolved(cfg):
+    from learner.objectives import resolve_objective
+
+    lc = cfg.learner
+    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    return (obj.algorithm, obj.clip_low, obj.clip_high, obj.loss_agg, cfg.trainer.dynamic_sampling)
+
+
+def test_algorithm_settings(tmp_path):
+    base = load_config(CONFIG, ["trainer.seed=7", "rollout.seed=3"])
+    want = {
+        "gspo": ("gspo", 3e-4, 4e-4, "seq_mean_token_mean", False),
+        "grpo": ("grpo", 0.2, 0.27, "token_mean", False),
+        "dapo": ("grpo", 0.2, 0.28, "token_mean", True),
+    }
+    for algo, expected in want.items():
+        cfg = load_config(CONFIG, ["trainer.seed=7", "rollout.seed=3"] + compare.run_overrides(algo, 2, base, tmp_path))
+        assert _resolved(cfg) == expected, algo
+        assert cfg.trainer.seed == 9 and cfg.rollout.seed == 5  # the config's seeds + the seed index
+        assert cfg.run_dir == tmp_path / f"{algo}_seed2"
+        # everything else is held equal
+        assert cfg.trainer.prompts_per_step == base.trainer.prompts_per_step
+        assert cfg.rollout.max_response_tokens == base.rollout.max_response_tokens
+        assert cfg.warm_start == base.warm_start and cfg.reward == base.reward
+        # one warm start for every seed: the prompt order (trainer.seed) is the config's, only sampling moves
+        shared = load_config(CONFIG, ["trainer.seed=7", "rollout.seed=3"]
+                             + compare.run_overrides(algo, 2, base, tmp_path, shared_warm_start=True))
+        assert shared.trainer.seed == 7 and shared.rollout.seed == 5
+    supported, _ = compare.routing_replay_supported()
+    if supported:
+        cfg = load_config(CONFIG, compare.run_overrides("grpo_rr", 0, base, tmp_path))
+        assert cfg.learner.routing_replay == "learner" and _resolved(cfg)[:3] == ("grpo", 0.2, 0.27)
+        cfg = load_config(CONFIG, compare.run_overrides("grpo_r3", 0, base, tmp_path))
+        assert cfg.learner.routing_replay == "rollout" and cfg.rollout.return_routed_experts
+        assert _resolved(cfg)[:3] == ("grpo", 0.2, 0.27)
+        cfg = load_config(CONFIG, compare.run_overrides("gspo_mc", 0, base, tmp_path))
+        assert cfg.learner.rollout_correction == "seq_geo_rs" and _resolved(cfg)[:3] == ("gspo", 3e-4, 4e-4)
+        cfg = load_config(CONFIG, compare.run_overrides("grpo", 0, base, tmp_path))
+        assert cfg.learner.routing_replay == "off" and cfg.learner.rollout_correction == "off"
+    # A GRPO base config gets GSPO's own clip range, not GRPO's.
+    grpo_base = load_config(CONFIG, ["learner.algorithm=grpo", "learner.clip_low=0.1", "learner.clip_high=0.1"])
+    cfg = load_config(CONFIG, ["learner.algorithm=grpo", "learner.clip_low=0.1", "learner.clip_high=0.1"]
+                      + compare.algorithm_overrides("gspo", grpo_base))
+    assert _resolved(cfg)[:3] == ("gspo", 3e-4, 4e-4)
+    with pytest.raises(ValueError, match="ppo"):
+        compare.algorithm_overrides("ppo", base)
+
+
+def _history():
+    # step 0: eval only; 4 RL steps; evals at steps 2 and 4
+    return [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 1, "reward/mean": 0.1, "actor/clip_fraction": 0.1, "actor/grad_norm": 1.0, "actor/grad_norm_max": 1.5,
+         "timing/step_s": 2.0, "actor/num_response_tokens": 100.0, "actor/entropy": 3.0,
+         "moe/routing_volatility": 0.0, "moe/routing_volatility_unreplayed": 0.0, "moe/routing_volatility_passes": 0.0},
+        {"step": 2, "reward/mean": 0.2, "actor/clip_fraction": 0.2, "actor/grad_norm": 2.0, "actor/grad_norm_max": 11.0,
+         "timing/step_s": 2.0, "actor/num_response_tokens": 100.0, "actor/entropy": 2.5, "eval/accuracy": 0.5,
+         "moe/routing_volatility": 0.1, "moe/routing_volatility_unreplayed": 0.2, "moe/routing_volatility_passes": 3.0},
+        {"step": 3, "reward/mean": 0.3, "actor/clip_fraction": 0.3, "actor/grad_norm": 2.0, "actor/grad_norm_max": 2.0,
+         "timing/step_s": 3.0, "actor/num_response_tokens": 100.0, "actor/entropy": 2.0,
+         "moe/routing_volatility": 0.3, "moe/routing_volatility_unreplayed": 0.4, "moe/routing_volatility_passes": 3.0},
+        {"step": 4, "reward/mean": 0.6, "actor/clip_fraction": 0.4, "actor/grad_norm": 3.0, "actor/grad_norm_max": 3.0,
+         "timing/step_s": 3.0, "actor/num_response_tokens": 200.0, "actor/entropy": 1.5, "eval/accuracy": 0.375},
+    ]
+
+
+def test_summarise_hand_values():
+    s = compare.summarise(_history(), spike_factor=5.0)
+    assert s["steps"] == 4
+    assert (s["start_accuracy"], s["final_accuracy"], s["best_accuracy"]) == (0.25, 0.375, 0.5)
+    assert s["reward"] == pytest.approx(0.6)  # last quarter of 4 steps = the last step
+    assert s["clip_fraction"] == pytest.approx(0.25)
+    # only steps that measured volatility (passes > 0) count: steps 2 and 3
+    assert s["routing_volatility"] == pytest.approx(0.2) and s["routing_volatility_router"] == pytest.approx(0.3)
+    # median grad norm 2.0 -> threshold 10: step 2's peak 11 is the one spike
+    assert s["grad_norm_spikes"] == 1
+    assert compare.summarise(_history(), spike_factor=6.0)["grad_norm_spikes"] == 0
+    assert s["rl_time_s"] == pytest.approx(10.0) and s["tokens_per_s"] == pytest.approx(50.0)
+    assert s["entropy_final"] == 1.5
+    empty = compare.summarise([{"step": 0}])
+    assert math.isnan(empty["final_accuracy"]) and math.isnan(empty["reward"]) and empty["steps"] == 0
+
+
+def test_mean_spread():
+    assert compare.mean_spread([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    m, s = compare.mean_spread([0.5, float("nan")])
+    assert m == 0.5 and math.isnan(s)
+    assert all(math.isnan(x) for x in compare.mean_spread([]))
+
+
+def test_report_and_plot_from_results(tmp_path):
+    runs = [
+        compare.RunResult("gspo", 0, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=10.0, history=_history()),
+        compare.RunResult("gspo", 1, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=14.0, history=_history()),
+        compare.RunResult("grpo_rr", 0, "", "skipped", note="not supported"),
+    ]
+    path = compare.write_report(tmp_path, runs, config_path="configs/x.yaml", overrides=["a.b=1"],
+                                shared={"RL steps": 4}, spike_factor=5.0)
+    text = path.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| gspo | "))
+    assert "| 2 |" in row and "12.0 ± 2.8" in row  # wall s over the 2 seeds: mean 12, sample std 2.83
+    assert "0.375 ± 0.000" in row  # final accuracy
+    assert any(line.startswith("| grpo_rr | ") and "0 (skipped)" in line for line in text.splitlines())
+    assert "grpo_rr seed 0: skipped: not supported" in text
+    assert compare.plot_runs(runs, tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_cli_refuses_bad_arguments(tmp_path, capsys):
+    assert compare.main([CONFIG, "--algorithms", "gspo,ppo", "--output-dir", str(tmp_path)]) == 2
+    assert "ppo" in capsys.readouterr().err
+    assert compare.main([CONFIG, "--seeds", "0", "--output-dir", str(tmp_path)]) == 2
+    assert compare.main([CONFIG, "trainer.prompts_per_step=3", "--output-dir", str(tmp_path)]) == 2
+    assert not (tmp_path / "tiny_moe").exists()
