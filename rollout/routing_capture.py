@@ -169,6 +169,12 @@ class RoutingStore:
         ValueError: ``block_size`` < 1.
     """
 
+    # set by clear() (the constructor calls it)
+    _records: dict[tuple[int, ...], np.ndarray]
+    _by_block: dict[tuple[int, int], tuple[int, ...]]
+    filled_positions: int
+    unresolved: int
+
     def __init__(self, block_size: int = 16):
         if block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be >= 1")
@@ -177,8 +183,8 @@ class RoutingStore:
 
     def clear(self) -> None:
         """Forget every routing (the prefix cache was reset: no later request can hit an earlier one's KV)."""
-        self._records: dict[tuple[int, ...], np.ndarray] = {}
-        self._by_block: dict[tuple[int, int], tuple[int, ...]] = {}  # (p, chain hash of tokens[:p]) -> record key
+        self._records = {}
+        self._by_block = {}  # (p, chain hash of tokens[:p]) -> record key
         self.filled_positions = 0  # positions taken from a donor since the last clear
         self.unresolved = 0  # records left out: no donor, or a gap other than a leading cached run
 

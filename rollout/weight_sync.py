@@ -193,6 +193,14 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
     init_info_cls = ObjectRefInitInfo
     update_info_cls = ObjectRefUpdateInfo
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.received: set[str] = set()  # checkpoint names loaded in the current (or last) session
+        self.loaded_buckets: set[int] = set()  # bucket indices loaded in the current session
+        self.aborted = ""  # why the last collective receive failed ('' if it did not)
+        self.group: Any = None  # the collective transfer group, when the learner built one
+        self.group_timeout_s = 0.0  # its timed waits
+
     def init_transfer_engine(self, init_info: ObjectRefInitInfo) -> None:
         """Reset the received names; join the collective transfer group when ``init_info`` names one (see
         ``ObjectRefInitInfo``). Blocks until every member has joined or ``timeout_s`` passes.
@@ -200,8 +208,8 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         Raises:
             RuntimeError / DistStoreError: the rendezvous failed or timed out.
         """
-        self.received: set[str] = set()
-        self.loaded_buckets: set[int] = set()
+        self.received = set()
+        self.loaded_buckets = set()
         self.aborted = ""
         self.shutdown(broken=True)  # the last group's other members may be gone: no graceful wait on them
         if init_info.master_address is None:
@@ -214,7 +222,7 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.received = set()
-        self.loaded_buckets: set[int] = set()
+        self.loaded_buckets = set()
         self.aborted = ""
         if _is_cpu():
             for module in self.model.modules():
@@ -275,14 +283,17 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
 
     def shutdown(self, broken: bool = False) -> None:
         """Leave the transfer group, if any (the object-store path needs none); ``broken``: abort it."""
-        group, self.group = getattr(self, "group", None), None
+        group, self.group = self.group, None
         if group is not None:
             _leave(group, broken)
 
 
 class RolloutWorkerExtension:
     """``worker_extension_cls`` of the engines: importing it in vLLM's worker registers the backend there.
-    ``rollout_received_names`` reports which tensors the current/last sync session loaded."""
+    ``rollout_received_names`` reports which tensors the current/last sync session loaded. A mixin of vLLM's
+    worker (no constructor of its own): its one attribute is declared here."""
+
+    _routing_capture: Any = None  # the MoE routing capture (rollout.routing_capture), once enabled
 
     def rollout_received_names(self) -> list[str]:
         engine = getattr(self, "weight_transfer_engine", None)

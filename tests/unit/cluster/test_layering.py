@@ -304,3 +304,42 @@ def test_every_test_lives_in_a_kind_folder():
         if not ok:
             misplaced.append(_rel(p))
     assert not misplaced, "\n".join(misplaced)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# declared attributes
+
+
+def undeclared_attributes(path: Path) -> list[str]:
+    """Attributes a class assigns to ``self`` outside its constructor (``__init__`` / ``__post_init__``) that
+    are neither assigned there nor declared in the class body (an annotation or a class attribute)."""
+    bad = []
+    for cls in [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]:
+        declared = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        later: dict[str, int] = {}
+        for fn in [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                for e in flat:
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                        if fn.name in ("__init__", "__post_init__"):
+                            declared.add(e.attr)
+                        else:
+                            later.setdefault(e.attr, node.lineno)
+        bad += [f"{_rel(path)}:{line} {cls.name}.{attr}" for attr, line in later.items() if attr not in declared]
+    return bad
+
+
+def test_attribute_checker_sees_a_late_attribute(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("class A:\n    b: int\n    def __init__(self):\n        self.a = 1\n"
+                   "    def f(self):\n        self.a, self.b = 2, 3\n        self.c = 4\n        self.d[0] = 5\n")
+    assert undeclared_attributes(src) == [f"{src}:7 A.c"]
+
+
+def test_every_attribute_is_declared_in_the_constructor():
+    bad = [v for p in _sources(PACKAGES) for v in undeclared_attributes(p)]
+    assert not bad, "\n".join(bad)
