@@ -23,3 +23,19 @@ TEST_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "WANDB_SILENT": "true",
 }
+
+
+def assert_png(path: Path, width: int, height: int, min_colours: int = 8) -> None:
+    """``path`` is a PNG that decodes to ``width`` x ``height`` pixels and is not blank (at least
+    ``min_colours`` distinct colours: axes, lines and text, not an empty canvas).
+
+    Raises:
+        AssertionError: it does not decode, has another size or too few colours.
+    """
+    from PIL import Image
+
+    with Image.open(path) as im:
+        assert im.format == "PNG", f"{path}: {im.format}"
+        assert im.size == (width, height), f"{path}: {im.size} pixels, expected {(width, height)}"
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) >= min_colours, f"{path}: {len(colours or [])} colours"

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, assert_png
 
 
 @pytest.mark.timeout(1500)
@@ -51,5 +51,5 @@ def test_code_task_trains_through_the_sandbox(tmp_path):
         for metric in ("accuracy", "clip_fraction", "seq_ratio_mean"):
             assert f"{label}/{metric}" in step1, (label, metric)
     assert "actor/by_response_length" not in step1  # the learner's raw sums are folded into the buckets
-    assert (tmp_path / "code" / "length_slices.png").stat().st_size > 1000
+    assert_png(tmp_path / "code" / "length_slices.png", 1000, 700)
     assert {"eval/pass@2_start", "eval/pass@2_final", "eval/mean@2_start", "eval/mean@2_final"} <= set(summary)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster import compare
+from tests.helpers import assert_png
 from tests.helpers.compare import CONFIG
 
 
@@ -27,7 +28,7 @@ def test_two_algorithms_one_seed_report(tmp_path):
     text = (out / "report.md").read_text()
     assert any(line.startswith("| gspo | ") and "| 1 |" in line for line in text.splitlines()), text
     assert any(line.startswith("| grpo | ") and "| 1 |" in line for line in text.splitlines()), text
-    assert (out / "curves.png").stat().st_size > 0
+    assert_png(out / "curves.png", 1100, 750)  # figsize (11, 7.5) at 100 dpi
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["algorithm"], r["status"]) for r in runs] == [("gspo", "ok"), ("grpo", "ok")]
     assert all(r["figures"]["steps"] == 2 for r in runs)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, assert_png
 
 REQUIRED_KEYS = [
     "step", "reward/mean", "reward/accuracy", "loss/policy", "actor/clip_fraction", "actor/seq_ratio_mean",
@@ -89,7 +89,7 @@ def test_two_steps_end_to_end(trainer):
     assert lines[0]["step"] == 0 and "eval/accuracy" in lines[0]
     assert "eval/accuracy" in steps[-1]  # final eval
     assert math.isfinite(steps[-1]["loss/policy"])
-    assert (trainer.run_dir / "curves.png").stat().st_size > 0
+    assert_png(trainer.run_dir / "curves.png", 1000, 700)  # figsize (10, 7) at 100 dpi
     from cluster.driver.checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(trainer.run_dir)

@@ -14,7 +14,7 @@ from cluster.driver.evaluation import pass_at_k, reported_ks, sampled_metrics
 from cluster.driver.length_slices import bucket_index, bucket_ranges, learner_slices, plot_length_slices, rollout_slices
 from cluster.models.tiny_model import CHARACTERS
 from learner.objectives import policy_loss, resolve_objective
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, assert_png
 
 
 def _tok(text: str) -> list[int]:
@@ -116,7 +116,8 @@ def test_plot_length_slices(tmp_path):
     hist = [{"step": s, "length/0-4/reward_mean": 0.1 * s, "length/0-4/clip_fraction": 0.2,
              "length/5-9/accuracy": 0.5, "length/5-9/count": 3.0} for s in range(1, 4)]
     out = plot_length_slices(hist, tmp_path / "length_slices.png")
-    assert out is not None and out.stat().st_size > 1000
+    assert out is not None
+    assert_png(out, 1000, 700)
     assert plot_length_slices([{"step": 1, "reward/mean": 0.0}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 

@@ -9,6 +9,7 @@ import pytest
 
 from cluster import compare
 from cluster.config import load_config
+from tests.helpers import assert_png
 from tests.helpers.compare import CONFIG
 
 
@@ -116,7 +117,7 @@ def test_report_and_plot_from_results(tmp_path):
     assert "0.375 ± 0.000" in row  # final accuracy
     assert any(line.startswith("| grpo_rr | ") and "0 (skipped)" in line for line in text.splitlines())
     assert "grpo_rr seed 0: skipped: not supported" in text
-    assert compare.plot_runs(runs, tmp_path / "curves.png").stat().st_size > 0
+    assert_png(compare.plot_runs(runs, tmp_path / "curves.png"), 1100, 750)
 
 
 def test_cli_refuses_bad_arguments(tmp_path, capsys):
