@@ -98,6 +98,7 @@ def init_ray(cfg: Config, run_dir: Path, py_modules: list[str] | None = None, ve
     runtime_env["env_vars"] = {**actor_env(1), **runtime_env.get("env_vars", {})}
     num_cpus = max(os.cpu_count() or 1, int(resource_demand(cfg) + 0.999))
     ray.init(
+        address="local",  # a new local Ray, never a cluster some other job started on this machine
         num_cpus=num_cpus,
         num_gpus=0 if cfg.learner.num_gpus_per_rank == 0 and cfg.rollout.num_gpus_per_engine == 0 else None,
         include_dashboard=False,
