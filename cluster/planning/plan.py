@@ -1,8 +1,11 @@
 """Resource plan of a run, computed from the config alone (``--dry-run``): placement per node and GPU memory.
 
-Nothing is started. The plan mirrors what ``cluster/runtime/services.py`` asks Ray for: the learner ranks share one
-placement group (STRICT_PACK, so one node, when they hold GPUs; PACK on CPU), every rollout engine has a
-group of its own with ``tensor_parallel_size`` GPUs on one node, reward workers hold CPUs only. Nodes are
+Nothing is started. What Ray is asked for (``cluster/runtime/learner_group.py``, ``cluster/runtime/services.py``): on GPUs the
+learner ranks in one STRICT_PACK placement group per node (``cluster.gpus_per_node / learner.num_gpus_per_rank``
+ranks each), on the CPU one PACK group for all ranks; every rollout engine a STRICT_PACK group of its own with
+``tensor_parallel_size`` GPUs on one node; every reward worker a STRICT_PACK group of one CPU bundle. The plan
+is stricter for the learner: it puts every rank on the first node and refuses a learner that does not fit one
+node. Engines go to the first node with room, reward workers round-robin over the planned nodes. Nodes are
 assumed alike (``gpus_per_node`` GPUs of ``gpu_memory_gib`` each); Ray may place groups differently, but never
 with less memory per GPU than planned here.
 

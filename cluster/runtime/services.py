@@ -1,8 +1,10 @@
 """Starting the services as Ray actors in placement groups, and the calls that fan work out to them.
 
 This module (with ``cluster.runtime.learner_group`` for the learner's ranks) is where Ray placement is decided. Each learner rank, rollout engine and
-reward worker is one actor (one process). Learner ranks share one placement group; every rollout engine has
-a group of its own, so engines can be added and removed while the run goes on.
+reward worker is one actor (one process). The learner's ranks get one placement group per node on GPUs and one
+for all ranks on the CPU (``cluster.runtime.learner_group``); every rollout engine and every reward worker has a group
+of its own (``EngineFleet``, ``RewardGroups``), so engines and workers can be added, removed and replaced while
+the run goes on.
 """
 
 from __future__ import annotations
