@@ -23,7 +23,7 @@ import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, services, user_code
+from cluster import audit_dump, checkpoint, data, devices, eval_metrics, length_slices, services, user_code
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
@@ -208,6 +208,8 @@ class Trainer:
         services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
+        if devices.learner_first(cfg):  # a shared GPU: the learner's memory is taken before vLLM sizes its cache
+            self.learners.wait_ready()
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
         sc = cfg.sync
         self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
@@ -522,6 +524,7 @@ class Trainer:
             log.info("held-out accuracy before RL: %.3f (%d prompts)%s", ev["eval/accuracy"], len(self.eval_rows),
                      "".join(f", {k[5:]} {v:.3f}" for k, v in ev.items() if k.startswith(("eval/pass@", "eval/mean@"))))
         self._loop()
+        devices.record(self.learners, self.fleet, self.run_dir / devices.DEVICES_FILE)
         hist = self.logger.history
         evals = [r["eval/accuracy"] for r in hist if r.get("eval/accuracy") is not None]
         if evals:
