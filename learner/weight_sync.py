@@ -435,7 +435,9 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         rest of ``seconds`` is the learner's gather, conversion and sending, the round trips, start and finish,
         partly overlapped with the loads. An engine that fails or does not answer a call within
         ``engine_timeout_s`` seconds (None: wait forever) gets no further calls in this sync and is listed in
-        ``failed_engines``.
+        ``failed_engines``. The waits between two learner collectives share one deadline (``_Fanout``): rank 0 is
+    away from the other ranks' gathers for ``engine_timeout_s`` at most, twice that before the first bucket
+    with ``collective`` (the engines' start, then the group's build).
 
     Raises:
         ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
@@ -452,6 +454,9 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         fan.wait(fan.call("start_weight_update"))
         group = None
         if transport == "collective" and fan.live():
+            # the group's build is a second phase before the first gather: the config keeps 2 x engine_timeout_s
+            # below learner.dist_timeout_s for this transport (cluster.config)
+            fan.start_phase()
             group = transfer_group(rank, fan, engine_timeout_s / 2 if engine_timeout_s else 300.0)
         sender = _Sender(fan, max_in_flight, group)
     for index, bucket in enumerate(checkpoint_buckets(rank, bucket_mb, keep)):

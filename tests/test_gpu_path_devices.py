@@ -130,3 +130,18 @@ def test_engine_with_routing_capture_runs_v1_even_when_the_environment_asks_for_
     finally:
         ray_cluster.get(engine.shutdown.remote())
         ray_cluster.kill(engine)
+
+
+def test_gpu_configs_that_offload_give_cpu_adam_the_ranks_cores():
+    """DeepSpeed's CPU Adam runs on the rank's OpenMP threads (``learner.threads_per_rank``): a GPU config that
+    offloads the optimizer steps on more than one thread and on no more than the CPUs the rank reserves."""
+    from cluster.config import load_config
+    from tests.conftest import REPO_ROOT
+
+    offloading = []
+    for path in sorted((REPO_ROOT / "configs").glob("*.yaml")):
+        lc = load_config(path).learner
+        if lc.num_gpus_per_rank > 0 and lc.offload_optimizer == "cpu":
+            offloading.append(path.name)
+            assert 1 < lc.threads_per_rank <= lc.num_cpus_per_rank, (path.name, lc.threads_per_rank)
+    assert "qwen3_30b_a3b_gsm8k.yaml" in offloading

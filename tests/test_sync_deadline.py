@@ -66,3 +66,14 @@ def test_bounded_returns_raises_or_times_out():
             _bounded(release.wait, 0.2, "the nccl transfer group's warm-up")  # a communicator init that hangs
     finally:
         release.set()
+
+
+def test_config_keeps_the_collective_syncs_two_start_phases_inside_the_dist_timeout():
+    from cluster.config import load_config
+    from tests.conftest import REPO_ROOT
+
+    tiny = REPO_ROOT / "configs/tiny_moe.yaml"
+    assert load_config(tiny, ["sync.engine_timeout_s=200"]).sync.engine_timeout_s == 200  # object store: 200 < 300
+    with pytest.raises(ValueError, match=r"sync.engine_timeout_s=200 x 2 \(sync.transport=collective"):
+        load_config(tiny, ["sync.engine_timeout_s=200", "sync.transport=collective"])
+    assert load_config(tiny, ["sync.engine_timeout_s=140", "sync.transport=collective"]).sync.transport == "collective"
