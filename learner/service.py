@@ -294,6 +294,7 @@ class LearnerRank:
         self.clip = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg)
         _init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
+        self.partitioned_build = bool(partitioned_build)
         self.replica = _build_replica(self.model_path, cfg, rank, world_size, self.temperature, partitioned_build)
         self.engine = self.replica.engine
         self.ref_model = self.replica.ref_model
@@ -498,10 +499,12 @@ class LearnerRank:
 
     def devices(self) -> dict[str, Any]:
         """Where this rank's training state lives (``learner.state.device_report``), and the process group's
-        backend: ``{"params": [...], "master": [...], "optimizer_state": [...], "backend": "nccl" | "gloo"}``."""
+        backend and whether the model was built partitioned: ``{"params": [...], "master": [...],
+        "optimizer_state": [...], "backend": "nccl" | "gloo", "partitioned_build": bool}``."""
         import torch.distributed as dist
 
-        return {**state.device_report(self.engine), "backend": dist.get_backend() if dist.is_initialized() else None}
+        return {**state.device_report(self.engine), "backend": dist.get_backend() if dist.is_initialized() else None,
+                "partitioned_build": self.partitioned_build}
 
     def pid(self) -> int:
         """This rank's process id."""

@@ -42,7 +42,10 @@ def device_report(engine) -> dict[str, list[str]]:
     ``optimizer_state`` (the moments; empty before the first step, torch's and DeepSpeed's Adam create them
     lazily). Local."""
     opt = base_optimizer(engine)
-    masters = [p for g in opt.param_groups for p in g["params"]]
+    zero = engine.optimizer  # DeepSpeed's ZeRO wrapper keeps the fp32 partitions (stage 3, stages 1-2)
+    masters = list(getattr(zero, "fp32_partitioned_groups_flat", None)
+                   or getattr(zero, "single_partition_of_fp32_groups", None)
+                   or [p for g in opt.param_groups for p in g["params"]])
     moments = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
     return {name: sorted({t.device.type for t in tensors})
