@@ -145,3 +145,15 @@ def test_gpu_configs_that_offload_give_cpu_adam_the_ranks_cores():
             offloading.append(path.name)
             assert 1 < lc.threads_per_rank <= lc.num_cpus_per_rank, (path.name, lc.threads_per_rank)
     assert "qwen3_30b_a3b_gsm8k.yaml" in offloading
+
+
+def test_a_gpu_job_is_submitted_without_the_cpu_settings(monkeypatch):
+    from cluster.submit import job_runtime_env
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    gpu = job_runtime_env(on_gpu=True)["env_vars"]
+    assert "DS_ACCELERATOR" not in gpu and "VLLM_CPU_KVCACHE_SPACE" not in gpu and gpu["HF_HUB_OFFLINE"] == "1"
+    cpu = job_runtime_env()["env_vars"]
+    assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["VLLM_CPU_KVCACHE_SPACE"] == "4"
