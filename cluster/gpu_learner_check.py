@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, CPU accelerator): the CPU test")
     parser.add_argument("--json-out", default=None, help="also write the JSON line to this file")
-    parser.add_argument("--timeout-s", type=float, default=420.0, help="per variant")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="per variant (child process), seconds")
     parser.add_argument("--workdir", default=None, help="model folder's parent (default: a temporary folder)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
