@@ -24,7 +24,8 @@ def learner_first(cfg) -> bool:
     a learner still allocating its partitions on the same GPU meanwhile makes that check pass on memory the
     learner then takes (an out-of-memory error later) or vLLM's profiling assert on memory that changed under
     it. Built first, the learner's memory is in use when vLLM looks, so an engine that does not fit refuses at
-    start. verl's and OpenRLHF's colocated recipes also build the trainer's model before vLLM's engines.
+    start. verl's hybrid worker does the same on its shared GPUs (``ActorRolloutRefWorker.init_model`` builds the
+    FSDP actor and its optimizer, then the rollout engine).
     On the CPU nothing is shared this way and both start together (faster).
     """
     return cfg.learner.num_gpus_per_rank > 0 and cfg.rollout.num_gpus_per_engine > 0
