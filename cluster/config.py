@@ -344,10 +344,15 @@ class Config(Section):
                 f"trainer.audit_steps={t.audit_steps} is refused with trainer.max_staleness={t.max_staleness}: the "
                 "audit recomputes a step at the weights that sampled it, which the overlapped mode has already updated"
             )
-        if self.sync.engine_timeout_s >= lr.dist_timeout_s:
+        # rank 0's engine waits between two learner collectives share one deadline; before the first bucket a
+        # collective sync has two such phases (the engines' start, the transfer group's build)
+        phases = 2 if self.sync.transport == "collective" else 1
+        if phases * self.sync.engine_timeout_s >= lr.dist_timeout_s:
             raise ValueError(
-                f"sync.engine_timeout_s={self.sync.engine_timeout_s:g} must be below learner.dist_timeout_s="
-                f"{lr.dist_timeout_s:g}: the other learner ranks wait in a collective while rank 0 waits for an engine"
+                f"sync.engine_timeout_s={self.sync.engine_timeout_s:g}"
+                + (" x 2 (sync.transport=collective: the engines' start, then the group's build)" if phases == 2 else "")
+                + f" must be below learner.dist_timeout_s={lr.dist_timeout_s:g}: the other learner ranks wait in a "
+                "collective while rank 0 waits for an engine"
             )
         if t.length_buckets > self.rollout.max_response_tokens:
             raise ValueError(f"trainer.length_buckets={t.length_buckets} exceeds rollout.max_response_tokens="

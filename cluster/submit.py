@@ -94,15 +94,20 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
 
 
+#: forwarded for CPU runs only: a GPU run's services take their device from the config (cluster.runtime.services.actor_env)
+CPU_ONLY_FORWARDED = ("DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE")
+
+
 def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
-                    py_modules: list[str] | None = None) -> dict[str, Any]:
+                    py_modules: list[str] | None = None, on_gpu: bool = False) -> dict[str, Any]:
     """The job's runtime env: the repository as ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the user
     verifier modules as ``py_modules`` (``cluster.runtime.user_code.check_user_verifiers``: files or folders outside
     the repository, shipped to every node and put on the job's and its workers' ``PYTHONPATH``), the
     ``FORWARDED_ENV`` variables set in this shell, ``extra_env``, and ``extra`` merged on top (for example
     ``{"pip": [...]}`` or ``{"image_uri": ...}``; ``env_vars``, ``excludes`` and ``py_modules`` are merged,
-    not replaced)."""
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    not replaced). ``on_gpu`` (the run's learner or engines hold GPUs): ``CPU_ONLY_FORWARDED`` stay behind."""
+    skip = CPU_ONLY_FORWARDED if on_gpu else ()
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ and k not in skip}
     env.setdefault("GSPO_PROGRESS", "0")  # no live progress bar in job logs: one log line per step
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra_env or {})
@@ -306,14 +311,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides = list(args.overrides)
         py_modules: list[str] = []
+        on_gpu = False  # an --entrypoint job's device is its own business
         if args.config:
             overrides += path_overrides(args.config, overrides)
             cfg = load_config(args.config, overrides)  # refuse a bad config here, before anything starts
             _config_in_repo(args.config)
             # User verifiers import here (or the config is refused naming them) and travel with the job.
             py_modules = check_user_verifiers(verifier_names(cfg))
+            on_gpu = cfg.learner.num_gpus_per_rank > 0 or cfg.rollout.num_gpus_per_engine > 0
         extra = json.loads(args.runtime_env_json) if args.runtime_env_json else None
-        runtime_env = job_runtime_env(_parse_env(args.env), extra, py_modules)
+        runtime_env = job_runtime_env(_parse_env(args.env), extra, py_modules, on_gpu=on_gpu)
     except (ConfigError, SubmitError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

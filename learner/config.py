@@ -45,7 +45,9 @@ class LearnerConfig(Section):
     world_size: int = Field(1, ge=1, description="data-parallel DeepSpeed ranks (one Ray actor each)")
     num_cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per learner rank")
     num_gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs per learner rank (0 on CPU)")
-    threads_per_rank: int = Field(1, ge=1, description="torch threads per rank on CPU (1 is fastest here)")
+    threads_per_rank: int = Field(1, ge=1, description="torch and OpenMP threads per rank (OMP_NUM_THREADS): the "
+                                  "CPU learner's compute (1 is fastest on 2 cores), and on GPUs DeepSpeed's CPU Adam "
+                                  "with offload_optimizer='cpu' (give it the rank's num_cpus_per_rank)")
     max_threads_per_rank: int | None = Field(
         None,
         ge=1,

@@ -44,15 +44,42 @@ from learner.replica import Replica
 from learner.step import RolloutBatchStep, sft_step
 
 
-def _use_gpu() -> bool:
-    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu"
+def learner_device(cfg: LearnerConfig) -> str:
+    """The learner's device type from the config alone: ``"cuda"`` when each rank holds a GPU
+    (``learner.num_gpus_per_rank > 0``), ``"cpu"`` otherwise. The environment does not decide it: a
+    ``DS_ACCELERATOR=cpu`` inherited from a CPU default (a Makefile, a shell) must not move a GPU run's learner
+    to the CPU; ``LearnerRank`` sets ``DS_ACCELERATOR`` from this value."""
+    return "cuda" if cfg.num_gpus_per_rank > 0 else "cpu"
+
+
+def _select_accelerator(device: str) -> None:
+    """Point DeepSpeed's accelerator at ``device`` (``DS_ACCELERATOR``, read at its first use in the process).
+
+    Raises:
+        RuntimeError: ``device`` is ``"cuda"`` but torch sees no CUDA device, or DeepSpeed's accelerator was
+            already chosen for another device in this process.
+    """
+    from deepspeed.accelerator import real_accelerator
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("learner.num_gpus_per_rank > 0 but this learner process sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    os.environ["DS_ACCELERATOR"] = device
+    chosen = real_accelerator.ds_accelerator
+    if chosen is not None and chosen.device_name() != device:
+        raise RuntimeError(f"DeepSpeed's accelerator in this process is already {chosen.device_name()!r}; the "
+                           f"learner config asks for {device!r}")
 
 
 def _init_distributed(cfg: LearnerConfig, rank: int, world_size: int, local_rank: int, master_addr: str,
                       master_port: int) -> None:
-    """Environment for torch.distributed, the DeepSpeed accelerator, and the process group (gloo / NCCL)."""
+    """Environment for torch.distributed, the DeepSpeed accelerator, and the process group (gloo on the CPU,
+    NCCL on GPUs: ``learner_device``)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
+    on_gpu = learner_device(cfg) == "cuda"
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
@@ -60,7 +87,7 @@ def _init_distributed(cfg: LearnerConfig, rank: int, world_size: int, local_rank
         MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port),
     )
     torch.set_num_threads(cfg.threads_per_rank)
-    if _use_gpu():
+    if on_gpu:
         get_accelerator().set_device(local_rank)
     elif not cfg.cpu_shm_allreduce:
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op at every init_distributed
@@ -70,7 +97,7 @@ def _init_distributed(cfg: LearnerConfig, rank: int, world_size: int, local_rank
         ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
         ds_torch_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(
-        dist_backend="nccl" if _use_gpu() else "gloo",
+        dist_backend="nccl" if on_gpu else "gloo",
         auto_mpi_discovery=False,
         verbose=False,
         timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
@@ -147,9 +174,11 @@ def _keep_checkpointing_on(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: int, temperature: float) -> Replica:
+def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: int, temperature: float,
+                   partitioned: bool) -> Replica:
     """The policy under DeepSpeed (``build_optimizer``'s AdamW, the config's ZeRO stage and offload), the reference
-    model when ``kl_coef > 0`` and the MoE router tap, wrapped as this rank's ``Replica``."""
+    model when ``kl_coef > 0`` and the MoE router tap, wrapped as this rank's ``Replica``. ``partitioned``: build
+    the model under ``deepspeed.zero.Init`` (ZeRO-3 only)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from transformers import AutoModelForCausalLM
@@ -158,10 +187,9 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
 
     device = torch.device(get_accelerator().current_device_name())
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    ds_config = build_ds_config(cfg, world_size, on_gpu=_use_gpu())
+    ds_config = build_ds_config(cfg, world_size, on_gpu=learner_device(cfg) == "cuda")
     # ZeRO-3 on GPUs: the model is built partitioned (HfDeepSpeedConfig makes from_pretrained run under
     # deepspeed.zero.Init and load the checkpoint shard by shard), not one full copy per rank in host RAM.
-    partitioned = build_partitioned(cfg, _use_gpu())
     if partitioned:
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -218,9 +246,16 @@ class LearnerRank:
             ``set_lr``).
         local_rank: device index on this node (None: ``rank`` on the CPU, 0 on a GPU, where Ray shows each
             rank one device).
+        partitioned_build: build the model under ``deepspeed.zero.Init`` (None: ``build_partitioned``, i.e.
+            ZeRO-3 on GPUs; True on the CPU exercises the GPU's ZeRO-3 start there, ``cluster.tools.gpu_learner_check``).
+
+    The device comes from the config (``learner_device``: GPUs when ``learner.num_gpus_per_rank > 0``), never
+    from the environment's ``DS_ACCELERATOR``.
 
     Raises:
-        ValueError: ``rank`` outside ``[0, world_size)`` or ``temperature <= 0``.
+        ValueError: ``rank`` outside ``[0, world_size)``, ``temperature <= 0``, or ``partitioned_build`` without
+            ZeRO-3.
+        RuntimeError: a GPU learner in a process that sees no CUDA device.
     """
 
     def __init__(
@@ -236,15 +271,20 @@ class LearnerRank:
         temperature: float,
         warm_start: WarmStartConfig | None = None,
         local_rank: int | None = None,
+        partitioned_build: bool | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size!r})")
         if not temperature > 0:
             raise ValueError(f"temperature={temperature!r} must be > 0")
+        if partitioned_build and cfg.zero_stage != 3:
+            raise ValueError(f"partitioned_build=True needs learner.zero_stage=3 (got {cfg.zero_stage})")
+        self.device_type = learner_device(cfg)
+        _select_accelerator(self.device_type)
         if local_rank is None:
-            local_rank = 0 if _use_gpu() else rank
-        if not _use_gpu():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            local_rank = 0 if self.device_type == "cuda" else rank
+        if partitioned_build is None:
+            partitioned_build = build_partitioned(cfg, self.device_type == "cuda")
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.temperature = float(temperature)
@@ -256,7 +296,8 @@ class LearnerRank:
         self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg)
         _init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
-        self.replica = _build_replica(self.model_path, cfg, rank, world_size, self.temperature)
+        self.partitioned_build = bool(partitioned_build)
+        self.replica = _build_replica(self.model_path, cfg, rank, world_size, self.temperature, partitioned_build)
         self.engine = self.replica.engine
         self.ref_model = self.replica.ref_model
 
@@ -457,6 +498,15 @@ class LearnerRank:
             FileNotFoundError: ``path`` holds no learner checkpoint.
         """
         checkpoint.load(self, path)
+
+    def devices(self) -> dict[str, Any]:
+        """Where this rank's training state lives (``learner.state.device_report``), and the process group's
+        backend and whether the model was built partitioned: ``{"params": [...], "master": [...],
+        "optimizer_state": [...], "backend": "nccl" | "gloo", "partitioned_build": bool}``."""
+        import torch.distributed as dist
+
+        return {**state.device_report(self.engine), "backend": dist.get_backend() if dist.is_initialized() else None,
+                "partitioned_build": self.partitioned_build}
 
     def pid(self) -> int:
         """This rank's process id."""

@@ -35,6 +35,23 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
     return opt
 
 
+def device_report(engine) -> dict[str, list[str]]:
+    """The device types (``"cuda"``, ``"cpu"``) holding this rank's training state, each list sorted: ``params``
+    (the module's parameters; under ZeRO-3 their local partitions ``ds_tensor``), ``master`` (the tensors the
+    base optimizer updates: DeepSpeed's fp32 master partitions, or the parameters themselves without them) and
+    ``optimizer_state`` (the moments; empty before the first step, torch's and DeepSpeed's Adam create them
+    lazily). Local."""
+    opt = base_optimizer(engine)
+    zero = engine.optimizer  # DeepSpeed's ZeRO wrapper keeps the fp32 partitions (stage 3, stages 1-2)
+    masters = list(getattr(zero, "fp32_partitioned_groups_flat", None)
+                   or getattr(zero, "single_partition_of_fp32_groups", None)
+                   or [p for g in opt.param_groups for p in g["params"]])
+    moments = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    return {name: sorted({t.device.type for t in tensors})
+            for name, tensors in (("params", params), ("master", masters), ("optimizer_state", moments))}
+
+
 def reset_cpu_adam_cache(engine) -> bool:
     """Give DeepSpeed's CPU Adam (``learner.offload_optimizer='cpu'``) a fresh C++ optimizer before a step.
 

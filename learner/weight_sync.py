@@ -32,6 +32,7 @@ An engine that fails during a sync (process death or an error) is reported, not 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -123,8 +124,14 @@ def pack_bucket(bucket: dict[str, torch.Tensor]) -> tuple[dict[str, list], list[
 class _Fanout:
     """Rank 0's side of one sync: calls on the engines, failures recorded per engine instead of raised.
 
-    An engine that does not answer a call within ``timeout_s`` seconds counts as failed (hung), so one stuck
-    engine cannot hold the learner ranks in the sync forever; the driver replaces it afterwards."""
+    One deadline for all the engine waits of a phase: a phase starts at construction and again at each
+    ``start_phase`` (``sync_weights`` starts one each time rank 0 leaves the other ranks' collective: before
+    each bucket is sent, and before the finish); every wait and broadcast of the phase ends by ``timeout_s``
+    seconds after its start, whatever the number of engines or calls. An engine that has not answered by then
+    counts as failed (hung) and the driver replaces it afterwards. So rank 0 is away from the other ranks,
+    which wait in a ZeRO gather under ``learner.dist_timeout_s``, for ``sync.engine_timeout_s`` of engine waits
+    at most (the config keeps that below ``dist_timeout_s``), where one wait per engine after another took
+    ``engines x engine_timeout_s``."""
 
     def __init__(self, engines: list[Any], timeout_s: float | None = None):
         import ray
@@ -133,6 +140,16 @@ class _Fanout:
         self.engines = dict(enumerate(engines))
         self.failed: dict[int, str] = {}
         self.timeout_s = timeout_s
+        self.deadline: float | None = None
+        self.start_phase()
+
+    def start_phase(self) -> None:
+        """The engine waits from now on end by ``timeout_s`` from now (never with ``timeout_s`` None)."""
+        self.deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+
+    def remaining(self) -> float | None:
+        """Seconds left before this phase's deadline (>= 0), or None without a timeout."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def live(self) -> list[int]:
         return [i for i in self.engines if i not in self.failed]
@@ -147,11 +164,15 @@ class _Fanout:
         timeout and (without ``tolerate``) any error are recorded in ``failed``."""
         done: dict[int, Any] = {}
         tolerated: dict[int, str] = {}
+        refs = list(calls.values())
+        ready = set(self.ray.wait(refs, num_returns=len(refs), timeout=self.remaining())[0]) if refs else set()
         for i, ref in calls.items():
+            if ref not in ready:
+                self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g} (one deadline "
+                                          "for the engines' calls between two learner collectives)")
+                continue
             try:
-                done[i] = self.ray.get(ref, timeout=self.timeout_s)
-            except self.ray.exceptions.GetTimeoutError:
-                self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g}")
+                done[i] = self.ray.get(ref)
             except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
                 text = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
                 if tolerate and not isinstance(err, self.ray.exceptions.RayActorError):
@@ -168,7 +189,12 @@ class TransferGroup:
     builds it outside the learner's DeepSpeed group: gloo when ``device`` is the CPU, NCCL on a GPU (with
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` for this group only, so that a failure raises in the timed wait
     rather than NCCL's watchdog ending the process; not tried on a GPU here). One warm-up byte is broadcast
-    at the end, so a member that cannot take part fails here and NCCL builds its communicator now.
+    at the end, so a member that cannot take part fails here and NCCL builds its communicator now. NCCL builds
+    it lazily inside that first broadcast, in ``ncclCommInitRank``, which blocks until every member has called
+    it and no ``Work.wait`` timeout covers; the rendezvous and the warm-up therefore run in a helper thread
+    (``_bounded``) that rank 0 waits for until the phase's deadline (``fan.remaining()``, at most
+    ``timeout_s``), and a build that has not finished by then is aborted and refused: the sync goes through
+    the object store instead of hanging the learner.
 
     Raises:
         RuntimeError: the group could not be built: the rendezvous or the warm-up failed or timed out after
@@ -198,11 +224,17 @@ class TransferGroup:
         joins = {i: fan.engines[i].init_weight_transfer_group.remote(
             {"master_address": host, "master_port": port, "rank_offset": offsets[i], "world_size": world,
              "backend": backend, "timeout_s": timeout_s}) for i in sizes}
-        try:
+        left = fan.remaining()
+        build_s = timeout_s if left is None else min(timeout_s, left)
+
+        def build() -> None:
             with mock.patch.dict("os.environ", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"} if backend == "nccl" else {}):
                 self.pg = stateless_init_torch_distributed_process_group(
-                    host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s))
-            self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+                    host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=build_s))
+            self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device), build_s)
+
+        try:
+            _bounded(build, build_s, f"the {backend} transfer group's rendezvous and warm-up broadcast")
         except BaseException:
             self.close()
             raise
@@ -213,17 +245,19 @@ class TransferGroup:
             raise RuntimeError(f"{len(joined)} of {len(fan.live())} engines joined"
                                + (f" ({next(iter(refused.values()))})" if refused else ""))
 
-    def broadcast(self, flat: torch.Tensor) -> None:
+    def broadcast(self, flat: torch.Tensor, timeout_s: float | None = None) -> None:
         """Send ``flat`` (1-D uint8, on the device of the group's backend) to every member, blocking until it is
         sent (a timed ``Work.wait``: NCCL's untimed wait only orders the current stream and never raises).
-        Raises the backend's RuntimeError when a member died or ``timeout_s`` passed."""
+        ``timeout_s``: at most this long (None: the group's ``timeout_s``). Raises the backend's RuntimeError
+        when a member died or the time passed."""
         from datetime import timedelta
 
         from torch.distributed import BroadcastOptions
 
         opts = BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([flat], opts).wait(timedelta(seconds=self.timeout_s))
+        wait_s = self.timeout_s if timeout_s is None else min(self.timeout_s, timeout_s)
+        self.pg.broadcast([flat], opts).wait(timedelta(seconds=wait_s))
 
     def close(self) -> None:
         """Leave the group by aborting it (no graceful shutdown: after a failure it could wait on a dead member;
@@ -234,6 +268,31 @@ class TransferGroup:
                 pg.abort()
             except Exception as err:  # noqa: BLE001 - a group broken by a dead member may refuse
                 log.debug("transfer group abort: %s", err)
+
+
+def _bounded(fn, timeout_s: float, what: str) -> None:
+    """Run ``fn()`` in a daemon thread and wait for it at most ``timeout_s`` seconds; its exception is raised
+    here. A call that does not return in time is left behind (a thread blocked in C++, e.g. NCCL's
+    communicator init, cannot be interrupted; the caller aborts the group it was building).
+
+    Raises:
+        TimeoutError: ``fn`` had not returned after ``timeout_s`` seconds (the message names ``what``).
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name="transfer-group-build", daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.1f}s")
+    if errors:
+        raise errors[0]
 
 
 def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None:
@@ -326,7 +385,7 @@ class _Sender:
         calls = self.fan.call("update_weights", meta, None)
         error = ""
         try:
-            self.group.broadcast(flat)
+            self.group.broadcast(flat, self.fan.remaining())
         except Exception as err:  # noqa: BLE001 - a dead or hung member: the rest of this sync via the object store
             error = str(err).splitlines()[0][:300]
         del flat
@@ -377,7 +436,9 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         the queueing); the rest of ``seconds`` is the learner's gather, conversion and sending, the round
         trips, start and finish, partly overlapped with the loads. An engine that fails or does not answer a call within
         ``engine_timeout_s`` seconds (None: wait forever) gets no further calls in this sync and is listed in
-        ``failed_engines``.
+        ``failed_engines``. The waits between two learner collectives share one deadline (``_Fanout``): rank 0 is
+    away from the other ranks' gathers for ``engine_timeout_s`` at most, twice that before the first bucket
+    with ``collective`` (the engines' start, then the group's build).
 
     Raises:
         ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
@@ -394,14 +455,19 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
         fan.wait(fan.call("start_weight_update"))
         group = None
         if transport == "collective" and fan.live():
+            # the group's build is a second phase before the first gather: the config keeps 2 x engine_timeout_s
+            # below learner.dist_timeout_s for this transport (cluster.config)
+            fan.start_phase()
             group = transfer_group(rank, fan, engine_timeout_s / 2 if engine_timeout_s else 300.0)
         sender = _Sender(fan, max_in_flight, group)
     for index, bucket in enumerate(checkpoint_buckets(rank, bucket_mb, keep)):
         if keep:
+            fan.start_phase()  # rank 0 just left the other ranks' gather: engine_timeout_s until the next one
             sender.send(index, bucket)
         del bucket
     if not keep:
         return None
+    fan.start_phase()
     sender.drain()
     fan.wait(fan.call("finish_weight_update", int(version)))
     return SyncReport(bytes=sender.sent, seconds=time.perf_counter() - t0, buckets=sender.buckets,

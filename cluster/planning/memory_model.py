@@ -219,6 +219,36 @@ def learner_host_offload_gib(num_params: float, *, zero_stage: int, dtype: str, 
     return out
 
 
+def fused_expert_params(shape: Any | None, num_params: float) -> float:
+    """Parameters in an MoE's expert weights (``3 E h I_e`` per layer), which transformers 5 fuses into one
+    ``[E, ...]`` tensor per layer at load; 0 for a dense shape; ``num_params`` when the shape is unknown (the
+    safe side: all of them)."""
+    if shape is None:
+        return float(num_params)
+    if not _get(shape, "num_experts"):
+        return 0.0
+    return float(shape.num_layers * 3 * shape.num_experts * shape.hidden_size * shape.moe_intermediate_size)
+
+
+def zero3_load_host_gib(shape: Any | None, num_params: float, *, dtype: str) -> float:
+    """Host RAM, GiB, one ZeRO-3 rank holds while transformers loads the checkpoint under ``deepspeed.zero.Init``
+    (``HfDeepSpeedConfig``), before the optimizer exists.
+
+    transformers 5.19 (``modeling_utils.PreTrainedModel._load_pretrained_model``, ZeRO-3 branch) reads EVERY
+    checkpoint file into one merged state dict on EVERY rank (``load_state_dict(..., map_location="cpu")``), then
+    ``integrations.deepspeed._apply_weight_conversions_to_state_dict`` stacks the per-expert tensors of an MoE
+    into the fused ``[E, ...]`` tensors (new memory, while the per-expert tensors stay referenced until all
+    layers are converted); only then does rank 0 copy each layer into its gathered parameters. OpenRLHF loads
+    the same way (``HfDeepSpeedConfig`` then ``from_pretrained`` on every rank). Per rank:
+
+        b (P + P_fused)        (b: bytes of ``dtype``; P_fused: ``fused_expert_params``)
+
+    Read-only memory maps of the files may be shared between the ranks of a node by the page cache; counted
+    here as private, the safe side. Measured for a ~1 B MoE by ``cluster.tools.gpu_learner_check`` (docs/cluster.md).
+    """
+    return BYTES[dtype] * (num_params + fused_expert_params(shape, num_params)) / GIB
+
+
 def rollout_weights_gib(num_params: float, *, dtype: str, tensor_parallel_size: int) -> float:
     """GiB of model weights on each GPU of one vLLM engine: ``b_r P / tensor_parallel_size``."""
     return BYTES[dtype] * num_params / tensor_parallel_size / GIB

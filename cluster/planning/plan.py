@@ -46,10 +46,12 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   (``trainer.prompts_per_step x trainer.group_size / rollout.num_engines`` at ``data.max_prompt_tokens +
   rollout.max_response_tokens``) do not fit at once is refused.
 - host RAM per node (``host_ram_gib``): every process's base (``HOST_PROCESS_GIB``), the learner's host-side
-  copies (a full ``b P`` per rank while loading unless ZeRO-3 builds it partitioned; ``b P`` more on rank 0 for
-  the Hugging Face export of a checkpoint), each rank's offloaded optimizer state and gradients (above, with
-  ``learner.offload_optimizer: cpu``), the object store's weight-sync buckets in flight on every node
-  that sends or receives them, and on the CPU everything the GPU would hold. Checked against
+  copies (a full ``b P`` per rank while loading at ZeRO 0-2; under ZeRO-3 on GPUs every rank still merges the
+  whole checkpoint and the fused experts at load, ``memory_model.zero3_load_host_gib``, before any optimizer
+  state exists, so the node's total takes the larger of that load and the training-time parts below; ``b P``
+  more on rank 0 for the Hugging Face export of a checkpoint), each rank's offloaded optimizer state and
+  gradients (above, with ``learner.offload_optimizer: cpu``), the object store's weight-sync buckets in flight
+  on every node that sends or receives them, and on the CPU everything the GPU would hold. Checked against
   ``cluster.host_memory_gib`` when set.
 - a GPU shared by fractional requests (``num_gpus_per_rank`` or ``num_gpus_per_engine`` below 1) must hold the
   sum of its occupants' claims.
@@ -67,6 +69,7 @@ from cluster.models.tiny_model import VOCAB_SIZE
 from cluster.planning.memory_model import (  # noqa: F401 - re-exported: the formula of this module's docstring
     LEARNER_OVERHEAD_GIB,
     learner_host_offload_gib,
+    zero3_load_host_gib,
     learner_memory_gib,
     rollout_weights_gib,
 )
@@ -82,10 +85,6 @@ MIN_FREE_SHARE = 0.05
 #: host RAM of one process before any model state, GiB: Python, torch, DeepSpeed / vLLM and (on a GPU) the
 #: CUDA runtime's host side. The "_cpu" values are the CPU runs' base RSS (docs/cluster.md, "Memory model").
 HOST_PROCESS_GIB = {"learner": 6.0, "engine": 6.0, "learner_cpu": 0.7, "engine_cpu": 1.05, "reward": 0.15}
-#: largest safetensors file a ZeRO-3 rank holds while loading partitioned (Hugging Face checkpoints are cut
-#: into files of about 4-5 GB).
-HF_SHARD_GIB = 5.0
-
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GIB = float(2**30)
 
@@ -437,8 +436,11 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
     lc, rc, sc = cfg.learner, cfg.rollout, cfg.sync
     b, br = _BYTES[lc.dtype], _BYTES[rc.dtype]
     full = b * p / _GIB
+    load = 0.0  # per rank, at start only (ZeRO-3 on GPUs): the merged checkpoint and the fused experts
     if on_gpu:
-        rank = HOST_PROCESS_GIB["learner"] + (min(full, HF_SHARD_GIB) if lc.zero_stage == 3 else full)
+        zero3 = lc.zero_stage == 3
+        load = zero3_load_host_gib(model_shape(cfg), p, dtype=lc.dtype) if zero3 else 0.0
+        rank = HOST_PROCESS_GIB["learner"] + (0.0 if zero3 else full)
         engine = HOST_PROCESS_GIB["engine"]
     else:  # the CPU holds everything the GPU would
         rank = HOST_PROCESS_GIB["learner_cpu"] + lm["total"] - lm["overhead"]
@@ -455,12 +457,16 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
                  "engines": engines * engine, "reward_workers": workers * HOST_PROCESS_GIB["reward"],
                  "object_store_sync": buckets if ranks or engines else 0.0}
         parts = {k: round(v, 2) for k, v in parts.items()}
-        parts["total"] = round(sum(parts.values()), 2)
+        # the load is over before the optimizer's host buffers exist and before any checkpoint export
+        later = parts["learner_optimizer_offload"] + parts["checkpoint_export_rank0"]
+        parts["learner_load_zero3"] = round(ranks * load, 2)
+        parts["total"] = round(sum(parts.values()) - min(parts["learner_load_zero3"], later), 2)
         out[f"node {n.index}"] = parts
         if limit is not None and parts["total"] > limit:
             raise PlanError(
                 f"host RAM over budget on node {n.index}: {parts['total']:.1f} GiB needed > cluster.host_memory_gib="
-                f"{limit} ({parts}); with ZeRO-3 (learner.zero_stage=3) the ranks load the model partitioned"
+                f"{limit} ({parts}); every ZeRO-3 rank merges the whole checkpoint at load (learner_load_zero3: fewer "
+                "ranks per node lower it)"
                 + (f", learner.offload_optimizer='cpu' keeps {offloaded:.1f} GiB per rank on the host (raise "
                    "learner.world_size, or offload 'none' where the GPUs hold the optimizer)" if offloaded else "")
                 + ", or spread the services over more nodes")

@@ -68,7 +68,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.groups[rank // per_group], placement_group_bundle_index=rank % per_group
                 ),
-                runtime_env={"env_vars": actor_env(lc.threads_per_rank)},
+                runtime_env={"env_vars": actor_env(lc.threads_per_rank, "cuda" if lc.num_gpus_per_rank else "cpu")},
             ).remote(
                 model_path, lc, rank=rank, world_size=lc.world_size, master_addr=master_addr, master_port=port,
                 seed=cfg.trainer.seed, temperature=cfg.rollout.temperature, warm_start=cfg.warm_start,

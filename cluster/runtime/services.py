@@ -44,9 +44,23 @@ def user_pythonpath() -> list[str]:
     return entries
 
 
-def actor_env(threads: int) -> dict[str, str]:
-    """Environment of a service process: one thread pool of ``threads`` threads, CPU accelerator for
-    DeepSpeed when there is no GPU, offline hubs, the repository and the user's ``PYTHONPATH``."""
+#: Settings of the CPU stack alone, copied from the driver's environment into CPU actors only.
+CPU_ONLY_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def actor_env(threads: int, device: str | None = None) -> dict[str, str]:
+    """Environment of a service process: one thread pool of ``threads`` threads, offline hubs, the repository
+    and the user's ``PYTHONPATH``; ``device`` (from the config: ``"cpu"`` or ``"cuda"``) adds the device's
+    settings: DeepSpeed's accelerator (``DS_ACCELERATOR``) and, on the CPU, ``CPU_ONLY_ENV``. A GPU actor gets
+    ``DS_ACCELERATOR=cuda`` explicitly, since Ray's workers inherit the environment the cluster was started
+    with (a ``DS_ACCELERATOR=cpu`` exported there would otherwise reach it). None: no device settings (the
+    job-wide environment of ``init_ray``).
+
+    Raises:
+        ValueError: ``device`` is not None, ``"cpu"`` or ``"cuda"``.
+    """
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device={device!r} must be 'cpu', 'cuda' or None")
     env = {
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
@@ -56,9 +70,10 @@ def actor_env(threads: int) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(user_pythonpath()),
         "WANDB_SILENT": "true",
     }
-    for key in ("DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE", "RAY_DEDUP_LOGS"):
-        if key in os.environ:
-            env[key] = os.environ[key]
+    copied = ("RAY_DEDUP_LOGS", *CPU_ONLY_ENV) if device == "cpu" else ("RAY_DEDUP_LOGS",)
+    env.update({key: os.environ[key] for key in copied if key in os.environ})
+    if device is not None:
+        env["DS_ACCELERATOR"] = device
     return env
 
 
@@ -164,9 +179,10 @@ class EngineFleet:
         return actor, pg
 
     def _engine_env(self) -> dict[str, str]:
-        env = actor_env(self.cfg.rollout.threads_per_engine)
+        on_gpu = self.cfg.rollout.num_gpus_per_engine > 0
+        env = actor_env(self.cfg.rollout.threads_per_engine, "cuda" if on_gpu else "cpu")
         env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))  # not INFO per sync
-        if self.cfg.rollout.enforce_eager:
+        if self.cfg.rollout.enforce_eager and not on_gpu:
             # vLLM's sampler still torch.compiles a small log-prob rank kernel; on the CPU that is a g++ build
             # at every engine start (tens of seconds, again for every replacement engine). Eager mode needs none.
             env["TORCH_COMPILE_DISABLE"] = "1"

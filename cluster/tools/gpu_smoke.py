@@ -10,7 +10,10 @@ then checks, from the run's ``metrics.jsonl`` and from the device:
 - the KV tokens vLLM gave the engine (a fresh engine on the same config) against the plan's
   ``kv_tokens_per_engine`` (at least ``--min-kv-share`` of it);
 - the peak GPU memory in use during the run (NVML, sampled every 0.5 s) against the plan's claim for the GPU;
-- the bytes of each weight sync against the model's parameter count x 2 (bfloat16).
+- the bytes of each weight sync against the model's parameter count x 2 (bfloat16);
+- where the run trained and sampled (``<run_dir>/devices.json``, ``cluster.runtime.devices``): the learner's
+  parameters, master weights and optimizer state on CUDA with an NCCL process group, the engine's weights on
+  CUDA; a learner that fell back to the CPU fails the smoke.
 
 ``--dry-run`` prints the smoke config's plan and starts nothing (works on the CPU). Without a CUDA device the
 script refuses, saying so. Exit status 0 when every check passes, 1 otherwise (the failed checks printed).
@@ -30,6 +33,7 @@ import yaml
 
 from cluster.config import apply_overrides, load_config
 from cluster.planning.plan import num_params, plan
+from cluster.runtime.devices import DEVICES_FILE, device_problems
 
 #: the smoke run's overrides of configs/tiny_moe.yaml (one GPU: the learner and the engine share it).
 SMOKE_OVERRIDES = [
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines() if line]
     steps = [r for r in records if "actor/train_rollout_logprob_diff" in r]
+    devices_file = Path(cfg.run_dir) / DEVICES_FILE
+    device_report = json.loads(devices_file.read_text()) if devices_file.is_file() else {}
+    wrong_device = device_problems(device_report, cfg) if device_report else [f"no {devices_file}"]
     kv_engine = _engine_kv_tokens(cfg)
     mem = p["memory"]
     expected_sync = 2 * num_params(cfg)
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak GPU memory <= plan": peak.peak <= mem["fullest_gpu"]["claimed_gib"],
         "sync bytes = 2 x params": all(abs(r["sync/bytes"] - expected_sync) <= 0.01 * expected_sync
                                        for r in records if r.get("sync/bytes")),
+        "learner and engine on CUDA": not wrong_device,
     }
     print(yaml.safe_dump({
         "seconds": round(time.time() - t0, 1),
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_tokens": {"engine": kv_engine, "plan": mem["rollout_kv"]["kv_tokens_per_engine"]},
         "peak_gpu_gib": round(peak.peak, 2), "plan_gpu_claim_gib": mem["fullest_gpu"]["claimed_gib"],
         "sync_bytes": sorted({r["sync/bytes"] for r in records if r.get("sync/bytes")}), "expected_sync_bytes": expected_sync,
+        "devices": device_report, "device_problems": wrong_device,
         "checks": checks}, sort_keys=False))
     return 0 if all(checks.values()) else 1
 

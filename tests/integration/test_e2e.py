@@ -98,3 +98,9 @@ def test_two_steps_end_to_end(trainer):
     uids = [u for step in trainer.trained_uids for u in step]
     assert len(uids) == len(set(uids)) == 16
     assert "eval/accuracy_final" in summary
+    # where the run trained and sampled (cluster.runtime.devices): every rank and engine on the CPU, as configured
+    from cluster.runtime.devices import DEVICES_FILE, device_problems
+
+    report = json.loads((trainer.run_dir / DEVICES_FILE).read_text())
+    assert len(report["learner"]) == 2 and len(report["engines"]) == 2
+    assert device_problems(report, trainer.cfg) == [], report

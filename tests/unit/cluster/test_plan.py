@@ -332,28 +332,41 @@ def test_without_checkpointing_the_30b_config_does_not_fit():
 
 
 def test_host_ram_per_node():
-    """Node 0 of the 30B run: 8 ZeRO-3 ranks (6 GiB process + one 5 GiB checkpoint file each while loading, and
-    71.01 GiB of offloaded optimizer state and gradients each), rank 0's 56.81 GiB export copy, 4 reward workers
-    (0.15 GiB each), two 1 GiB sync buckets; refused over host_memory_gib."""
+    """Node 0 of the 30B run: 8 ZeRO-3 ranks (6 GiB process each; at load each merges the whole checkpoint and
+    stacks the fused experts, 2 x (30.5 B + 29.0 B expert parameters) bytes = 110.81 GiB, before any optimizer
+    state exists; later 71.01 GiB of offloaded optimizer state and gradients each, and rank 0's 56.81 GiB export
+    copy), 4 reward workers (0.15 GiB each), two 1 GiB sync buckets; the total takes the larger of the load and
+    the training-time parts; refused over host_memory_gib."""
     cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml")
     host = plan(cfg)["memory"]["host_ram_gib"]
-    assert host["node 0"]["learner_ranks"] == 8 * (6 + 5) and host["node 0"]["checkpoint_export_rank0"] == 56.81
+    experts = 48 * 3 * 128 * 2048 * 768
+    load = round(8 * 2 * (30.5e9 + experts) / GIB, 2)
+    assert host["node 0"]["learner_ranks"] == 8 * 6 and host["node 0"]["checkpoint_export_rank0"] == 56.81
+    assert host["node 0"]["learner_load_zero3"] == load == 886.49
     assert host["node 0"]["learner_optimizer_offload"] == round(8 * 20 * 30.5e9 / 8 / GIB, 2) == 568.11
-    assert host["node 0"]["total"] == round(88 + 568.11 + 56.81 + 4 * 0.15 + 2.0, 2) == 715.52
-    assert host["node 1"]["learner_optimizer_offload"] == 0.0  # the engines' node
+    assert host["node 0"]["total"] == round(48 + max(load, 568.11 + 56.81) + 4 * 0.15 + 2.0, 2) == 937.09
+    assert host["node 1"]["learner_optimizer_offload"] == 0.0 and host["node 1"]["learner_load_zero3"] == 0.0
     plain = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.offload_optimizer=none"]))
-    assert plain["memory"]["host_ram_gib"]["node 0"]["total"] == round(88 + 56.81 + 4 * 0.15 + 2.0, 2)
+    assert plain["memory"]["host_ram_gib"]["node 0"]["total"] == round(48 + load + 4 * 0.15 + 2.0, 2)
+    # a dense model has no fused experts: b P per rank at load
+    dense_cfg = load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["learner.zero_stage=3"])
+    dense = plan(dense_cfg)["memory"]
+    ranks = dense["host_ram_gib"]["node 0"]["learner_ranks"] / 6
+    assert ranks >= 1 and dense["host_ram_gib"]["node 0"]["learner_load_zero3"] == pytest.approx(
+        ranks * 2 * dense["num_params_b"] * 1e9 / GIB, abs=0.02)
     # ZeRO-2 would load one full copy per rank: 8 x (6 + 56.81); offloaded, its gradients stay on the GPU and
     # the host holds 12 + 4 bytes a parameter over 8 per rank
     z2 = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.zero_stage=2"]),
               gpu_memory_gib=141.0)["memory"]["host_ram_gib"]
     assert z2["node 0"]["learner_ranks"] == round(8 * (6 + 2 * 30.5e9 / GIB), 2) == 502.49
     assert z2["node 0"]["learner_optimizer_offload"] == round(8 * 16 * 30.5e9 / 8 / GIB, 2)
-    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 715.5 GiB needed > cluster.host_memory_gib=700"
+    assert z2["node 0"]["learner_load_zero3"] == 0.0
+    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 937.1 GiB needed > cluster.host_memory_gib=900"
+                                        r".*every ZeRO-3 rank merges the whole checkpoint at load"
                                         r".*learner.offload_optimizer='cpu' keeps 71.0 GiB per rank on the host"):
-        plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=700"]))
+        plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=900"]))
     assert plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml",
-                            ["cluster.host_memory_gib=716"]))["memory"]["host_ram_gib"]["checked"] is True
+                            ["cluster.host_memory_gib=938"]))["memory"]["host_ram_gib"]["checked"] is True
 
 
 def test_gpu_smoke_dry_run_and_refusal_without_cuda():
