@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare what `python -m cluster.gpu_learner_check` needs on a bare GPU machine that has torch, transformers,
+# Prepare what `python -m cluster.tools.gpu_learner_check` needs on a bare GPU machine that has torch, transformers,
 # accelerate, safetensors, numpy, ninja, py-cpuinfo, msgpack, einops, psutil, pyyaml (the nvidia-h200 image) but no
 # DeepSpeed, pydantic or hjson, and no network: their wheels go into gpu_check_bundle/wheels (git-ignored), with
 # gpu_check_bundle/run.sh, the one command to run there from the repository root:
@@ -35,7 +35,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset DS_ACCELERATOR
 OUT=${OUT:-gpu_check_bundle}
-python3 -m cluster.gpu_learner_check --json-out "$OUT/gpu_learner_check.json" "$@" 2>&1 | tee "$OUT/gpu_learner_check.log"
+python3 -m cluster.tools.gpu_learner_check --json-out "$OUT/gpu_learner_check.json" "$@" 2>&1 | tee "$OUT/gpu_learner_check.log"
 exit "${PIPESTATUS[0]}"
 RUN
 chmod +x "$OUT_DIR/run.sh"
