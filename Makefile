@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[cpu,test]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import vllm, deepspeed, ray, transformers, torch; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	@command -v bwrap >/dev/null || echo "note: bubblewrap (bwrap) is missing: the code verifier refuses model code without it (apt-get install -y bubblewrap)"
 	@touch $(STAMP)
 
 train: setup

@@ -30,6 +30,17 @@ for _key, _value in TEST_ENV.items():
     os.environ.setdefault(_key, _value)
 
 
+def sandbox_backend() -> str:
+    """The code sandbox backend for tests that run code to check verifiers, not the sandbox: ``bwrap`` where
+    bubblewrap works here, else ``plain``, chosen explicitly (their programs are the tests' own; the isolation
+    is tested in tests/test_reward_sandbox.py and tests/test_reward_isolation.py, whose bwrap cases skip with
+    a reason where bubblewrap is missing)."""
+    from reward.config import SandboxConfig
+    from reward.sandbox import bwrap_available, sandbox_python
+
+    return "bwrap" if bwrap_available(sandbox_python(SandboxConfig())) else "plain"
+
+
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> Path:
     """The embedded tiny Qwen3-MoE (default shape, ``build_seed`` 0), built once per session. Tests only read

@@ -14,7 +14,7 @@ from cluster.eval_metrics import pass_at_k, reported_ks, sampled_metrics
 from cluster.length_slices import bucket_index, bucket_ranges, learner_slices, plot_length_slices, rollout_slices
 from cluster.tiny_model import CHARACTERS
 from learner.objectives import policy_loss
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, sandbox_backend
 
 
 def _tok(text: str) -> list[int]:
@@ -161,7 +161,7 @@ def test_reference_solutions_pass_and_slips_fail_in_the_sandbox():
     from reward.verifiers import code_verifier
 
     picks = {"linear": (3, -2), "mod": (5, 3), "threshold": (4, 7), "sum": (2, 1)}
-    sbx = SandboxConfig(wall_s=5.0)
+    sbx = SandboxConfig(backend=sandbox_backend(), wall_s=5.0)
     for spec in [s for s in all_specs() if picks[s.family] == s.p]:
         row = {"uid": spec.uid, "meta": {"tests": unit_tests(spec)}}
         good = code_verifier(solution_code(spec), row, sandbox=sbx)

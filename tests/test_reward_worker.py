@@ -18,6 +18,7 @@ from reward.runner import ProtectedRunner
 from reward.sandbox import ENV_OWNER
 from reward.verifiers import get_verifier
 from reward.worker import RewardWorker
+from tests.conftest import sandbox_backend
 from tests.test_reward_userfns import dies, hang_with_child, raises
 from tests.test_reward_verifiers import gsm8k_rows, needs_gsm8k, right_and_wrong_forms
 
@@ -161,7 +162,7 @@ STDIO_TASK = {"tests": [{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_code_tasks_correct_wrong_hanging_hostile(tmp_path):
-    sbx = SandboxConfig(wall_s=3.0, cpu_s=2, memory_mb=256, max_procs=12)
+    sbx = SandboxConfig(backend=sandbox_backend(), wall_s=3.0, cpu_s=2, memory_mb=256, max_procs=12)
     w = RewardWorker(RewardConfig(timeout_s=12.0, sandbox=sbx))
     sq, add = row_of("", "code", **CODE_TASK), row_of("", "code", **STDIO_TASK)
     marker = tmp_path / "escaped"
