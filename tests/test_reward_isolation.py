@@ -101,6 +101,24 @@ def test_worker_refuses_at_start_when_code_needs_missing_bubblewrap(no_bwrap):
         RewardWorker(RewardConfig(verifier="code"))
 
 
+@pytest.mark.timeout(120)
+def test_worker_stops_scoring_when_a_code_row_meets_missing_bubblewrap(no_bwrap):
+    """A row's own ``code`` verifier (not known at the worker's start): its call finds no bubblewrap, and the
+    worker raises instead of scoring the row 0 (which would train the policy on a configuration problem)."""
+    from reward.contracts import RewardRequest
+    from rollout.contracts import PromptRow
+
+    w = RewardWorker(RewardConfig(timeout_s=20.0))
+    try:
+        row = PromptRow(uid="c", prompt="", prompt_token_ids=[1], answer="", verifier="code", meta={"tests": ["assert f(1) == 1"]})
+        math_row = PromptRow(uid="m", prompt="", prompt_token_ids=[1], answer="18", verifier="math", meta={})
+        assert w.score([RewardRequest("#### 18", math_row)])[0].score == 1.0  # math needs no sandbox
+        with pytest.raises(SandboxUnavailable, match="bubblewrap"):
+            w.score([RewardRequest("def f(x):\n    return x\n", row)])
+    finally:
+        w.close()
+
+
 def test_worker_with_plain_announces_once(caplog, monkeypatch):
     monkeypatch.setattr(sandbox, "_plain_warned", False)
     with caplog.at_level(logging.WARNING, logger="reward.sandbox"):
