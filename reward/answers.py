@@ -50,7 +50,7 @@ _HEDGE = re.compile(r"(?i)\s*(?:\b(?:and/or|or|either)\b|\\(?:lor|vee)(?![A-Za-z
 _NUMBER = re.compile(r"(?<![\w.^/])-?\$?\d+(?:,\d{3})*(?:\.\d+)?%?(?![\w^/])")
 # what may stand between two candidate numbers of a hedge: "17 18", "17, 18", "17 | 18", "x = 17, x = 18"; and,
 # right after an anchor (where the answer comes first), a range "17 to 18"
-_GAP = r"(?i)\s*(?:[,;|]\s*)?(?:\b(?:and|or|maybe|perhaps{})\b)?\s*(?:[a-z]\s*=\s*)?"
+_GAP = r"(?i)\s*(?:[,;|]\s*)?(?:\b(?:and|or|maybe|perhaps{})\b)?\s*(?:(?P<var>[a-z])\s*=\s*)?"
 _NUMBER_GAP = {False: re.compile(_GAP.format("")), True: re.compile(_GAP.format("|to"))}
 _TEXT_WRAP = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
 _LATEX_SPACE = re.compile(r"\\[,!;: ]|[\u2009\u202f]")
@@ -203,7 +203,7 @@ def candidates(response: str, several: bool = False) -> tuple[str, list[str]]:
 
 def trailing_numbers(text: str, anchored: bool = False) -> list[str]:
     """``[text]``, or, when ``text`` ends in two or more numbers with only separators between them (spaces,
-    commas, semicolons, ``|``, "and", "to", "maybe", a repeated ``x =``: ``"It is 17 18"``, ``"x = 17, x =
+    commas, semicolons, ``|``, "and", "maybe", the same ``x =`` again: ``"It is 17 18"``, ``"x = 17, x =
     18"``; ``anchored``: also "17 to 18"), those numbers: the candidates of a hedge. Numbers joined by an
     operator or other words (``3 + 15 = 18``, ``15, so 18``, "from 3 to 18" in a last sentence) are working,
     not a hedge: then only ``text`` is returned. Linear in ``len(text)``."""
@@ -214,8 +214,9 @@ def trailing_numbers(text: str, anchored: bool = False) -> list[str]:
     run = [nums[-1]]
     for prev in reversed(nums[:-1]):
         gap = tail[prev.end():run[-1].start()]
-        if not gap or len(gap) > 40 or not _NUMBER_GAP[anchored].fullmatch(gap):
-            break
+        m = _NUMBER_GAP[anchored].fullmatch(gap) if gap and len(gap) <= 40 else None
+        if m is None or (m["var"] and not re.search(rf"\b{m['var']}\s*=\s*$", tail[:prev.start()])):
+            break  # "x = 3, y = 4" states two variables, not two candidates for one
         run.append(prev)
     return [m.group() for m in reversed(run)] if len(run) > 1 else [text]
 

@@ -68,7 +68,7 @@ def argv(python: str, workdir: str, scratch_bytes: int) -> list[str]:
 
 
 def start(cmd: list[str], scratch_bytes: int, deadline: float, **popen) -> tuple[subprocess.Popen, int]:
-    """Start ``cmd`` (``argv(...) + ["--setenv", ...] + ["--", command...]``) and open its scratch.
+    """Start ``cmd`` (``argv(...) + ["--setenv", ...] + ["--", command...]``) and open its scratch space.
 
     Bubblewrap sets the sandbox up and then waits on the block descriptor; meanwhile the pid it reports on
     the info descriptor gives the run's ``/sandbox`` as ``/proc/<pid>/root/sandbox``, which is opened here
@@ -86,7 +86,7 @@ def start(cmd: list[str], scratch_bytes: int, deadline: float, **popen) -> tuple
     block_r, block_w = os.pipe()
     proc = None
     try:
-        full = cmd[:cmd.index("--")] + ["--info-fd", str(info_w), "--block-fd", str(block_r)] + cmd[cmd.index("--"):]
+        full = cmd[:1] + ["--info-fd", str(info_w), "--block-fd", str(block_r)] + cmd[1:]
         proc = subprocess.Popen(full, pass_fds=(info_w, block_r), **popen)
         os.close(info_w)
         os.close(block_r)
@@ -98,6 +98,9 @@ def start(cmd: list[str], scratch_bytes: int, deadline: float, **popen) -> tuple
         if proc is not None:
             proc.kill()
             proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
         raise
     finally:
         for f in (info_r, info_w, block_r, block_w):

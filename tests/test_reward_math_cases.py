@@ -129,6 +129,7 @@ CASES = [
     ("working-in-last-sentence", "She had 3 and got 15, so 18 in total.", "18", 1.0),
     ("working-equation-last", "So 3 + 15 = 18.", "18", 1.0),
     ("from-to-last-sentence", "The price rose from 12 to 18.", "18", 1.0),
+    ("two-variables-not-a-hedge", "So x = 3, y = 18", "18", 1.0),
     ("list-gold-comma-anchor", "The answer is 12, 3.", "12,3", 1.0),
     ("list-gold-two-numbers-box", "\\boxed{12, 3}", "12,3", 1.0),
     ("thousands-not-a-hedge", "So the total is 1,234.", "1234", 1.0),
