@@ -47,6 +47,7 @@ ifeq ($(DEVICE),cpu)
 endif
 	$(BIN)/python -c "import vllm, deepspeed, ray, transformers, accelerate, torch; print('setup ok ($(DEVICE)): torch', torch.__version__, 'vllm', vllm.__version__)"
 	@rm -f $(VENV)/.setup-stamp $(VENV)/.setup-stamp-*
+	@command -v bwrap >/dev/null || echo "note: bubblewrap (bwrap) is missing: the code verifier refuses model code without it (apt-get install -y bubblewrap)"
 	@touch $(STAMP)
 
 train: setup

@@ -12,8 +12,12 @@ the reference first). This module only decides which text is the answer:
   number or expression in it counts);
 - in that text, parenthetical remarks with words (``(since 3+15)``) are dropped, and so, after ``####`` or an
   anchor, are explanations after a connective (``, since ...``, ``because ...``);
-- candidates joined by "or" are a hedge, and so, for a single-valued reference, are candidates joined by
-  commas, "and" or semicolons after an anchor; a hedged answer is right only if every candidate is;
+- candidates joined by "or" (also ``\\lor``, ``\\vee``, ``\\text{or}``, in a box too, and in a parenthetical
+  remark: ``18 (or 17)``) are a hedge, and so, for a single-valued reference, are candidates joined by commas,
+  "and" or semicolons after an anchor, and two or more numbers that end the answer with only separators
+  between them (``17 18``, ``17, 18``, ``between 17 and 18``, ``x = 17, x = 18``; after an anchor also
+  ``17 to 18``); a hedged answer is right only if every candidate is;
+- LaTeX escapes read as what they stand for: ``\\$18`` is 18, ``1\\,234`` is 1234, ``\\text{dollars}`` is a word;
 - commas in a reference are thousands separators only in the ``1,234,567`` pattern; otherwise they separate
   list members (``3,5,7`` is a set of three numbers, ``(0,1)`` an interval or pair).
 
@@ -41,7 +45,15 @@ _PAREN = re.compile(r"\([^()]*\)")
 _EXPLANATION = re.compile(
     r"(?i)(?:[,:;]\s*|\s+)(?:since|because|as|which|so|given|from|by|after|using|with|where|when|that|this|"
     r"not|i\.e\.|e\.g\.)\b.*$", re.DOTALL)
-_HEDGE = re.compile(r"(?i)\s*\b(?:and/or|or|either)\b\s*")
+_HEDGE = re.compile(r"(?i)\s*(?:\b(?:and/or|or|either)\b|\\(?:lor|vee)(?![A-Za-z])|\\(?:text|textrm|mathrm|mbox)"
+                    r"\s*\{\s*(?:or|either)\s*\})\s*")
+_NUMBER = re.compile(r"(?<![\w.^/])-?\$?\d+(?:,\d{3})*(?:\.\d+)?%?(?![\w^/])")
+# what may stand between two candidate numbers of a hedge: "17 18", "17, 18", "17 | 18", "x = 17, x = 18"; and,
+# right after an anchor (where the answer comes first), a range "17 to 18"
+_GAP = r"(?i)\s*(?:[,;|]\s*)?(?:\b(?:and|or|maybe|perhaps{})\b)?\s*(?:(?P<var>[a-z])\s*=\s*)?"
+_NUMBER_GAP = {False: re.compile(_GAP.format("")), True: re.compile(_GAP.format("|to"))}
+_TEXT_WRAP = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
+_LATEX_SPACE = re.compile(r"\\[,!;: ]|[\u2009\u202f]")
 _LIST = re.compile(r"(?i)\s*(?:,(?=\s)|;|\band\b)\s*")
 _THOUSANDS = re.compile(r"-?\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?")
 _PLAIN_NUMBER = re.compile(r"-?\$?\d+(?:\.\d+)?\s*%?")
@@ -66,7 +78,12 @@ def _parse(text: str, config: list) -> list:
 
 
 def _clean(text: str) -> str:
-    return text.replace("\u2212", "-").replace("\u00a0", " ").strip()
+    """``text`` with Unicode minus and no-break spaces made plain, LaTeX-escaped currency (``\\$18``) read as
+    its number, and LaTeX spaces (``\\,``, thin spaces) dropped between a digit and three digits (``1\\,234``)
+    and made plain spaces elsewhere."""
+    text = text.replace("\u2212", "-").replace("\u00a0", " ").replace("\\$", "")
+    text = re.sub(r"(?<=\d)(?:\\[,!;: ]|[\u2009\u202f])(?=\d{3}(?!\d))", "", text)
+    return _LATEX_SPACE.sub(" ", text).strip()
 
 
 def parse_reference(answer: str) -> list:
@@ -153,8 +170,9 @@ def answer_spans(response: str) -> tuple[str, list[str]]:
 def _drop_remarks(span: str, anchored: bool) -> str:
     """``span`` without parenthetical remarks that hold words and, after an anchor (where the answer comes
     first), without a trailing explanation (``, since ...``)."""
-    def keep(m: re.Match) -> str:
-        return "" if _WORD.search(m.group()) else m.group()
+    def keep(m: re.Match) -> str:  # a remark that offers another number ("(or 17)") is a hedge: kept
+        hedge = _HEDGE.search(m.group()) and _DIGIT.search(m.group())
+        return m.group() if hedge or not _WORD.search(m.group()) else ""
 
     span = _PAREN.sub(keep, span)
     return (_EXPLANATION.sub("", span) if anchored else span).strip()
@@ -169,16 +187,38 @@ def candidates(response: str, several: bool = False) -> tuple[str, list[str]]:
     for span in spans:
         span = _clean(span)
         if how == "boxed":
-            out.append(span)
+            out += [p.strip() for p in _HEDGE.split(span)] if _HEDGE.search(span) else [span]
             continue
         anchored = how in ("hashes", "anchor")
-        span = _drop_remarks(span, anchored)
+        span = _drop_remarks(_TEXT_WRAP.sub(r" \1 ", span), anchored)
         parts = _HEDGE.split(span)
         if anchored and not several:
             parts = [q for p in parts for q in _LIST.split(p)]
+        if not several:
+            parts = [q for p in parts for q in trailing_numbers(p, anchored)]
         out += [p.strip() for p in parts if _DIGIT.search(p) or _LATEXY.search(p)]
     distinct = list(dict.fromkeys(out))
     return how, distinct
+
+
+def trailing_numbers(text: str, anchored: bool = False) -> list[str]:
+    """``[text]``, or, when ``text`` ends in two or more numbers with only separators between them (spaces,
+    commas, semicolons, ``|``, "and", "maybe", the same ``x =`` again: ``"It is 17 18"``, ``"x = 17, x =
+    18"``; ``anchored``: also "17 to 18"), those numbers: the candidates of a hedge. Numbers joined by an
+    operator or other words (``3 + 15 = 18``, ``15, so 18``, "from 3 to 18" in a last sentence) are working,
+    not a hedge: then only ``text`` is returned. Linear in ``len(text)``."""
+    tail = text[-MAX_ANSWER_CHARS:]
+    nums = list(_NUMBER.finditer(tail))
+    if len(nums) < 2 or _DIGIT.search(tail, nums[-1].end()):
+        return [text]
+    run = [nums[-1]]
+    for prev in reversed(nums[:-1]):
+        gap = tail[prev.end():run[-1].start()]
+        m = _NUMBER_GAP[anchored].fullmatch(gap) if gap and len(gap) <= 40 else None
+        if m is None or (m["var"] and not re.search(rf"\b{m['var']}\s*=\s*$", tail[:prev.start()])):
+            break  # "x = 3, y = 4" states two variables, not two candidates for one
+        run.append(prev)
+    return [m.group() for m in reversed(run)] if len(run) > 1 else [text]
 
 
 def parse_candidate(text: str, several: bool = False) -> list:

@@ -18,19 +18,39 @@ class Section(BaseModel):
 class SandboxConfig(Section):
     """Limits of one run of model-written code (``code`` verifier). See ``reward/sandbox.py``."""
 
-    backend: Literal["auto", "bwrap", "plain"] = Field(
-        "auto",
-        description="auto = bubblewrap when it works on this machine, else plain (fewer protections, see README)",
+    backend: Literal["bwrap", "plain"] = Field(
+        "bwrap",
+        description="bwrap = bubblewrap (model code is refused where it does not work); plain = NO sandbox, only "
+        "limits and an in-process guard that code can switch off (logs a warning once; see reward/README.md)",
     )
-    require_bwrap: bool = Field(False, description="refuse to run model code when bubblewrap is unavailable")
     wall_s: float = Field(3.0, gt=0, description="wall-clock limit of one sandbox run, seconds")
     cpu_s: int = Field(2, ge=1, description="CPU-time limit (RLIMIT_CPU), seconds")
     memory_mb: int = Field(512, ge=64, description="address-space limit (RLIMIT_AS), MiB")
     max_procs: int = Field(16, ge=1, description="process/thread limit (RLIMIT_NPROC) of the sandbox user")
     file_size_mb: float = Field(4.0, gt=0, description="largest file the program may write (RLIMIT_FSIZE), MiB")
+    scratch_mb: int = Field(
+        64, ge=1, description="bwrap: size of the run's only writable space (a tmpfs, in memory), MiB; a run that "
+        "fills it is stopped (status scratch_limit)",
+    )
     max_output_kb: int = Field(64, ge=1, description="stdout+stderr kept; more output kills the run, KiB")
     python: str | None = Field(None, description="interpreter for model code; None = /usr/bin/python3 if present")
     tmp_root: str | None = Field(None, description="where the per-run temp dirs go; None = the system temp dir")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data):
+        if isinstance(data, dict):
+            if data.get("backend") == "auto":
+                raise ValueError(
+                    "reward.sandbox.backend='auto' was removed (it fell back to the unsandboxed plain backend "
+                    "without bubblewrap): use 'bwrap' (the default) or, knowingly, 'plain'"
+                )
+            if "require_bwrap" in data:
+                raise ValueError(
+                    f"reward.sandbox.require_bwrap={data['require_bwrap']!r} was removed: bubblewrap is always "
+                    "required unless reward.sandbox.backend is 'plain'"
+                )
+        return data
 
 
 class RewardTerm(Section):

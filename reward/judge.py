@@ -27,7 +27,8 @@ from reward.channel import (
     remote_exception,
 )
 from reward.config import SandboxConfig
-from reward.sandbox import SandboxResult, choose_backend, exit_status, run_python, start_run, stop_run, time_limit
+from reward.sandbox import (SandboxResult, choose_backend, exit_status, run_python, scratch_full, start_run, stop_run,
+                            time_limit)
 
 HARNESS_SOURCE = (Path(__file__).resolve().parent / "_harness.py").read_text(encoding="utf-8")
 MAX_MESSAGE_BYTES = 4 << 20  # one answer of the solution (a call's result), bytes
@@ -53,7 +54,7 @@ class SolutionSession:
             it did not load.
         load_error: ``"TypeName: message"`` when loading the solution raised, else None.
         status: ``"ok"`` while alive; afterwards why it ended (``timeout``, ``output_limit``, ``protocol``,
-            ``exit``, ``killed``, ``cpu_limit``, ``load_error``, ``error``).
+            ``exit``, ``killed``, ``cpu_limit``, ``scratch_limit``, ``load_error``, ``error``).
         lost: True once the session is unusable (any status other than ``ok``).
     """
 
@@ -132,6 +133,9 @@ class SolutionSession:
             raise SessionLost(self.status)
         run = self.run
         while True:
+            if scratch_full(run):  # checked before every answer is taken: a full scratch space ends the run
+                self._lose("scratch_limit")
+                raise SessionLost(self.status)
             if not self._wbuf:
                 nl = self._rbuf.find(b"\n")
                 if nl >= 0:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from reward.contracts import RewardRequest, RewardResult
 from reward.config import RewardConfig
+from reward.sandbox import warn_plain_once
 from reward.worker import RewardWorker
 
 MAX_SHARE_ATTEMPTS = 4
@@ -28,6 +29,9 @@ RESTART_WAIT_S = 120.0
 class RewardPool:
     """Ray actors of ``RewardWorker`` behind one ``score`` call.
 
+    With ``reward.sandbox.backend: plain`` it logs, here in the driver (once per process), what that backend
+    does not stop; each worker logs it once more in its own log.
+
     Args:
         cfg: the ``reward`` config section.
         scheduling_strategy_factory: optional ``f(slot_index) -> scheduling strategy`` (for example a
@@ -37,6 +41,8 @@ class RewardPool:
     def __init__(self, cfg: RewardConfig, scheduling_strategy_factory: Callable[[int], Any] | None = None):
         import ray
 
+        if cfg.sandbox.backend == "plain":
+            warn_plain_once()
         self._ray = ray
         self.cfg = cfg
         self._factory = scheduling_strategy_factory

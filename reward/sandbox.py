@@ -1,24 +1,29 @@
 """The sandbox for model-written Python code (``code`` verifier).
 
-Every run gets a fresh temporary directory as its working directory and a minimal environment (``PATH``,
-``HOME``/``TMPDIR`` = the temp dir, ``LANG``; nothing from the parent's environment: no API keys or tokens).
-Two backends:
+Every run gets a fresh temporary directory and a minimal environment (``PATH``, ``HOME``/``TMPDIR`` = its
+scratch space, ``LANG``; nothing from the parent's environment: no API keys or tokens). Two backends:
 
-``bwrap`` (bubblewrap, chosen by ``backend="auto"`` when a probe run works): new user, PID, network, IPC,
-UTS and mount namespaces; the file system holds only ``/usr`` (read-only), a private ``/tmp``, ``/proc``,
-``/dev`` and the temp dir (at ``/sandbox``); no network at all (an empty network namespace); every process of
-the run dies with the namespace when the run ends.
+``bwrap`` (bubblewrap; the default, and the only isolating one): new user, PID, network, IPC, UTS and mount
+namespaces, no further user namespaces; the file system holds only ``/usr`` (read-only), ``/proc``, a
+read-only minimal ``/dev`` and the scratch space, a tmpfs of ``sandbox.scratch_mb`` at ``/sandbox`` (also
+``/tmp``) that is the only writable place (``reward/bwrap.py``); no network at all (an empty network
+namespace); every process of the run dies with the namespace when the run ends. A run seen with its scratch
+space full (it is watched while the run lives and read again when it ends) is stopped with status
+``scratch_limit``. If bubblewrap does not work here, running model code raises ``SandboxUnavailable``.
 
-``plain`` (fallback when bubblewrap is missing): a new session, and as root a dedicated unprivileged uid;
-a Python audit hook inside the interpreter refuses sockets, subprocess/exec, ctypes, writes outside the temp
-dir and reads outside the temp dir and the interpreter's own library paths. The hook is not a kernel
-boundary: a determined native-code escape can bypass it (see README).
+``plain`` (only when the config says ``backend: plain``): NOT a sandbox. A new session, as root a dedicated
+unprivileged uid, the limits below, and a Python audit hook in the solution's interpreter that refuses
+sockets, subprocesses, ctypes and file access outside the run's directory, as a speed bump only: code in
+that interpreter can switch the hook off (it lives in the interpreter's own state) or go around it (a
+process-spawning call it does not see), so a solution can read files and run programs on the host, and its
+writes are bounded only per file. Choosing it logs ``PLAIN_WARNING`` once per process.
 
 Both backends: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE and RLIMIT_CORE=0 set inside
 the run (the process limit holds because the run never has uid 0 in the init namespace when we are root),
 a wall-clock limit and an output cap enforced here, and at the end every process of the run is killed: the
 session's process group, then (as root) every process of the run's uid, then any process whose initial
-environment carries this run's id (which catches a child that double-forked and left the session).
+environment carries this run's id (which catches a child that double-forked and left the session); then its
+temporary directory is removed whatever tree it holds (``reward.cleanup.remove_tree``).
 
 Verdicts (``run_python_tests``): the solution's interpreter never decides whether a test passed. Stdin/stdout
 tests compare the run's output here. Assert-style tests run here, in the judge's interpreter, against the
@@ -29,6 +34,7 @@ solution's functions seen through a channel that carries plain data only (``Solu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import selectors
@@ -40,18 +46,32 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import psutil
 
+from reward import bwrap
+from reward.bwrap import MOUNT_POINT
+from reward.cleanup import remove_tree
 from reward.config import SandboxConfig
 
 UID_BASE = 200_000  # dedicated sandbox uids (root only): UID_BASE + owner_pid % UID_SPAN
 UID_SPAN = 60_000
 ENV_RUN = "GSPO_SANDBOX_RUN"
 ENV_OWNER = "GSPO_SANDBOX_OWNER"
-MOUNT_POINT = "/sandbox"
+
+log = logging.getLogger(__name__)
+PLAIN_WARNING = (
+    "reward.sandbox.backend=plain: model-written code runs WITHOUT a sandbox. plain does not stop a solution "
+    "from switching off its in-process guard (an audit hook reachable from Python) or going around it "
+    "(process-spawning calls it does not see), and then from reading any file this machine lets the run's uid "
+    "read, starting programs, using the network, filling the disk with files up to sandbox.file_size_mb each, "
+    "and, when not run as root, signalling or tracing the verifier (same uid). What still holds: the CPU, "
+    "memory, process and file-size limits, the wall-clock limit, the output cap, the kill of every process of "
+    "the run, and verdicts reached outside the solution. Use backend: bwrap (apt-get install -y bubblewrap) "
+    "for model code you do not trust."
+)
+_plain_warned = False
 
 # Monotonic deadline of the verifier call this process serves (set by reward.runner in its child); a
 # sandbox run never outlives it, so the runner's own kill is only a backstop.
@@ -59,7 +79,7 @@ CALL_DEADLINE: float | None = None
 
 
 class SandboxUnavailable(RuntimeError):
-    """``sandbox.require_bwrap`` is set but bubblewrap does not work on this machine."""
+    """``sandbox.backend`` is ``bwrap`` (the default) but bubblewrap does not work on this machine."""
 
 
 @dataclass
@@ -69,7 +89,8 @@ class SandboxResult:
     Attributes:
         status: ``"ok"`` (exit 0), ``"exit"`` (non-zero exit), ``"timeout"`` (wall limit), ``"cpu_limit"``
             (SIGXCPU/SIGKILL from RLIMIT_CPU), ``"output_limit"`` (more output than ``max_output_kb``),
-            ``"killed"`` (another signal), ``"error"`` (could not start).
+            ``"scratch_limit"`` (its scratch space was found full, bwrap only), ``"killed"`` (another
+            signal), ``"error"`` (could not start).
         returncode: exit code, negative signal number, or None when it never started.
         stdout, stderr: decoded output, at most ``max_output_kb`` together.
         elapsed_s: wall-clock seconds.
@@ -188,58 +209,50 @@ def sandbox_uid(owner_pid: int | None = None) -> int | None:
     return UID_BASE + (owner_pid if owner_pid is not None else os.getpid()) % UID_SPAN
 
 
-def _bwrap_argv(python: str, workdir: str) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
-            "--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            argv += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            argv += ["--ro-bind", top, top]
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
-    if prefix not in ("/usr", "/") and not prefix.startswith("/usr/"):
-        argv += ["--ro-bind", prefix, prefix]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, MOUNT_POINT,
-             "--chdir", MOUNT_POINT, "--clearenv"]
-    return argv
-
-
-@lru_cache(maxsize=8)
 def bwrap_available(python: str = "/usr/bin/python3") -> bool:
-    """Whether bubblewrap is installed and a probe run (namespaces, as the sandbox uid) succeeds here."""
-    if shutil.which("bwrap") is None:
-        return False
-    work = tempfile.mkdtemp(prefix="bwrap-probe-")
-    try:
-        uid = sandbox_uid()
-        if uid is not None:
-            os.chown(work, uid, uid)
-        argv = _bwrap_argv(python, work) + [python, "-I", "-c", "import os; print(os.getcwd())"]
-        out = subprocess.run(argv, capture_output=True, timeout=20, user=uid, group=uid,
-                             extra_groups=[] if uid is not None else None, env={"PATH": "/usr/bin:/bin"})
-        return out.returncode == 0 and out.stdout.strip() == MOUNT_POINT.encode()
-    except (OSError, subprocess.SubprocessError):
-        return False
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    """Whether bubblewrap runs sandboxes here (a probe run with every option a run uses, as the sandbox uid
+    ``sandbox_uid()``; cached per process). ``reward.bwrap.probe`` says why not."""
+    return bwrap.probe(python, sandbox_uid()) is None
 
 
 def choose_backend(cfg: SandboxConfig) -> str:
-    """``"bwrap"`` or ``"plain"`` for ``cfg.backend``.
+    """``"bwrap"`` or ``"plain"`` for ``cfg.backend``; ``plain`` only when the config chose it, and then the
+    first call in this process logs ``PLAIN_WARNING`` (calls under the protected runner, where
+    ``CALL_DEADLINE`` is set, leave that to the process that owns the runner: ``reward.worker`` logs it
+    once when it starts, through ``announce``).
 
     Raises:
-        SandboxUnavailable: ``backend="bwrap"`` or ``require_bwrap`` while bubblewrap does not work here.
+        SandboxUnavailable: ``backend="bwrap"`` while bubblewrap does not work here (the message says why and
+            how to install it).
     """
-    if cfg.backend == "plain" and not cfg.require_bwrap:
+    if cfg.backend == "plain":
+        if CALL_DEADLINE is None:
+            warn_plain_once()
         return "plain"
-    if bwrap_available(sandbox_python(cfg)):
-        return "bwrap"
-    if cfg.backend == "bwrap" or cfg.require_bwrap:
+    why = bwrap.probe(sandbox_python(cfg), sandbox_uid())
+    if why is not None:
         raise SandboxUnavailable(
-            f"sandbox.backend={cfg.backend!r} / require_bwrap={cfg.require_bwrap}: bubblewrap (bwrap) is "
-            "missing or cannot create namespaces here; install it (Debian: apt-get install -y bubblewrap)"
+            f"reward.sandbox.backend='bwrap': {why}. Install bubblewrap 0.8 or newer (Debian/Ubuntu: apt-get "
+            "install -y bubblewrap), or set reward.sandbox.backend: plain to run model code without a sandbox "
+            "(see reward/README.md for what that allows)"
         )
-    return "plain"
+    return "bwrap"
+
+
+def warn_plain_once() -> None:
+    """Log ``PLAIN_WARNING`` (what the ``plain`` backend does not stop) unless this process already did."""
+    global _plain_warned
+    if not _plain_warned:
+        _plain_warned = True
+        log.warning(PLAIN_WARNING)
+
+
+def announce(cfg: SandboxConfig) -> str:
+    """Resolve the backend of ``cfg`` now, at the start of a run: log ``PLAIN_WARNING`` once for ``plain``,
+    raise ``SandboxUnavailable`` when bubblewrap is required and missing. Returns the backend."""
+    if cfg.backend == "plain":
+        warn_plain_once()
+    return choose_backend(cfg)
 
 
 def find_run_processes(key: str, value: str) -> list[psutil.Process]:
@@ -348,6 +361,7 @@ class Run:
         work: its temporary working directory. uid: the sandbox uid (None when we are not root).
         run_id: the tag in its processes' environment. backend: ``"bwrap"`` or ``"plain"``.
         start, deadline: ``time.monotonic()`` at the start and when its wall-clock time is up.
+        scratch_fd: a descriptor of its scratch tmpfs (bwrap; None for plain), closed by ``stop_run``.
     """
 
     proc: subprocess.Popen
@@ -357,6 +371,7 @@ class Run:
     backend: str
     start: float
     deadline: float
+    scratch_fd: int | None = None
 
 
 def time_limit(cfg: SandboxConfig, wall_s: float | None = None) -> float:
@@ -397,26 +412,34 @@ def start_run(code: str, cfg: SandboxConfig, limit: float, harness: str | None =
                         "guard": backend == "plain", "pdeathsig": backend == "plain", "parent": os.getpid(),
                         "harness": harness}
         cmd = [python, "-I", "-B", "-c", LAUNCHER, json.dumps(launcher_cfg)]
+        popen = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work, env=env,
+                     user=uid, group=uid, extra_groups=[] if uid is not None else None, start_new_session=True,
+                     close_fds=True)
+        scratch_fd = None
         if backend == "bwrap":
-            argv = _bwrap_argv(python, work)
+            argv = bwrap.argv(python, work, cfg.scratch_mb * 2**20)
             for k, v in env.items():
                 argv += ["--setenv", k, v]
-            argv += ["--"] + cmd
+            proc, scratch_fd = bwrap.start(argv + ["--"] + cmd, cfg.scratch_mb * 2**20, start + limit,
+                                           **popen)
         else:
-            argv = cmd
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=work, env=env, user=uid, group=uid,
-                                extra_groups=[] if uid is not None else None, start_new_session=True,
-                                close_fds=True)
+            proc = subprocess.Popen(cmd, **popen)
     except OSError as err:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
         return SandboxResult("error", None, backend=backend, run_id=run_id, detail={"reason": repr(err)})
-    return Run(proc, work, uid, run_id, backend, start, start + limit)
+    return Run(proc, work, uid, run_id, backend, start, start + limit, scratch_fd)
+
+
+def scratch_full(run: Run) -> bool:
+    """Whether ``run``'s scratch space is full (bwrap; always False for plain, whose writes are bounded only
+    per file). Readable until ``stop_run``, also after the run's processes ended."""
+    return run.scratch_fd is not None and bwrap.is_full(run.scratch_fd)
 
 
 def stop_run(run: Run) -> int:
-    """Kill every process of ``run``, close its pipes, remove its temp dir; returns how many processes of it
-    were still alive after its process group was killed (idempotent)."""
+    """Kill every process of ``run``, close its pipes and its scratch space, remove its temp dir (whatever tree
+    it holds); returns how many processes of it were still alive after its process group was killed
+    (idempotent)."""
     try:
         os.killpg(run.proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -432,7 +455,10 @@ def stop_run(run: Run) -> int:
             stream.close()
         except OSError:
             pass
-    shutil.rmtree(run.work, ignore_errors=True)
+    if run.scratch_fd is not None:
+        os.close(run.scratch_fd)  # the last reference to the run's tmpfs: its memory is freed
+        run.scratch_fd = None
+    remove_tree(run.work)
     return max(0, leftovers)
 
 
@@ -502,6 +528,9 @@ def _execute(run: Run, feed: str, cfg: SandboxConfig) -> SandboxResult:
         if now >= run.deadline:
             status = "timeout"
             break
+        if scratch_full(run):
+            status = "scratch_limit"
+            break
         if proc.poll() is not None:
             exited_at = exited_at or now
             if now - exited_at > 0.2:  # a leftover child holds the pipes open: stop reading
@@ -521,6 +550,8 @@ def _execute(run: Run, feed: str, cfg: SandboxConfig) -> SandboxResult:
         if status:
             break
     sel.close()
+    if status is None and scratch_full(run):  # read after the end too: it left its scratch full
+        status = "scratch_limit"
     out, err = (bytes(b[:cap]) for b in bufs.values())  # stdout first, stderr second
     leftovers = stop_run(run)
     feeder.join(timeout=1)

@@ -26,6 +26,7 @@ from typing import Any
 from reward.contracts import RewardRequest, RewardResult
 from reward.config import RewardConfig
 from reward.runner import CallOutcome, ProtectedRunner
+from reward.sandbox import SandboxUnavailable, announce
 from reward.verifiers import get_verifier
 
 
@@ -71,13 +72,20 @@ def interpret(outcome: CallOutcome, cfg: RewardConfig) -> tuple[float, bool | No
 class RewardWorker:
     """Scores ``RewardRequest`` lists; every verifier call is protected (timeout, killed process group).
 
+    At construction it logs, once, what the ``plain`` sandbox backend does not stop when the config chose it,
+    and checks that bubblewrap works when ``code`` is a configured verifier.
+
     Raises (at construction):
         ValueError: an unknown verifier name in ``cfg.verifier`` / ``cfg.extra_terms``, or overlong shaping
             on (``overlong_buffer_len > 0``) without ``max_response_tokens``.
+        reward.sandbox.SandboxUnavailable: ``code`` is configured, the backend is ``bwrap`` and bubblewrap
+            does not work here (``score`` raises it too, for a row's own ``code`` verifier).
     """
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
+        if cfg.sandbox.backend == "plain" or "code" in [cfg.verifier] + [t.verifier for t in cfg.extra_terms]:
+            announce(cfg.sandbox)
         self._verifiers: dict[str, Any] = {}
         for name in [cfg.verifier] + [t.verifier for t in cfg.extra_terms]:
             if name is not None:
@@ -108,7 +116,11 @@ class RewardWorker:
 
     def score(self, requests: list[RewardRequest]) -> list[RewardResult]:
         """One ``RewardResult`` per request, in order. Never raises for bad responses or verifier failures;
-        an unknown verifier name on a row gives that row an ``error`` result with score NaN."""
+        an unknown verifier name on a row gives that row an ``error`` result with score NaN.
+
+        Raises:
+            reward.sandbox.SandboxUnavailable: a ``code`` call found that bubblewrap does not work here.
+        """
         cfg = self.cfg
         calls, alone, plan = [], [], []  # plan[i] = (primary call index or error, [(term call index, term)])
         for req in requests:
@@ -129,6 +141,9 @@ class RewardWorker:
                 terms.append((len(calls) - 1, term))
             plan.append((primary, terms))
         outcomes = self.runner.run(calls, alone)
+        for out in outcomes:  # a configuration problem, not a bad response: scoring code as 0 would train on it
+            if out.status == "error" and out.detail.get("error") == "SandboxUnavailable":
+                raise SandboxUnavailable(out.detail.get("message", "bubblewrap does not work here"))
         return [self._combine(req, p, outcomes) for req, p in zip(requests, plan)]
 
     def _combine(self, req: RewardRequest, plan, outcomes: list[CallOutcome]) -> RewardResult:

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from tests.helpers import REPO_ROOT, assert_png
+from tests.helpers.sandbox import sandbox_backend
 
 
 @pytest.mark.timeout(1500)
@@ -24,7 +25,8 @@ def test_code_task_trains_through_the_sandbox(tmp_path):
         REPO_ROOT / "configs" / "tiny_code.yaml",
         [f"trainer.output_dir={tmp_path}", "trainer.run_name=code", "trainer.total_steps=1", "trainer.prompts_per_step=4",
          "trainer.eval_every=0", "trainer.eval_samples=2", "learner.micro_batch_size=8", "warm_start.steps=2",
-         "warm_start.batch_size=8", "data.num_eval=8", "wandb.mode=disabled"],
+         "warm_start.batch_size=8", "data.num_eval=8", "wandb.mode=disabled",
+         f"reward.sandbox.backend={sandbox_backend()}"],
     )
     t = Trainer(cfg)
     try:

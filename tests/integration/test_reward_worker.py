@@ -13,6 +13,7 @@ from reward.contracts import RewardRequest
 from reward.sandbox import ENV_OWNER
 from reward.worker import RewardWorker
 from tests.helpers.reward_worker import row_of
+from tests.helpers.sandbox import sandbox_backend
 
 CODE_TASK = {"tests": ["assert square(3) == 9", "assert square(-2) == 4", "assert square(0) == 0"]}
 
@@ -22,7 +23,7 @@ STDIO_TASK = {"tests": [{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", 
 
 @pytest.mark.timeout(180)
 def test_code_tasks_correct_wrong_hanging_hostile(tmp_path):
-    sbx = SandboxConfig(wall_s=3.0, cpu_s=2, memory_mb=256, max_procs=12)
+    sbx = SandboxConfig(backend=sandbox_backend(), wall_s=3.0, cpu_s=2, memory_mb=256, max_procs=12)
     w = RewardWorker(RewardConfig(timeout_s=12.0, sandbox=sbx))
     sq, add = row_of("", "code", **CODE_TASK), row_of("", "code", **STDIO_TASK)
     marker = tmp_path / "escaped"

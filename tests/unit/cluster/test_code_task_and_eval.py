@@ -15,6 +15,7 @@ from cluster.driver.length_slices import bucket_index, bucket_ranges, learner_sl
 from cluster.models.tiny_model import CHARACTERS
 from learner.objectives import policy_loss, resolve_objective
 from tests.helpers import REPO_ROOT, assert_png
+from tests.helpers.sandbox import sandbox_backend
 
 
 def _tok(text: str) -> list[int]:
@@ -153,7 +154,7 @@ def test_reference_solutions_pass_and_slips_fail_in_the_sandbox():
     from reward.verifiers import code_verifier
 
     picks = {"linear": (3, -2), "mod": (5, 3), "threshold": (4, 7), "sum": (2, 1)}
-    sbx = SandboxConfig(wall_s=5.0)
+    sbx = SandboxConfig(backend=sandbox_backend(), wall_s=5.0)
     for spec in [s for s in all_specs() if picks[s.family] == s.p]:
         row = {"uid": spec.uid, "meta": {"tests": unit_tests(spec)}}
         good = code_verifier(solution_code(spec), row, sandbox=sbx)

@@ -106,6 +106,48 @@ CASES = [
     ("hedge-last-line", "17 or 18", "18", 0.0),
     ("hedge-same-value", "The answer is 18 or 18.0.", "18", 1.0),
     ("hedge-many-boxes", " ".join(f"\\boxed{{{i}}}" for i in range(20)), "18", 0.0),
+    # --- hedges in other shapes (issue 27): two candidate numbers, a logical "or" in the box ---------------------
+    ("hedge-two-numbers-last-line", "17 18", "18", 0.0),  # issue 27
+    ("hedge-two-numbers-sentence", "So it is 17 18", "18", 0.0),
+    ("hedge-comma-last-line", "So it is 17, 18", "18", 0.0),
+    ("hedge-maybe", "Maybe 17, maybe 18", "18", 0.0),
+    ("hedge-between", "Between 17 and 18.", "18", 0.0),
+    ("hedge-pipe", "The answer is 17 | 18.", "18", 0.0),
+    ("hedge-range-anchor", "The answer is 17 to 18.", "18", 0.0),
+    ("hedge-hashes-two-numbers", "#### 17 18", "18", 0.0),
+    ("hedge-two-assignments", "x = 17, x = 18", "18", 0.0),
+    ("hedge-box-lor", "\\boxed{17 \\lor 18}", "18", 0.0),  # issue 27
+    ("hedge-box-vee", "\\boxed{17 \\vee 18}", "18", 0.0),
+    ("hedge-box-text-or-right-first", "\\boxed{18 \\text{ or } 17}", "18", 0.0),
+    ("hedge-anchor-latex-lor", "The answer is $17 \\lor 18$.", "18", 0.0),
+    ("hedge-anchor-text-or", "The answer is 17 \\text{ or } 18.", "18", 0.0),
+    ("hedge-in-remark", "The answer is 18 (or maybe 17).", "18", 0.0),
+    ("hedge-box-same-value-lor", "\\boxed{18 \\lor 18.0}", "18", 1.0),
+    ("hedge-box-same-value-text", "\\boxed{18 \\text{ or } 18}", "18", 1.0),
+    # --- not hedges: working before the answer, lists for list references, a range in a last sentence ----------
+    ("working-line-then-answer", "3 + 15 = 18 apples and 2 = 2 pears\nThe answer is 18.", "18", 1.0),
+    ("working-then-answer-numbers", "First 3 and 15.\nThe answer is 18.", "18", 1.0),
+    ("working-in-last-sentence", "She had 3 and got 15, so 18 in total.", "18", 1.0),
+    ("working-equation-last", "So 3 + 15 = 18.", "18", 1.0),
+    ("from-to-last-sentence", "The price rose from 12 to 18.", "18", 1.0),
+    ("two-variables-not-a-hedge", "So x = 3, y = 18", "18", 1.0),
+    ("list-gold-comma-anchor", "The answer is 12, 3.", "12,3", 1.0),
+    ("list-gold-two-numbers-box", "\\boxed{12, 3}", "12,3", 1.0),
+    ("thousands-not-a-hedge", "So the total is 1,234.", "1234", 1.0),
+    ("remark-with-words-dropped", "The answer is 18 (three plus fifteen).", "18", 1.0),
+    # --- LaTeX escapes read as their numbers (issue 27) -----------------------------------------------------------
+    ("escaped-dollar-last-sentence", "She pays \\$18 in total.", "18", 1.0),  # issue 27
+    ("escaped-dollar-anchor", "The answer is \\$18.", "18", 1.0),
+    ("escaped-dollar-hashes", "#### \\$18", "18", 1.0),
+    ("escaped-dollar-decimals", "She pays \\$18.50 in total.", "18.5", 1.0),
+    ("escaped-dollar-thousands", "So the total is \\$1,234.", "1234", 1.0),
+    ("escaped-dollar-two-prices", "It costs \\$5 per hour, so 4 hours cost \\$20.", "20", 1.0),
+    ("escaped-dollar-wrong", "She pays \\$17 in total.", "18", 0.0),
+    ("escaped-dollar-reference", "The answer is 18.", "\\$18", 1.0),
+    ("escaped-percent", "The answer is 50\\%.", "50\\%", 1.0),
+    ("latex-thin-space-thousands", "The answer is 1\\,234.", "1234", 1.0),
+    ("unicode-thin-space-thousands", "The answer is 1\u2009234.", "1234", 1.0),
+    ("text-unit-last-sentence", "So the total is 18 \\text{ dollars}.", "18", 1.0),
     # --- an answer followed by a check sentence -------------------------------------------------------------------
     ("check-after", "The answer is 18. Then 5 more.", "18", 1.0),  # issue
     ("check-equation", "The answer is 18. Check: 3 + 15 = 18.", "18", 1.0),

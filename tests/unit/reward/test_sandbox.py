@@ -257,11 +257,11 @@ def test_child_that_tries_to_outlive_the_run_is_killed(backend):
 
 def test_backend_choice_and_requirement():
     assert choose_backend(SandboxConfig(backend="plain")) == "plain"
-    assert choose_backend(SandboxConfig()) == ("bwrap" if HAVE_BWRAP else "plain")
-    # where bubblewrap cannot run (here: a probe with a missing interpreter), auto falls back to plain
-    assert choose_backend(SandboxConfig(python="/nonexistent/python3")) == "plain"
-    missing = SandboxConfig(python="/nonexistent/python3", require_bwrap=True)
-    with pytest.raises(SandboxUnavailable, match="bubblewrap"):
+    if HAVE_BWRAP:
+        assert choose_backend(SandboxConfig()) == "bwrap"
+    # where bubblewrap cannot run (here: a probe with a missing interpreter), model code is refused: no fallback
+    missing = SandboxConfig(python="/nonexistent/python3")
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
         choose_backend(missing)
 
 

@@ -1,0 +1,14 @@
+"""The sandbox backend of tests that run their own code to check verifiers (not the sandbox)."""
+
+from __future__ import annotations
+
+
+def sandbox_backend() -> str:
+    """The code sandbox backend for tests that run code to check verifiers, not the sandbox: ``bwrap`` where
+    bubblewrap works here, else ``plain``, chosen explicitly (their programs are the tests' own; the isolation
+    is tested in tests/unit/reward/test_sandbox.py and tests/unit/reward/test_isolation.py, whose bwrap cases skip with
+    a reason where bubblewrap is missing)."""
+    from reward.config import SandboxConfig
+    from reward.sandbox import bwrap_available, sandbox_python
+
+    return "bwrap" if bwrap_available(sandbox_python(SandboxConfig())) else "plain"
