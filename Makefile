@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-matrix test-fast gpu-smoke bench bench-trl soak submit compare clean
+.PHONY: setup train test test-matrix test-fast gpu-smoke bench bench-trl soak submit compare cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,18 @@ soak: setup
 
 submit: setup
 	$(BIN)/python -m cluster.submit $(CONFIG) $(ARGS)
+
+# A multi-node Ray cluster on this machine (head + NODES-1 worker nodes on 127.0.0.1, private ports, temp dir
+# and token; docs/cluster.md). The worker nodes offer the custom resource rollout_node, the head learner_node:
+# `make submit ARGS="rollout.node_resources='{rollout_node: 1}'"` after `eval "$$(.venv/bin/gspo-cluster env)"`.
+NODES ?= 3
+CPUS_PER_NODE ?= 1
+cluster-up: setup
+	$(BIN)/python -m cluster.local_cluster up --nodes $(NODES) --cpus-per-node $(CPUS_PER_NODE) \
+		--node-resources rollout_node --head-resources learner_node $(ARGS)
+
+cluster-down: setup
+	$(BIN)/python -m cluster.local_cluster down
 
 compare: setup
 	$(BIN)/python -m cluster.compare $(CONFIG) $(ARGS)

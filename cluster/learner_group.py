@@ -47,7 +47,7 @@ class LearnerGroup:
         # The driver may call from two threads (the overlapped rollout replaces a dead engine, which syncs it):
         # submissions to the ranks are serialised so that no rank sees two collective calls in another order.
         self._submit = threading.Lock()
-        bundle = {"CPU": lc.num_cpus_per_rank}
+        bundle = {"CPU": lc.num_cpus_per_rank, **lc.node_resources}
         if lc.num_gpus_per_rank:
             bundle["GPU"] = lc.num_gpus_per_rank
         per_group = lc.world_size

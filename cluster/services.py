@@ -141,7 +141,7 @@ class EngineFleet:
         from rollout.engine import RolloutEngine
 
         rc = self.cfg.rollout
-        bundle = {"CPU": rc.num_cpus_per_engine}
+        bundle = {"CPU": rc.num_cpus_per_engine, **rc.node_resources}
         if rc.num_gpus_per_engine:
             bundle["GPU"] = rc.num_gpus_per_engine * rc.tensor_parallel_size
         pg = placement_group([bundle], strategy="STRICT_PACK")
@@ -361,15 +361,16 @@ class RewardGroups:
     """Scheduling strategy factory for the reward pool: one placement group per worker slot (a replaced
     worker gets a fresh group; the old one is removed)."""
 
-    def __init__(self, num_cpus: float):
+    def __init__(self, num_cpus: float, node_resources: dict[str, float] | None = None):
         self.num_cpus = num_cpus
+        self.node_resources = dict(node_resources or {})  # reward.node_resources: custom resources per bundle
         self.groups: dict[int, Any] = {}
 
     def __call__(self, slot: int) -> PlacementGroupSchedulingStrategy:
         old = self.groups.pop(slot, None)
         if old is not None:
             remove_placement_group(old)
-        bundle = [{"CPU": self.num_cpus}]
+        bundle = [{"CPU": self.num_cpus, **self.node_resources}]
         pg = placement_group(bundle, strategy="STRICT_PACK")
         wait_ready(pg, "reward worker", bundle)
         self.groups[slot] = pg

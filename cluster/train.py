@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         try:
             resources = plan(cfg, gpu_memory_gib=cfg.cluster.gpu_memory_gib, gpus_per_node=cfg.cluster.gpus_per_node)
+            if cfg.trainer.ray_address:  # the live cluster must offer the *.node_resources (cluster.placement)
+                from cluster.placement import check_live_cluster
+
+                resources["live_nodes"] = check_live_cluster(cfg, cfg.trainer.ray_address)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -23,7 +23,7 @@ import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, services, user_code
+from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, placement, services, user_code
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
@@ -206,6 +206,7 @@ class Trainer:
     def _start_services(self) -> None:
         cfg = self.cfg
         services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
+        placement.check_connected(cfg)  # before any actor: a *.node_resources no live node offers is refused
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
@@ -213,9 +214,11 @@ class Trainer:
         self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
             engines, version, sc.bucket_mb, sc.max_buckets_in_flight, sc.engine_timeout_s, sc.transport)
         self.fleet.start(cfg.rollout.num_engines)
-        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
+        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
         self.learners.wait_ready()
+        self.placement = placement.PlacementRecord(self.run_dir)  # placement.json, rewritten at every sync
+        self.placement.update(self.learners, self.fleet, self.reward_groups)
         log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
                  time.perf_counter() - t0, cfg.learner.world_size, len(self.fleet), cfg.reward.num_workers)
 
@@ -227,12 +230,15 @@ class Trainer:
         report = self.fleet.sync(version)
         self.weight_version = version
         seconds = time.perf_counter() - t
+        self.placement.update(self.learners, self.fleet, self.reward_groups)  # after any engine replacement
         self.last_sync = {"sync/bytes": float(report.get("bytes", 0)), "sync/seconds": seconds,
                           "sync/gb_per_s": report.get("bytes", 0) / seconds / 1e9 if seconds > 0 else 0.0,
                           "sync/buckets": float(report.get("buckets", 0)),
                           "sync/engine_load_s": float(report.get("engine_load_s", 0.0)),
                           # 1 when the bytes went by broadcast to the end (sync.transport=collective), 0 otherwise
-                          "sync/collective": float(report.get("transport") == "collective")}
+                          "sync/collective": float(report.get("transport") == "collective"),
+                          # engines on another node than learner rank 0: their bytes crossed between nodes
+                          "sync/cross_node": float(self.placement.cross_node)}
         return seconds
 
     def evaluate(self) -> dict[str, float]:
