@@ -57,7 +57,7 @@ class LearnerGroup:
         for start in range(0, lc.world_size, per_group):
             bundles = [dict(bundle) for _ in range(min(per_group, lc.world_size - start))]
             pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
-            wait_ready(pg, "learner", bundles)
+            wait_ready(pg, "learner", bundles, cfg.cluster.placement_timeout_s)
             self.groups.append(pg)
         master_addr, port = self._rendezvous(cfg)
         cls = ray.remote(LearnerRank)

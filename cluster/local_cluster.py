@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -201,11 +202,14 @@ class LocalCluster:
         self._save()
         return n
 
-    def down(self, grace_s: float = 15.0) -> int:
-        """End every process of the cluster (each node's process group, and any process naming its temp dir)
-        and forget the state file. Returns how many processes were found."""
+    def down(self, grace_s: float = 15.0, keep_temp_dir: bool = False) -> int:
+        """End every process of the cluster (each node's process group, and any process naming its temp dir),
+        remove its temp dir (Ray's logs among it) unless ``keep_temp_dir``, and forget the state file.
+        Returns how many processes were found."""
         n = sum(_stop_group(node["pgid"], grace_s) for node in self.state.get("nodes", []) if not node["head"])
         n += stop_head_processes(self.state["temp_dir"], self.state.get("pgid"), grace_s=grace_s)
+        if not keep_temp_dir:
+            shutil.rmtree(self.state["temp_dir"], ignore_errors=True)
         self.state_path.unlink(missing_ok=True)
         return n
 
@@ -288,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("index", type=int)
     sub.add_parser("env", help="print export lines for RAY_ADDRESS, RAY_API_SERVER_ADDRESS and the token")
     sub.add_parser("status", help="print the recorded nodes")
-    sub.add_parser("down", help="end every process of the cluster")
+    down = sub.add_parser("down", help="end every process of the cluster and remove its temp dir")
+    down.add_argument("--keep-temp-dir", action="store_true", help="keep the temp dir (Ray's logs: session_*/logs)")
     return p
 
 
@@ -315,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "status":
             print(describe(cluster) + f"\nrunning: {cluster.alive()}")
         elif args.verb == "down":
-            print(f"stopped {cluster.down()} processes of the cluster in {cluster.state['temp_dir']}")
+            n = cluster.down(keep_temp_dir=args.keep_temp_dir)
+            print(f"stopped {n} processes of the cluster in {cluster.state['temp_dir']}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,9 @@ job (``cluster.trainer.Trainer``: services up, warm start, RL steps, checkpoints
 file, ``trainer.output_dir``, a ``model.path`` folder) are taken from the working directory, so it runs from
 any folder. The terminal shows the run's own progress and errors; the services' output goes to
 ``<run>/logs/`` (``cluster.console``) unless ``--verbose``. Exit codes: 0 done, 2 bad config or plan (or a
-config the checkpoint to resume from refuses, or a user verifier that does not import), 3 a learner rank died
-(resume from the last checkpoint), 4 the health guard stopped the run.
+config the checkpoint to resume from refuses, or a user verifier that does not import, or a node that does not
+see the driver's files), 3 a learner rank died (resume from the last checkpoint), 4 the health guard stopped the
+run, 5 an actor found no node with room within cluster.placement_timeout_s (a node lost; resume later).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     # config error) answers in a second without them.
     import ray
 
+    from cluster.services import PlacementTimeout
     from cluster.trainer import HealthStop, Trainer
 
     logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
@@ -106,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        if isinstance(e, PlacementTimeout):  # no node with room (a node was lost): cluster.services.wait_ready
+            ck = latest_checkpoint(trainer.run_dir)
+            where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"
+            print(f"error: {e}\nThe run stops at step {trainer.step + 1}; {where}: resume with "
+                  "trainer.resume=true once the cluster has room.", file=sys.stderr)
+            return 5
         if isinstance(e, ray.exceptions.RayActorError) and is_learner_error(e):
             ck = latest_checkpoint(trainer.run_dir)
             where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"

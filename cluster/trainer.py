@@ -23,7 +23,8 @@ import torch
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster import audit_dump, checkpoint, data, eval_metrics, length_slices, placement, services, user_code
+from cluster import (audit_dump, checkpoint, data, eval_metrics, length_slices, node_files, placement, services,
+                     user_code)
 from cluster.batching import build_sft_batch, build_train_batch, split_for_ranks
 from cluster.collect import Collected, Collector, all_equal, score
 from cluster.common import mean
@@ -206,7 +207,9 @@ class Trainer:
     def _start_services(self) -> None:
         cfg = self.cfg
         services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
-        placement.check_connected(cfg)  # before any actor: a *.node_resources no live node offers is refused
+        # before any actor: *.node_resources the nodes offer, the same files on every node (cluster.node_files)
+        verifiers = user_code.verifier_names(cfg, self.train_rows + self.eval_rows)
+        node_files.check_cluster(cfg, self.model_path, list(verifiers))
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache")
@@ -214,7 +217,8 @@ class Trainer:
         self.fleet.weight_source = lambda engines, version: self.learners.sync_weights(
             engines, version, sc.bucket_mb, sc.max_buckets_in_flight, sc.engine_timeout_s, sc.transport)
         self.fleet.start(cfg.rollout.num_engines)
-        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources)
+        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources,
+                                                   cfg.cluster.placement_timeout_s)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
         self.learners.wait_ready()
         self.placement = placement.PlacementRecord(self.run_dir)  # placement.json, rewritten at every sync
