@@ -121,8 +121,9 @@ def check_nodes(cfg: Config, model_path: str, verifiers: list[str], env: dict[st
     args = (model_path, data, str(Path(cfg.trainer.output_dir).resolve()), sorted(verifiers))
     mine = look(*args)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    task = ray.remote(look).options(num_cpus=0, runtime_env={"env_vars": env})
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(*args)
+    task = ray.remote(look)
+    refs = [task.options(num_cpus=0, runtime_env={"env_vars": env},
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(*args)
             for n in nodes]
     paths = {"model": model_path, "output": args[2]}
     problems = []
