@@ -39,7 +39,8 @@ test: setup
 
 # The wide matrices kept out of CI's time budget: every architecture (tests/test_architectures.py, a real 3-step
 # run with weight sync per tiny random architecture of cluster/tiny_archs.py; `make test` runs its qwen2_moe case;
-# 3-5 min an arch on 2 busy cores, about 25 min for all seven) and a tensor-parallel engine (tests/test_tp_engine.py).
+# 3-5 min an arch on 2 busy cores, about 25 min for all seven), a tensor-parallel engine (tests/test_tp_engine.py) and
+# nodes lost and added under a run on a local multi-node cluster (tests/test_node_loss.py).
 # One file: `make test-matrix ARGS=tests/test_architectures.py`.
 test-matrix: setup
 	$(BIN)/python -m pytest -q --timeout=3600 --durations=30 -m matrix $(ARGS)
