@@ -22,9 +22,11 @@ from learner.contracts import SFTBatch
 
 
 def _node_address() -> tuple[str, int]:
-    """This node's IP address (as Ray knows it) and a free port on it."""
+    """This node's IP address (as Ray knows it) and a port free on every address of the node: torch's TCPStore
+    listens on all of them, so a port free only on ``ip`` can be taken on 127.0.0.1 (a local head's dashboard
+    was: EADDRINUSE in a 3-node run on one machine). The probe binds and closes at once; nothing listens."""
     ip = ray.util.get_node_ip_address()
-    return ip, free_port(ip)
+    return ip, free_port("0.0.0.0")
 
 
 class LearnerGroup:
