@@ -34,6 +34,24 @@ def is_learner_error(err: Exception) -> bool:
     return "LearnerRank" in str(err)
 
 
+def learner_lost(trainer, err: Exception, timeout_s: float = 30.0) -> bool:
+    """True when ``err`` (a Ray error) comes from a learner rank and a rank is gone: the rank's own
+    ``RayActorError``, or a surviving peer's collective error (gloo: "Connection closed by peer") while a
+    rank no longer answers (its node or process was lost). A learner's own bug, all ranks alive, is False."""
+    import ray
+
+    if not is_learner_error(err):
+        return False
+    if isinstance(err, ray.exceptions.RayActorError):
+        return True
+    learners = getattr(trainer, "learners", None)
+    try:
+        ray.get([a.pid.remote() for a in learners.actors], timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a rank that does not answer is the answer
+        return True
+    return False
+
+
 def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
     ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...``. (The data files resolve in
@@ -114,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}\nThe run stops at step {trainer.step + 1}; {where}: resume with "
                   "trainer.resume=true once the cluster has room.", file=sys.stderr)
             return 5
-        if isinstance(e, ray.exceptions.RayActorError) and is_learner_error(e):
+        if isinstance(e, ray.exceptions.RayError) and learner_lost(trainer, e):
             ck = latest_checkpoint(trainer.run_dir)
             where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"
             print(f"error: a learner rank died at step {trainer.step + 1} ({type(e).__name__}); the run stops. "

@@ -4,8 +4,8 @@
 1. the reward worker's node is removed between steps: Ray places its bundle again on the other node offering
    ``reward_node`` and restarts the worker there; the next step scores every completion (none invalid), no
    prompt is lost or trained twice, and ``placement.json`` shows the worker's new node;
-2. the node of both learner ranks is removed: the next step fails fast with the ranks' ``RayActorError``
-   (``cluster.train`` exits 3 on it), the checkpoint written before stays intact;
+2. the node of both learner ranks is removed: the next step fails fast with a Ray error from the ranks that
+   ``cluster.train.learner_lost`` recognises (exit 3), the checkpoint written before stays intact;
 3. a new node with ``learner_node`` joins, and a run with ``trainer.resume=true`` continues from that
    checkpoint's step with its ranks on the new node.
 
@@ -35,7 +35,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
 
     from cluster import checkpoint
     from cluster.config import load_config
-    from cluster.train import is_learner_error
+    from cluster.train import learner_lost
     from cluster.trainer import Trainer
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -67,9 +67,11 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
 
         assert {r["node_id"] for r in _rows(t, "learner")} == {learner_node.node_id}
         cluster.remove_node(learner_node, allow_graceful=False)
-        with pytest.raises(ray.exceptions.RayActorError) as err:
+        # The dead ranks' own ActorDiedError, or a peer's gloo error raised before it died too: either is a
+        # lost rank for cluster.train (exit 3), never a wait until learner.dist_timeout_s.
+        with pytest.raises(ray.exceptions.RayError) as err:
             t.rl_step()
-        assert is_learner_error(err.value)
+        assert learner_lost(t, err.value)
         assert checkpoint.latest_checkpoint(t.run_dir) == saved
     finally:
         t.shutdown()
