@@ -35,13 +35,22 @@ def is_learner_error(err: Exception) -> bool:
 
 
 def learner_lost(trainer, err: Exception, timeout_s: float = 30.0) -> bool:
-    """True when ``err`` (a Ray error) comes from a learner rank and a rank is gone: the rank's own
-    ``RayActorError``, or a surviving peer's collective error (gloo: "Connection closed by peer") while a
-    rank no longer answers (its node or process was lost). A learner's own bug, all ranks alive, is False."""
+    """True when a learner rank is gone (its node or process lost) as ``err`` (a Ray error) stops the run: the
+    rank's own ``RayActorError``, or any other error of the step (a surviving peer's collective error,
+    "Connection closed by peer"; an ``ActorUnavailableError`` that names no class) while a rank does not answer
+    a ping within ``timeout_s``. A learner's own bug, every rank alive, is False."""
     import ray
 
-    if not is_learner_error(err):
+    if isinstance(err, ray.exceptions.RayActorError) and is_learner_error(err):
+        return True
+    learners = getattr(trainer, "learners", None)
+    if learners is None or not learners.actors:
         return False
+    try:
+        ray.get([a.pid.remote() for a in learners.actors], timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a rank that does not answer is the answer
+        return True
+    return False
     if isinstance(err, ray.exceptions.RayActorError):
         return True
     learners = getattr(trainer, "learners", None)

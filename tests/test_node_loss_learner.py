@@ -29,6 +29,19 @@ def _rows(t, role: str) -> list[dict]:
     return [r for r in json.loads((t.run_dir / "placement.json").read_text()) if r["role"] == role]
 
 
+def _remove(cluster, node) -> None:
+    """Remove ``node`` (its raylet and workers end) and wait until the GCS has marked it dead (its health
+    checks fail first), so that what follows sees a lost node, not one that is still going down."""
+    import time
+
+    import ray
+
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 120
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
@@ -56,7 +69,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
         t.start()
         t.rl_step()
         first = _rows(t, "reward")[0]["node_id"]
-        cluster.remove_node(next(n for n in reward_nodes if n.node_id == first), allow_graceful=False)
+        _remove(cluster, next(n for n in reward_nodes if n.node_id == first))
         m = t.rl_step()
         assert m["reward/invalid"] == 0.0
         other = next(n for n in reward_nodes if n.node_id != first)
@@ -66,7 +79,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
         saved = t.save()
 
         assert {r["node_id"] for r in _rows(t, "learner")} == {learner_node.node_id}
-        cluster.remove_node(learner_node, allow_graceful=False)
+        _remove(cluster, learner_node)
         # The dead ranks' own ActorDiedError, or a peer's gloo error raised before it died too: either is a
         # lost rank for cluster.train (exit 3), never a wait until learner.dist_timeout_s.
         with pytest.raises(ray.exceptions.RayError) as err:
