@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare clean
+.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -61,7 +61,8 @@ test: setup
 # The wide matrices kept out of CI's time budget (marked `matrix`): every architecture
 # (tests/integration/test_architectures.py, a real 3-step run with weight sync per tiny random architecture of
 # cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case; 3-5 min an arch on 2 busy cores, about 25 min
-# for all seven), the tied-MoE collective sync and a tensor-parallel engine (tests/matrix/).
+# for all seven), the tied-MoE collective sync, a tensor-parallel engine, and nodes lost and added under a run on
+# a local multi-node cluster (tests/matrix/).
 # One file: `make test-matrix ARGS=tests/integration/test_architectures.py`.
 test-matrix: setup
 	$(BIN)/python -m pytest -q --timeout=3600 --durations=30 -m matrix $(ARGS)
@@ -100,6 +101,18 @@ soak: setup
 
 submit: setup
 	$(BIN)/python -m cluster.submit $(CONFIG) $(ARGS)
+
+# A multi-node Ray cluster on this machine (head + NODES-1 worker nodes on 127.0.0.1, private ports, temp dir
+# and token; docs/cluster.md). The worker nodes offer the custom resource rollout_node, the head learner_node:
+# `make submit ARGS="rollout.node_resources='{rollout_node: 1}'"` after `eval "$$(.venv/bin/gspo-cluster env)"`.
+NODES ?= 3
+CPUS_PER_NODE ?= 1
+cluster-up: setup
+	$(BIN)/python -m cluster.runtime.local_cluster up --nodes $(NODES) --cpus-per-node $(CPUS_PER_NODE) \
+		--node-resources rollout_node --head-resources learner_node $(ARGS)
+
+cluster-down: setup
+	$(BIN)/python -m cluster.runtime.local_cluster down
 
 compare: setup
 	$(BIN)/python -m cluster.compare $(CONFIG) $(ARGS)

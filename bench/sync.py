@@ -2,6 +2,12 @@
 and where the sync's time goes.
 
     python bench/sync.py [--sizes 1m,50m,200m] [--syncs 3] [--engines 1] [--transports object_store,collective]
+                         [--placements same,cross]
+
+The bench runs on two Ray nodes of this machine (``ray.cluster_utils.Cluster``, each node its own raylet and
+object store): the learner on the head, the engines first on the head too (``same``), then on the other node
+(``cross``: the bytes cross between object stores through Ray's object manager, and the gloo group spans the
+nodes), one result row per placement and transport, so the cross-node case prints beside the same-node one.
 
 For each size it builds a random Qwen3-MoE (hidden 512 / 16 experts top-2 / moe_intermediate 512 / heads 8/4 /
 head_dim 64 for 50 M (4 layers) and 200 M (15 layers); the embedded tiny model for 1 M), starts one learner rank
@@ -132,24 +138,54 @@ def export_seconds(rank, bucket_mb: float) -> dict[str, float]:
     return {"export_s": t - t0, **laps}
 
 
-def start_actors(ray, path: str, args, root: Path) -> tuple:
-    """One learner rank (ZeRO-2, 1 CPU) and ``args.engines`` in-process engines on the model at ``path``,
-    started and ready."""
+#: the custom resource of each of the bench's two Ray nodes (``start_cluster``): the learner is on the head
+NODE_RESOURCE = {"same": "learner_node", "cross": "engine_node"}
+
+
+def start_cluster(engines: int):
+    """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: a raylet and an object store each): the
+    head (2 CPUs, ``learner_node``) holds the learner and the same-node engines, the worker node
+    (``engine_node``) the cross-node ones, whose weights cross between the object stores. Connects the driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = 600 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"learner_node": 1}, "object_store_memory": store, "include_dashboard": False})
+    cluster.add_node(num_cpus=max(1, engines), resources={"engine_node": 1}, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                                       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}})
+    return cluster
+
+
+def start_learner(ray, path: str):
+    """One learner rank (ZeRO-2, 1 CPU) on the head node, on the model at ``path``, ready."""
     from cluster.common import free_port
     from learner.config import LearnerConfig
     from learner.service import LearnerRank
+
+    learner = ray.remote(LearnerRank).options(num_cpus=1, resources={"learner_node": 0.01}).remote(
+        path, LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-3), rank=0, world_size=1,
+        master_addr=ray.util.get_node_ip_address(), master_port=free_port(), seed=0, temperature=1.0)
+    ray.get(learner.pid.remote())
+    return learner
+
+
+def start_engines(ray, path: str, args, root: Path, placement: str) -> list:
+    """``args.engines`` in-process engines on the model at ``path``, on the learner's node (``placement``
+    "same") or on the other node ("cross"), started and ready."""
     from rollout.config import RolloutConfig
     from rollout.engine import RolloutEngine
 
-    learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
-        path, LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-3), rank=0, world_size=1,
-        master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
     env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}}
-    engines = [ray.remote(RolloutEngine).options(num_cpus=0.5, runtime_env=env).remote(
+    engines = [ray.remote(RolloutEngine).options(
+        num_cpus=0.5, resources={NODE_RESOURCE[placement]: 0.01}, runtime_env=env).remote(
         path, RolloutConfig(max_model_len=64, max_response_tokens=4, kv_cache_gb=0.25), engine_index=i,
-        cache_dir=str(root / f"cache{i}")) for i in range(args.engines)]
-    ray.get([learner.pid.remote()] + [e.pid.remote() for e in engines])
-    return learner, engines
+        cache_dir=str(root / f"cache-{placement}{i}")) for i in range(args.engines)]
+    ray.get([e.pid.remote() for e in engines])
+    return engines
 
 
 def run_syncs(ray, learner, engines: list, args, transport: str) -> list[dict]:
@@ -192,25 +228,32 @@ def bench_size(ray, name: str, args, root: Path) -> list[dict]:
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         shapes = [tuple(f.get_slice(k).get_shape()) for k in f.keys()]
     nbytes = sum(4 * int(torch.Size(s).numel()) for s in shapes)
-    learner, engines = None, []
+    learner, engines, timed_by = None, [], {}
     try:
-        learner, engines = start_actors(ray, path, args, root)
-        timed_by = {t: run_syncs(ray, learner, engines, args, t) for t in args.transports.split(",")}
+        learner = start_learner(ray, path)
+        for placement in args.placements.split(","):
+            engines = start_engines(ray, path, args, root, placement)
+            for t in args.transports.split(","):
+                timed_by[placement, t] = run_syncs(ray, learner, engines, args, t)
+            for e in engines:
+                ray.kill(e)
+            engines = []
         export = export_medians(ray, learner, args)
     finally:
         for a in [learner, *engines]:
             if a is not None:
                 ray.kill(a)
     copy_s, clone_cold_s = warm_copy_seconds(shapes), clone_seconds(shapes)
-    return [row(name, transport, timed, nbytes, args.engines, export, copy_s, clone_cold_s)
-            for transport, timed in timed_by.items()]
+    return [row(name, placement, transport, timed, nbytes, args.engines, export, copy_s, clone_cold_s)
+            for (placement, transport), timed in timed_by.items()]
 
 
-def row(name: str, transport: str, timed: list[dict], nbytes: int, engines: int, export: dict[str, float],
-        copy_s: float, clone_cold_s: float) -> dict:
-    """One result row: the median of the timed syncs over ``transport`` beside the baselines."""
+def row(name: str, placement: str, transport: str, timed: list[dict], nbytes: int, engines: int,
+        export: dict[str, float], copy_s: float, clone_cold_s: float) -> dict:
+    """One result row: the median of the timed syncs over ``transport`` to engines on the learner's node
+    (``placement`` "same") or another one ("cross"), beside the baselines."""
     sync_s = statistics.median(r["wall_s"] for r in timed)
-    return {"size": name, "transport": transport, "params_m": nbytes / 4e6, "weight_bytes": nbytes, "engines": engines,
+    return {"size": name, "placement": placement, "transport": transport, "params_m": nbytes / 4e6, "weight_bytes": nbytes, "engines": engines,
             "sync_bytes": timed[-1]["bytes"], "buckets": timed[-1]["buckets"], "sync_s": sync_s,
             "sync_s_all": [r["wall_s"] for r in timed], "gb_per_s": timed[-1]["bytes"] / sync_s / 1e9,
             "engine_load_s": statistics.median(r["engine_load_s"] for r in timed),
@@ -221,7 +264,7 @@ def row(name: str, transport: str, timed: list[dict], nbytes: int, engines: int,
 
 def summary(r: dict) -> str:
     """Two printed lines for one result row of ``bench_size``."""
-    return (f"{r['size']:>5} {r['transport']}: {r['params_m']:6.1f} M params, {r['weight_bytes'] / 1e6:7.1f} MB x {r['engines']} "
+    return (f"{r['size']:>5} {r['placement']}-node {r['transport']}: {r['params_m']:6.1f} M params, {r['weight_bytes'] / 1e6:7.1f} MB x {r['engines']} "
             f"engine(s) in {r['buckets']} buckets: sync {r['sync_s']:.3f} s ({r['gb_per_s']:.2f} GB/s, bytes sent "
             f"{r['sync_bytes'] / 1e6:.1f} MB) | warm copy {r['copy_s']:.4f} s: ratio {r['ratio_to_copy']:.1f}x | "
             f"cold clone {r['clone_cold_s']:.4f} s: ratio {r['ratio_to_clone_cold']:.1f}x\n"
@@ -237,14 +280,16 @@ def main() -> int:
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--transports", default="object_store,collective")
+    ap.add_argument("--placements", default="same,cross",
+                    help="engines on the learner's node (same) and/or on another Ray node (cross)")
     args = ap.parse_args()
+    if set(args.placements.split(",")) - set(NODE_RESOURCE):
+        ap.error(f"--placements {args.placements!r}: each must be one of {sorted(NODE_RESOURCE)}")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import ray
 
     root = Path(tempfile.mkdtemp(prefix="bench-sync-"))
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-                                       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}})
+    cluster = start_cluster(args.engines)
     results = []
     try:
         for name in args.sizes.split(","):
@@ -253,6 +298,7 @@ def main() -> int:
                 print(summary(r), flush=True)
     finally:
         ray.shutdown()
+        cluster.shutdown()
     print(json.dumps({"load_avg_1m": os.getloadavg()[0], "results": results}))
     return 0
 

@@ -236,6 +236,10 @@ class ClusterConfig(Section):
     host_memory_gib: float | None = Field(
         None, gt=0, description="host RAM of one node, GiB: the plan refuses a node whose processes and object "
         "store need more (None: reported, not checked)")
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="how long an actor's placement group may wait for a node with room (at start, and "
+        "for a replacement when a node was lost: the wait is logged naming the *.node_resources); then the run "
+        "stops with an error, its last checkpoint intact")
 
 
 class WandbConfig(Section):

@@ -6,8 +6,9 @@ job (``cluster.driver.trainer.Trainer``: services up, warm start, RL steps, chec
 file, ``trainer.output_dir``, a ``model.path`` folder) are taken from the working directory, so it runs from
 any folder. The terminal shows the run's own progress and errors; the services' output goes to
 ``<run>/logs/`` (``cluster.runtime.console``) unless ``--verbose``. Exit codes: 0 done, 2 bad config or plan (or a
-config the checkpoint to resume from refuses, or a user verifier that does not import), 3 a learner rank died
-(resume from the last checkpoint), 4 the health guard stopped the run.
+config the checkpoint to resume from refuses, or a user verifier that does not import, or a node that does not
+see the driver's files), 3 a learner rank died (resume from the last checkpoint), 4 the health guard stopped the
+run, 5 an actor found no node with room within cluster.placement_timeout_s (a node lost; resume later).
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ from cluster.runtime.user_code import check_user_verifiers, verifier_names
 def is_learner_error(err: Exception) -> bool:
     """True when a Ray actor error comes from a learner rank."""
     return "LearnerRank" in str(err)
+
+
+def learner_lost(trainer, err: Exception, timeout_s: float = 30.0) -> bool:
+    """True when a learner rank is gone (its node or process lost) as ``err`` (a Ray error) stops the run: the
+    rank's own ``RayActorError``, or any other error of the step (a surviving peer's collective error,
+    "Connection closed by peer"; an ``ActorUnavailableError`` that names no class) while a rank does not answer
+    a ping within ``timeout_s``. A learner's own bug, every rank alive, is False."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError) and is_learner_error(err):
+        return True
+    learners = trainer.learners
+    if learners is None or not learners.actors:
+        return False
+    try:
+        ray.get([a.pid.remote() for a in learners.actors], timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a rank that does not answer is the answer
+        return True
+    return False
 
 
 def _local_cpu_warning(cfg: Config) -> str | None:
@@ -60,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         try:
             resources = plan(cfg, gpu_memory_gib=cfg.cluster.gpu_memory_gib, gpus_per_node=cfg.cluster.gpus_per_node)
+            if cfg.trainer.ray_address:  # the live cluster must offer the *.node_resources (cluster.runtime.placement)
+                from cluster.runtime.placement import check_live_cluster
+
+                resources["live_nodes"] = check_live_cluster(cfg, cfg.trainer.ray_address)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -73,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.driver.guard import HealthStop
     from cluster.driver.trainer import Trainer
+    from cluster.runtime.services import PlacementTimeout
 
     logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
     if not args.verbose:
@@ -90,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        if isinstance(e, ray.exceptions.RayActorError) and is_learner_error(e):
+        if isinstance(e, PlacementTimeout):  # no node with room (a node was lost): cluster.runtime.services.wait_ready
+            ck = latest_checkpoint(trainer.run_dir)
+            where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"
+            print(f"error: {e}\nThe run stops at step {trainer.step + 1}; {where}: resume with "
+                  "trainer.resume=true once the cluster has room.", file=sys.stderr)
+            return 5
+        if isinstance(e, ray.exceptions.RayError) and learner_lost(trainer, e):
             ck = latest_checkpoint(trainer.run_dir)
             where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"
             print(f"error: a learner rank died at step {trainer.step + 1} ({type(e).__name__}); the run stops. "

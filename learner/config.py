@@ -44,6 +44,25 @@ class LearnerConfig(Section):
 
     world_size: int = Field(1, ge=1, description="data-parallel DeepSpeed ranks (one Ray actor each)")
     num_cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per learner rank")
+    node_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources (name: amount) that each rank's placement bundle asks for beside its "
+        "CPUs, so that it lands only on nodes started with them (`ray start --resources '{\"NAME\": N}'`, "
+        "gspo-cluster up --node-resources NAME=N); e.g. {learner_node: 1} dedicates nodes to this role. "
+        "{} = any node",
+    )
+
+    @field_validator("node_resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        """Refuse Ray's own resources (CPU, GPU, memory, node:...) and amounts <= 0."""
+        for name, amount in value.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+                raise ValueError(f"{name!r} is not a custom resource name: CPUs and GPUs have their own keys")
+            if not amount > 0:
+                raise ValueError(f"{name}={amount!r}: amounts must be > 0")
+        return value
+
     num_gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs per learner rank (0 on CPU)")
     threads_per_rank: int = Field(1, ge=1, description="torch and OpenMP threads per rank (OMP_NUM_THREADS): the "
                                   "CPU learner's compute (1 is fastest on 2 cores), and on GPUs DeepSpeed's CPU Adam "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -69,6 +69,25 @@ class RewardConfig(Section):
 
     num_workers: int = Field(1, ge=1, description="reward worker actors; free to change on resume")
     num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPUs reserved per reward worker")
+    node_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources (name: amount) that each worker's placement bundle asks for beside its "
+        "CPUs, so that it lands only on nodes started with them (`ray start --resources '{\"NAME\": N}'`, "
+        "gspo-cluster up --node-resources NAME=N); e.g. {reward_node: 1} dedicates nodes to this role. "
+        "{} = any node",
+    )
+
+    @field_validator("node_resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        """Refuse Ray's own resources (CPU, GPU, memory, node:...) and amounts <= 0."""
+        for name, amount in value.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+                raise ValueError(f"{name!r} is not a custom resource name: CPUs and GPUs have their own keys")
+            if not amount > 0:
+                raise ValueError(f"{name}={amount!r}: amounts must be > 0")
+        return value
+
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one verifier call, seconds")
 
     verifier: str | None = Field(None, description="primary verifier for every row; None = each row's own")

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -17,6 +17,25 @@ class RolloutConfig(Section):
 
     num_engines: int = Field(1, ge=1, description="vLLM engines (one Ray actor each); free to change on resume")
     num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per engine actor")
+    node_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources (name: amount) that each engine's placement bundle asks for beside its "
+        "CPUs, so that it lands only on nodes started with them (`ray start --resources '{\"NAME\": N}'`, "
+        "gspo-cluster up --node-resources NAME=N); e.g. {rollout_node: 1} dedicates nodes to this role. "
+        "{} = any node",
+    )
+
+    @field_validator("node_resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        """Refuse Ray's own resources (CPU, GPU, memory, node:...) and amounts <= 0."""
+        for name, amount in value.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+                raise ValueError(f"{name!r} is not a custom resource name: CPUs and GPUs have their own keys")
+            if not amount > 0:
+                raise ValueError(f"{name}={amount!r}: amounts must be > 0")
+        return value
+
     num_gpus_per_engine: float = Field(0.0, ge=0, description="Ray GPUs per engine (0 on CPU machines)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside one engine (GPU)")
     threads_per_engine: int = Field(1, ge=1, description="torch/OpenMP threads of one engine on CPU")

@@ -38,7 +38,7 @@ from cluster.driver.scaling import apply_control
 from cluster.driver.tracking import MetricsLogger, plot_curves
 from cluster.driver.warm_start import RLLearningRate, warm_start
 from cluster.models.resolve import ensure_model
-from cluster.runtime import devices, services, user_code
+from cluster.runtime import devices, node_files, placement, services, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
 from learner.advantages import group_advantages
@@ -99,6 +99,7 @@ class Trainer:
         self.rewards: RewardPool | None = None
         self.collector: Collector | None = None
         self.rl_lr: RLLearningRate | None = None
+        self.placement: placement.PlacementRecord | None = None  # placement.json
         self.logger: MetricsLogger | None = None
 
     # the driver state's fields, read where the run reads them
@@ -145,6 +146,9 @@ class Trainer:
     def _start_services(self) -> None:
         cfg = self.cfg
         services.init_ray(cfg, self.run_dir, self.user_modules, verbose=self.verbose)
+        # before any actor: *.node_resources the nodes offer, the same files on every node (cluster.runtime.node_files)
+        verifiers = user_code.verifier_names(cfg, self.train_rows + self.eval_rows)
+        node_files.check_cluster(cfg, self.model_path, list(verifiers))
         t0 = time.perf_counter()
         self.learners = LearnerGroup(cfg, self.model_path)
         if devices.learner_first(cfg):  # a shared GPU: the learner's memory is taken before vLLM sizes its cache
@@ -153,9 +157,12 @@ class Trainer:
         self.weight_sync = WeightSync(self.learners, cfg.sync)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache", self.weight_sync)
         self.fleet.start(cfg.rollout.num_engines)
-        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker)
+        self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources,
+                                                   cfg.cluster.placement_timeout_s)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
         self.learners.wait_ready()
+        self.placement = placement.PlacementRecord(self.run_dir)  # placement.json, rewritten at every sync
+        self.placement.update(self.learners, self.fleet, self.reward_groups)
         log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
                  time.perf_counter() - t0, cfg.learner.world_size, len(self.fleet), cfg.reward.num_workers)
 
@@ -167,7 +174,9 @@ class Trainer:
         report = self.fleet.sync(version)
         self.state.weight_version = version
         seconds = time.perf_counter() - t
-        self.last_sync = report.metrics(seconds)
+        self.placement.update(self.learners, self.fleet, self.reward_groups)  # after any engine replacement
+        # sync/cross_node: engines on another node than learner rank 0 (their bytes crossed between nodes)
+        self.last_sync = {**report.metrics(seconds), "sync/cross_node": float(self.placement.cross_node)}
         return seconds
 
     def evaluate(self) -> dict[str, float]:

@@ -22,9 +22,11 @@ from learner.contracts import SFTBatch, SyncReport
 
 
 def _node_address() -> tuple[str, int]:
-    """This node's IP address (as Ray knows it) and a free port on it."""
+    """This node's IP address (as Ray knows it) and a port free on every address of the node: torch's TCPStore
+    listens on all of them, so a port free only on ``ip`` can be taken on 127.0.0.1 (a local head's dashboard
+    was: EADDRINUSE in a 3-node run on one machine). The probe binds and closes at once; nothing listens."""
     ip = ray.util.get_node_ip_address()
-    return ip, free_port(ip)
+    return ip, free_port("0.0.0.0")
 
 
 class LearnerGroup:
@@ -47,7 +49,7 @@ class LearnerGroup:
         # The driver may call from two threads (the overlapped rollout replaces a dead engine, which syncs it):
         # submissions to the ranks are serialised so that no rank sees two collective calls in another order.
         self._submit = threading.Lock()
-        bundle = {"CPU": lc.num_cpus_per_rank}
+        bundle = {"CPU": lc.num_cpus_per_rank, **lc.node_resources}
         if lc.num_gpus_per_rank:
             bundle["GPU"] = lc.num_gpus_per_rank
         per_group = lc.world_size
@@ -57,7 +59,7 @@ class LearnerGroup:
         for start in range(0, lc.world_size, per_group):
             bundles = [dict(bundle) for _ in range(min(per_group, lc.world_size - start))]
             pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
-            wait_ready(pg, "learner", bundles)
+            wait_ready(pg, "learner", bundles, cfg.cluster.placement_timeout_s)
             self.groups.append(pg)
         master_addr, port = self._rendezvous(cfg)
         cls = ray.remote(LearnerRank)

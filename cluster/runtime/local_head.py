@@ -66,6 +66,7 @@ class LocalHead:
             None: a new ``/tmp/gspo-ray-*`` folder.
         host: address every server binds to.
         object_store_memory: bytes of the object store; None = Ray's default (30% of RAM).
+        resources: custom resources of the node (name -> amount, ``ray start --resources``).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class LocalHead:
         temp_dir: str | Path | None = None,
         host: str = "127.0.0.1",
         object_store_memory: int | None = None,
+        resources: dict[str, float] | None = None,
     ):
         if num_cpus < 1:
             raise ValueError(f"num_cpus={num_cpus!r} must be >= 1")
@@ -82,6 +84,7 @@ class LocalHead:
         self.num_gpus = num_gpus
         self.host = host
         self.object_store_memory = object_store_memory
+        self.resources = dict(resources or {})
         self.temp_dir = Path(temp_dir) if temp_dir else Path(tempfile.mkdtemp(prefix="gspo-ray-", dir="/tmp"))
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self.temp_dir = self.temp_dir.resolve()
@@ -128,6 +131,8 @@ class LocalHead:
             cmd += ["--num-gpus", str(int(self.num_gpus))]
         if self.object_store_memory:
             cmd += ["--object-store-memory", str(int(self.object_store_memory))]
+        if self.resources:
+            cmd += ["--resources", json.dumps(self.resources)]
         for name, port in ports.items():
             cmd += [f"--{name}", str(port)]
         return cmd

@@ -130,12 +130,30 @@ def init_ray(cfg: Config, run_dir: Path, py_modules: list[str] | None = None, ve
     )
 
 
+class PlacementTimeout(RuntimeError):
+    """An actor's placement group found no node with room within ``cluster.placement_timeout_s``."""
+
+
 def wait_ready(pg, what: str, bundles: list[dict[str, float]], timeout_s: float = 120.0) -> None:
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    """Wait until ``pg`` is placed; after a second without room, log what it waits for (its custom resources
+    name the nodes it needs: ``*.node_resources``) and wait up to ``timeout_s`` in all.
+
+    Raises:
+        PlacementTimeout: not placed within ``timeout_s`` (``cluster.placement_timeout_s``); names the bundle.
+    """
+    ready, _ = ray.wait([pg.ready()], timeout=min(1.0, timeout_s))
+    custom = sorted({k for b in bundles for k in b if k not in ("CPU", "GPU")})
     if not ready:
-        raise RuntimeError(
-            f"placement group for {what} ({bundles}) was not scheduled within {timeout_s:.0f}s; cluster "
-            f"resources: {ray.cluster_resources()}. Lower the per-actor CPU/GPU settings or add nodes."
+        log.warning("%s waits up to %.0fs for a node with room for %s%s", what, timeout_s, bundles,
+                    f" (a node offering {', '.join(custom)})" if custom else "")
+        ready, _ = ray.wait([pg.ready()], timeout=max(0.0, timeout_s - 1.0))
+    if not ready:
+        remove_placement_group(pg)
+        need = f"a live node offering {', '.join(custom)} with the CPUs" if custom else "more CPUs/GPUs"
+        raise PlacementTimeout(
+            f"placement group for {what} ({bundles}) was not scheduled within {timeout_s:.0f}s "
+            f"(cluster.placement_timeout_s): it needs {need}; cluster resources now: {ray.available_resources()}. "
+            "Add nodes, or lower the per-actor CPU/GPU settings or the counts."
         )
 
 
@@ -159,11 +177,11 @@ class EngineFleet:
         from rollout.engine import RolloutEngine
 
         rc = self.cfg.rollout
-        bundle = {"CPU": rc.num_cpus_per_engine}
+        bundle = {"CPU": rc.num_cpus_per_engine, **rc.node_resources}
         if rc.num_gpus_per_engine:
             bundle["GPU"] = rc.num_gpus_per_engine * rc.tensor_parallel_size
         pg = placement_group([bundle], strategy="STRICT_PACK")
-        wait_ready(pg, "rollout engine", [bundle])
+        wait_ready(pg, "rollout engine", [bundle], self.cfg.cluster.placement_timeout_s)
         index = self._next_index
         self._next_index += 1
         actor = (
@@ -378,17 +396,19 @@ class RewardGroups:
     """Scheduling strategy factory for the reward pool: one placement group per worker slot (a replaced
     worker gets a fresh group; the old one is removed)."""
 
-    def __init__(self, num_cpus: float):
+    def __init__(self, num_cpus: float, node_resources: dict[str, float] | None = None, timeout_s: float = 120.0):
         self.num_cpus = num_cpus
+        self.timeout_s = timeout_s  # cluster.placement_timeout_s
+        self.node_resources = dict(node_resources or {})  # reward.node_resources: custom resources per bundle
         self.groups: dict[int, Any] = {}
 
     def __call__(self, slot: int) -> PlacementGroupSchedulingStrategy:
         old = self.groups.pop(slot, None)
         if old is not None:
             remove_placement_group(old)
-        bundle = [{"CPU": self.num_cpus}]
+        bundle = [{"CPU": self.num_cpus, **self.node_resources}]
         pg = placement_group(bundle, strategy="STRICT_PACK")
-        wait_ready(pg, "reward worker", bundle)
+        wait_ready(pg, "reward worker", bundle, self.timeout_s)
         self.groups[slot] = pg
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
 
