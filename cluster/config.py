@@ -362,6 +362,7 @@ class Config(Section):
             raise ValueError(f"trainer.length_buckets={t.length_buckets} exceeds rollout.max_response_tokens="
                              f"{self.rollout.max_response_tokens} (a bucket holds at least one length)")
         self._check_lengths()
+        self._check_node_resources()
         self._check_temperature()
         self._check_routing_replay()
         self._check_transport()
@@ -385,6 +386,17 @@ class Config(Section):
                 f"sync.transport=collective on GPUs needs whole GPUs (learner.num_gpus_per_rank="
                 f"{lr.num_gpus_per_rank:g}, rollout.num_gpus_per_engine={ro.num_gpus_per_engine:g}): NCCL refuses "
                 "two members of one group on one GPU; use sync.transport=object_store to share GPUs")
+
+    def _check_node_resources(self) -> None:
+        """Each role's ``node_resources`` names Ray custom resources only (not CPU, GPU, memory or ``node:...``,
+        which have their own keys or are Ray's) with amounts > 0."""
+        for role in ("rollout", "learner", "reward"):
+            for name, amount in getattr(self, role).node_resources.items():
+                if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+                    raise ValueError(f"{role}.node_resources: {name!r} is not a custom resource name: CPUs and GPUs "
+                                     "have their own keys")
+                if not amount > 0:
+                    raise ValueError(f"{role}.node_resources: {name}={amount!r}: amounts must be > 0")
 
     def _check_routing_replay(self) -> None:
         if self.learner.routing_replay == "rollout" and not self.rollout.return_routed_experts:

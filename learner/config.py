@@ -52,16 +52,6 @@ class LearnerConfig(Section):
         "{} = any node",
     )
 
-    @field_validator("node_resources")
-    @classmethod
-    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
-        """Refuse Ray's own resources (CPU, GPU, memory, node:...) and amounts <= 0."""
-        for name, amount in value.items():
-            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
-                raise ValueError(f"{name!r} is not a custom resource name: CPUs and GPUs have their own keys")
-            if not amount > 0:
-                raise ValueError(f"{name}={amount!r}: amounts must be > 0")
-        return value
 
     num_gpus_per_rank: float = Field(0.0, ge=0, description="Ray GPUs per learner rank (0 on CPU)")
     threads_per_rank: int = Field(1, ge=1, description="torch and OpenMP threads per rank (OMP_NUM_THREADS): the "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -77,16 +77,6 @@ class RewardConfig(Section):
         "{} = any node",
     )
 
-    @field_validator("node_resources")
-    @classmethod
-    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
-        """Refuse Ray's own resources (CPU, GPU, memory, node:...) and amounts <= 0."""
-        for name, amount in value.items():
-            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
-                raise ValueError(f"{name!r} is not a custom resource name: CPUs and GPUs have their own keys")
-            if not amount > 0:
-                raise ValueError(f"{name}={amount!r}: amounts must be > 0")
-        return value
 
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one verifier call, seconds")
 

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -25,16 +25,6 @@ class RolloutConfig(Section):
         "{} = any node",
     )
 
-    @field_validator("node_resources")
-    @classmethod
-    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
-        """Refuse Ray's own resources (CPU, GPU, memory, node:...) and amounts <= 0."""
-        for name, amount in value.items():
-            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
-                raise ValueError(f"{name!r} is not a custom resource name: CPUs and GPUs have their own keys")
-            if not amount > 0:
-                raise ValueError(f"{name}={amount!r}: amounts must be > 0")
-        return value
 
     num_gpus_per_engine: float = Field(0.0, ge=0, description="Ray GPUs per engine (0 on CPU machines)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside one engine (GPU)")
