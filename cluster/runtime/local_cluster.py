@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.common import free_port
-from cluster.runtime.local_head import LocalHead, SubmitError, head_processes, stop_head_processes
+from cluster.runtime.local_head import (LocalHead, SubmitError, head_processes, stop_head_processes,
+                                        terminate_then_kill)
 
 #: per-node object store; several nodes share this machine's memory (Ray's default is 30% of RAM per node)
 DEFAULT_OBJECT_STORE_MB = 700
@@ -234,17 +235,7 @@ def _stop_group(pgid: int, grace_s: float) -> int:
             procs += [c for c in p.children(recursive=True) if c not in procs]
         except psutil.Error:
             pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    terminate_then_kill(procs, grace_s)
     return len(procs)
 
 

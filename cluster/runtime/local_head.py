@@ -227,15 +227,11 @@ def head_processes(temp_dir: str | Path, pgid: int | None = None) -> list[Any]:
     return named + (grouped if group_is_ours else [])
 
 
-def stop_head_processes(temp_dir: str | Path, pgid: int | None = None, grace_s: float = 15.0) -> int:
-    """SIGTERM the processes of one local head (see ``head_processes``), SIGKILL what is left after ``grace_s``.
-
-    Returns:
-        The number of processes found.
-    """
+def terminate_then_kill(procs: list[Any], grace_s: float) -> None:
+    """SIGTERM ``procs`` (``psutil.Process``), SIGKILL those still alive after ``grace_s`` seconds, and wait up
+    to 5 s more for them to go; processes already gone are skipped."""
     import psutil
 
-    procs = head_processes(temp_dir, pgid)
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
@@ -248,6 +244,18 @@ def stop_head_processes(temp_dir: str | Path, pgid: int | None = None, grace_s: 
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
+
+
+def stop_head_processes(temp_dir: str | Path, pgid: int | None = None, grace_s: float = 15.0) -> int:
+    """SIGTERM the processes of one local head (see ``head_processes``), SIGKILL what is left after ``grace_s``.
+
+    Returns:
+        The number of processes found.
+    """
+    import psutil
+
+    procs = head_processes(temp_dir, pgid)
+    terminate_then_kill(procs, grace_s)
     # Workers started late (after the first scan) still name the temp dir.
     late = head_processes(temp_dir, pgid)
     for p in late:
