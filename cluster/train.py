@@ -35,12 +35,15 @@ def is_learner_error(err: Exception) -> bool:
 
 def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
-    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...``. (The data files resolve in
-    ``cluster.data``.) Returns ``cfg``."""
+    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...`` or a hub id (``cluster.hub_model``).
+    (The data files resolve in ``cluster.data``.) Returns ``cfg``."""
     cwd = (cwd or Path.cwd()).resolve()
     if not Path(cfg.trainer.output_dir).is_absolute():
         cfg.trainer.output_dir = str(cwd / cfg.trainer.output_dir)
-    if not cfg.model.path.startswith("builtin:") and not Path(cfg.model.path).is_absolute():
+    from cluster.hub_model import is_hub_id
+
+    local = not cfg.model.path.startswith("builtin:") and not is_hub_id(cfg.model.path, cwd)
+    if local and not Path(cfg.model.path).is_absolute():
         cfg.model.path = str(cwd / cfg.model.path)
     return cfg
 
