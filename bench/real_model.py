@@ -24,8 +24,9 @@ def _prompts(model: str, count: int) -> list[list[int]]:
 
     tok = AutoTokenizer.from_pretrained(model)
     rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(model), "arith_words", "test.jsonl"))]
-    return [tok.apply_chat_template([{"role": "user", "content": r["question"] + " Put the final answer in \\boxed{}."}],
-                                    add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows[:count]]
+    ask = " Put the final answer in \\boxed{}."
+    return [tok.apply_chat_template([{"role": "user", "content": r["question"] + ask}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for r in rows[:count]]
 
 
 def _engine(model: str, count: int, max_tokens: int, threads: int, out: mp.Queue) -> None:

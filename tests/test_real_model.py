@@ -108,8 +108,9 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
             change = _weight_change(weights, new_weights)
             diff, new_lp = max_diff(ray, learner, engine, fixed)
             moved = (new_lp - engine_lp).abs().max().item()
-            print(f"smollm2 step {step}: max|diff|={diff:.3g} train_rollout={out['actor/train_rollout_logprob_diff']:.3g}"
-                  f" weight_change={change:.3g} engine_logprob_change={moved:.3g}")
+            print(f"smollm2 step {step}: max|diff|={diff:.3g} "
+                  f"train_rollout={out['actor/train_rollout_logprob_diff']:.3g} weight_change={change:.3g} "
+                  f"engine_logprob_change={moved:.3g}")
             assert diff < TOL, (step, diff)
             assert change > 1e-5 and moved > 1e-4, (step, change, moved)
             weights, engine_lp = new_weights, new_lp
