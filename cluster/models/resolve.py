@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from cluster.models import hub_model
 from cluster.models.tiny_archs import ARCHS, build_tiny_arch, builtin_arch
 from cluster.models.tiny_model import BUILTIN_TINY_MOE, build_tiny_moe
 
@@ -17,11 +18,13 @@ from cluster.models.tiny_model import BUILTIN_TINY_MOE, build_tiny_moe
 def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwargs: Any) -> Path:
     """The model folder for ``model.path``: builds ``builtin:tiny_moe`` into ``out_root/tiny_moe`` (with
     ``build_kwargs`` passed to ``build_tiny_moe``), ``builtin:tiny_<arch>`` (``cluster.models.tiny_archs.ARCHS``)
-    into ``out_root/tiny_<arch>`` (only ``build_kwargs["seed"]`` applies: their shapes are fixed), or checks
-    that a Hugging Face folder exists.
+    into ``out_root/tiny_<arch>`` (only ``build_kwargs["seed"]`` applies: their shapes are fixed), fetches a
+    hub id (``owner/name`` naming no local path; ``cluster.models.hub_model``), or checks that a Hugging Face
+    folder exists.
 
     Raises:
-        FileNotFoundError: a folder path that does not exist or has no ``config.json``.
+        FileNotFoundError: a folder path that does not exist or has no ``config.json``; a hub id the hub did not
+            give.
         ValueError: an unknown ``builtin:`` name, or build arguments ``build_tiny_moe`` refuses.
     """
     if path_or_builtin.startswith("builtin:"):
@@ -32,6 +35,8 @@ def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwar
             names = [BUILTIN_TINY_MOE] + [f"builtin:tiny_{a}" for a in ARCHS]
             raise ValueError(f"model.path={path_or_builtin!r}: the builtin models are {names}")
         return build_tiny_moe(Path(out_root) / "tiny_moe", **build_kwargs)
+    if hub_model.is_hub_id(path_or_builtin):
+        return hub_model.download(path_or_builtin)  # a hub id: the snapshot folder (cluster/models/hub_model.py)
     path = Path(path_or_builtin).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(

@@ -21,3 +21,8 @@ def learner_logprobs(ray, learner, seq: list[int], start: int) -> torch.Tensor:
     batch = TrainBatch(ids, torch.ones_like(ids), resp, torch.zeros(resp.shape), torch.zeros(1), torch.zeros(1), ["s"],
                        torch.zeros(1, dtype=torch.long))
     return ray.get(learner.compute_log_probs.remote(batch))[0][resp[0]]
+
+
+def weight_change(before: dict, after: dict) -> float:
+    """The largest absolute change of any tensor between two state dicts of the same keys."""
+    return max((after[k] - before[k]).abs().max().item() for k in before)

@@ -18,7 +18,7 @@ import torch
 
 from learner.config import LearnerConfig
 from rollout.config import RolloutConfig
-from tests.helpers.sync import learner_logprobs
+from tests.helpers.sync import learner_logprobs, weight_change
 
 TOL = 1e-5
 
@@ -73,10 +73,6 @@ def _rollout_batch(ray, engine, step: int):
     return batch, seqs, toks
 
 
-def _weight_change(before: dict, after: dict) -> float:
-    return max((after[k] - before[k]).abs().max().item() for k in before)
-
-
 @pytest.mark.parametrize("arch", [_params(a) for a in ZERO_STAGE])
 def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arch):
     from cluster.common import free_port
@@ -107,7 +103,7 @@ def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arc
             report = ray.get(learner.sync_weights.remote([engine], step, 0.05, 2))
             assert not report.failed_engines and ray.get(engine.weight_version.remote()) == step
             new_weights = ray.get(learner.checkpoint_state_dict.remote())
-            change = _weight_change(weights, new_weights)
+            change = weight_change(weights, new_weights)
             diff, new_lp = _max_diff(ray, learner, engine)
             moved = (new_lp - engine_lp).abs().max().item()
             print(f"{arch} step {step}: max|diff|={diff:.3g} train_rollout={out['actor/train_rollout_logprob_diff']:.3g}"

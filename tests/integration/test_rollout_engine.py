@@ -135,3 +135,22 @@ def test_multiprocess_mode_update_through_byte_blobs(ray_cluster, mp_engine, bas
     out = ray_cluster.get(mp_engine.generate.remote(rows(tokenizer, ["1 + 1 = "]), 2, temperature=1.0, seed=1))
     assert [c.weight_version for c in out] == [1, 1]
     assert max_diff(new, out, 1.0) < TOL
+
+
+def test_seeded_prompts_beyond_the_step_token_budget(ray_cluster, engine, tokenizer):
+    """Seeded groups whose prompt tokens exceed the engine's per-step token budget: vLLM 0.32 with chunked prefill
+    died here ("CPU Generator does not use offset"); now each sample is the same whether the prompts come in one
+    call, again, or in two pieces (other batches, other scheduling). Prompts stay under one 128-token KV block:
+    a longer prompt's samples share its cached first block in the same step and need few new tokens each."""
+    prompts = rows(tokenizer, [f"{k}: " + LONG_PROMPT[:96] for k in range(6)])
+    assert all(len(r.prompt_token_ids) < 128 for r in prompts)
+    n = 8
+    budget, chunked = ray_cluster.get(engine.batched_token_budget.remote())
+    assert sum(len(r.prompt_token_ids) for r in prompts) * n > budget and not chunked
+    out = ray_cluster.get(engine.generate.remote(prompts, n, max_tokens=4, seed=21))
+    again = ray_cluster.get(engine.generate.remote(prompts, n, max_tokens=4, seed=21))
+    pieces = ray_cluster.get(engine.generate.remote(prompts[:2], n, max_tokens=4, seed=21))
+    pieces += ray_cluster.get(engine.generate.remote(prompts[2:], n, max_tokens=4, seed=21, prompt_offset=2))
+    samples = [c.response_token_ids for c in out]
+    assert len(out) == len(prompts) * n and len({tuple(s) for s in samples}) > n
+    assert samples == [c.response_token_ids for c in again] == [c.response_token_ids for c in pieces]

@@ -33,7 +33,11 @@ def test_path_overrides_make_relative_paths_absolute(tmp_path):
     shared = (REPO_ROOT / "../shared/data/gsm8k").resolve()
     assert f"data.train_path={shared / 'train.jsonl'}" in got and f"data.test_path={shared / 'test.jsonl'}" in got
     assert not any(o.startswith("model.path=") for o in got)  # builtin:tiny_moe stays
-    # absolute paths are left alone; a relative model folder becomes absolute
+    # absolute paths are left alone; a relative model folder becomes absolute, a hub id stays as it is
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    hub = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"),
+                                ["model.path=HuggingFaceTB/SmolLM2-135M-Instruct"], cwd=tmp_path)
+    assert not any(o.startswith("model.path=") for o in hub)
     got = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"),
                                 ["trainer.output_dir=/abs/out", "model.path=models/m"], cwd=tmp_path)
     assert got == [f"model.path={tmp_path / 'models/m'}"]

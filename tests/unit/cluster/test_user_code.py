@@ -100,8 +100,10 @@ def test_cli_refuses_missing_verifier_before_anything_starts(tmp_path):
 
 
 def test_cli_paths_are_from_the_working_dir(tmp_path):
-    """A relative config path, output dir and model folder are taken from where the command runs."""
+    """A relative config path, output dir and model folder are taken from where the command runs (the folder
+    exists: an ``owner/name`` path naming nothing there is a hub id, cluster/models/hub_model.py)."""
     (tmp_path / "cfg").mkdir()
+    (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "cfg" / "mine.yaml").write_text((REPO_ROOT / "configs" / "tiny_moe.yaml").read_text())
     (tmp_path / "myrew_cli.py").write_text("def score(response, row):\n    return 1.0\n")
     env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(REPO_ROOT)}
@@ -136,7 +138,8 @@ def test_project_scripts_point_to_main_functions():
     import importlib
 
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) == {"gspo-train", "gspo-submit", "gspo-compare", "gspo-audit", "gspo-cluster"}
+    assert set(scripts) == {"gspo-train", "gspo-submit", "gspo-compare", "gspo-audit", "gspo-cluster",
+                            "gspo-import-gguf"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         main = getattr(importlib.import_module(module), attr)
