@@ -111,6 +111,6 @@ def test_roles_on_their_nodes_and_sync_exact_across_nodes(three_nodes, trainer):
     version = trainer.weight_version + 1
     report = trainer.learners.sync_weights(list(trainer.fleet.engines), version, sc.bucket_mb,
                                            sc.max_buckets_in_flight, sc.engine_timeout_s, "collective")
-    assert report["transport"] == "collective" and not report["failed_engines"], report
+    assert report.transport == "collective" and not report.failed_engines, report
     assert ray.get([e.weight_version.remote() for e in trainer.fleet.engines]) == [version, version]
     _engine_matches_learner(trainer, atol=1e-5)

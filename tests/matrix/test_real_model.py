@@ -101,7 +101,7 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
             assert out["actor/num_optimizer_steps"] == 1
             assert out["actor/train_rollout_logprob_diff"] < TOL, (step, out["actor/train_rollout_logprob_diff"])
             report = ray.get(learner.sync_weights.remote([engine], step, 0.05, 2))
-            assert not report["failed_engines"] and ray.get(engine.weight_version.remote()) == step
+            assert not report.failed_engines and ray.get(engine.weight_version.remote()) == step
             new_weights = ray.get(learner.checkpoint_state_dict.remote())
             change = weight_change(weights, new_weights)
             diff, new_lp = max_diff(ray, learner, engine, fixed)
