@@ -48,8 +48,6 @@ def trainer(tmp_path_factory):
 
 
 def _checksums(t):
-    pass
-
     return t.learners.call("state_checksum")
 
 

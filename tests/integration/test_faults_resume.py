@@ -104,8 +104,6 @@ def test_learner_death_stops_the_step_fast(tmp_path, ray_session):
 
 
 def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_session):
-    pass
-
     full = _trainer(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_every=2"])
     full.start()
     try:
@@ -146,8 +144,6 @@ def test_resume_is_exact_and_skips_half_written_checkpoints(tmp_path, ray_sessio
 
 
 def test_health_guard_skips_rolls_back_and_stops(tmp_path, ray_session):
-    pass
-
     from cluster.driver.guard import HealthStop
 
     t = _trainer(tmp_path, "health", ["trainer.total_steps=20", "health.enabled=true", "health.rollback_after=2",
