@@ -20,7 +20,7 @@ import logging
 import pytest
 
 from tests.helpers import REPO_ROOT
-
+from tests.helpers.nodes import remove_node
 
 STORE = 300 * 2**20
 
@@ -30,27 +30,16 @@ def _placement(t) -> dict[str, list[dict]]:
     return {role: [r for r in rows if r["role"] == role] for role in ("learner", "rollout", "reward")}
 
 
-def _remove(cluster, node) -> None:
-    """Remove ``node`` (its raylet and workers end) and wait until the GCS has marked it dead (its health
-    checks fail first), so that what follows sees a lost node, not one that is still going down."""
-    import time
-
-    import ray
-
-    cluster.remove_node(node, allow_graceful=False)
-    deadline = time.monotonic() + 120
-    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
-        time.sleep(0.5)
 
 
 def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog):
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.driver import checkpoint
     from cluster.config import load_config
-    from cluster.runtime.services import PlacementTimeout
+    from cluster.driver import checkpoint
     from cluster.driver.trainer import Trainer
+    from cluster.runtime.services import PlacementTimeout
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"learner_node": 1, "reward_node": 1}, "object_store_memory": STORE,
@@ -72,7 +61,7 @@ def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog
         t.rl_step()
         first = _placement(t)["rollout"][0]["node_id"]
         lost = next(n for n in rollout_nodes if n.node_id == first)
-        _remove(cluster, lost)
+        remove_node(cluster, lost)
         m = t.rl_step()  # the dead engine is found in the rollout and replaced
         assert m["fault/rollout_restarts"] >= 1
         survivor = next(n for n in rollout_nodes if n is not lost)
@@ -92,7 +81,7 @@ def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog
         saved = t.save()
 
         for node in (survivor, added):
-            _remove(cluster, node)
+            remove_node(cluster, node)
         with caplog.at_level(logging.WARNING, logger="cluster.runtime.services"):
             with pytest.raises(PlacementTimeout, match="rollout_node"):
                 t.rl_step()

@@ -19,7 +19,7 @@ import json
 import pytest
 
 from tests.helpers import REPO_ROOT
-
+from tests.helpers.nodes import remove_node
 
 STORE = 300 * 2**20
 
@@ -28,27 +28,16 @@ def _rows(t, role: str) -> list[dict]:
     return [r for r in json.loads((t.run_dir / "placement.json").read_text()) if r["role"] == role]
 
 
-def _remove(cluster, node) -> None:
-    """Remove ``node`` (its raylet and workers end) and wait until the GCS has marked it dead (its health
-    checks fail first), so that what follows sees a lost node, not one that is still going down."""
-    import time
-
-    import ray
-
-    cluster.remove_node(node, allow_graceful=False)
-    deadline = time.monotonic() + 120
-    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
-        time.sleep(0.5)
 
 
 def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.driver import checkpoint
     from cluster.config import load_config
-    from cluster.train import learner_lost
+    from cluster.driver import checkpoint
     from cluster.driver.trainer import Trainer
+    from cluster.train import learner_lost
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"rollout_node": 1}, "object_store_memory": STORE, "include_dashboard": False})
@@ -68,7 +57,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
         t.start()
         t.rl_step()
         first = _rows(t, "reward")[0]["node_id"]
-        _remove(cluster, next(n for n in reward_nodes if n.node_id == first))
+        remove_node(cluster, next(n for n in reward_nodes if n.node_id == first))
         m = t.rl_step()
         assert m["reward/invalid"] == 0.0
         other = next(n for n in reward_nodes if n.node_id != first)
@@ -78,7 +67,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
         saved = t.save()
 
         assert {r["node_id"] for r in _rows(t, "learner")} == {learner_node.node_id}
-        _remove(cluster, learner_node)
+        remove_node(cluster, learner_node)
         # The dead ranks' own ActorDiedError, or a peer's gloo error raised before it died too: either is a
         # lost rank for cluster.train (exit 3), never a wait until learner.dist_timeout_s.
         with pytest.raises(ray.exceptions.RayError) as err:
