@@ -35,8 +35,8 @@ class Section(BaseModel):
 
 
 class ModelShape(Section):
-    """Architecture numbers of a model folder, for the --dry-run memory plan (KV cache tokens, activations,
-    logits, ZeRO-3 working set). Copy them from the folder's config.json."""
+    """Architecture numbers of a model, for the --dry-run memory plan (KV cache tokens, activations, logits,
+    ZeRO-3 working set). A local ``model.path`` folder's config.json gives them when this is unset."""
 
     num_layers: int = Field(ge=1, description="decoder layers (num_hidden_layers)")
     hidden_size: int = Field(ge=1, description="hidden size h")
@@ -79,8 +79,9 @@ class ModelConfig(Section):
     )
     num_params_b: float | None = Field(None, gt=0, description="total parameters (billions), for --dry-run")
     shape: ModelShape | None = Field(
-        None, description="architecture of a model folder for the --dry-run memory plan (builtin:tiny_moe: "
-        "taken from the keys above); None: KV tokens, activations and logits are not planned")
+        None, description="architecture for the --dry-run memory plan; None: read from the config.json of a local "
+        "model.path folder (builtin:tiny_moe: the keys above); a hub id not yet fetched has none, and then KV tokens, "
+        "activations and logits are not planned")
 
     def build_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``cluster.models.resolve.ensure_model`` for a ``builtin:`` model: every key of

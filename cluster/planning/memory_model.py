@@ -44,6 +44,20 @@ LEARNER_OVERHEAD_GIB = 4.0
 LOGPROB_CHUNK_BYTES = 3 * 4 * 2**25
 
 
+#: vLLM's ``max_num_seqs`` on the CPU for the offline ``LLM`` class (``vllm/engine/arg_utils.py``, 256 per rank).
+ENGINE_MAX_NUM_SEQS_CPU = 256
+#: float32 vocabulary-wide buffers per sequence that a CPU engine's sampler keeps from its warm-up over
+#: ``max_num_seqs`` sequences (logits, their log-softmax, probabilities, sorted copies): fitted to the 0.25 GiB a
+#: 49k-vocabulary engine held beyond weights, KV cache and base before any sync (docs/real_model.md, "Memory").
+ENGINE_SAMPLER_COPIES = 5
+
+
+def engine_sampler_bytes(shape: Any | None) -> int:
+    """Host bytes a CPU engine's sampler keeps: ``ENGINE_SAMPLER_COPIES x ENGINE_MAX_NUM_SEQS_CPU x V x 4``
+    (0 without a shape)."""
+    return 0 if shape is None else ENGINE_SAMPLER_COPIES * ENGINE_MAX_NUM_SEQS_CPU * shape.vocab_size * 4
+
+
 def _get(shape: Any, key: str, default: int = 0) -> int:
     return int(getattr(shape, key, default) or 0)
 

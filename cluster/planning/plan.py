@@ -51,8 +51,13 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   state exists, so the node's total takes the larger of that load and the training-time parts below; ``b P``
   more on rank 0 for the Hugging Face export of a checkpoint), each rank's offloaded optimizer state and
   gradients (above, with ``learner.offload_optimizer: cpu``), the object store's weight-sync buckets in flight
-  on every node that sends or receives them, and on the CPU everything the GPU would hold. Checked against
-  ``cluster.host_memory_gib`` when set.
+  on every node that sends or receives them, the driver (``HOST_PROCESS_GIB["driver"]``, on node 0), and on
+  the CPU everything the GPU would hold: a rank's static and working memory, an engine's weights, KV cache,
+  sampler buffers (``memory_model.engine_sampler_bytes``) and the growth of its first weight sync
+  (``engine_sync_gib``). ``per_process`` gives one learner rank, engine, reward worker and the driver
+  (``bench/memory_plan.py`` compares them with a run's peak RSS). Checked against ``cluster.host_memory_gib``
+  when set. The architecture comes from ``model.shape``, the tiny model's keys or the ``config.json`` of a local
+  ``model.path`` (``folder_shape``).
 - a GPU shared by fractional requests (``num_gpus_per_rank`` or ``num_gpus_per_engine`` below 1) must hold the
   sum of its occupants' claims.
 
@@ -61,6 +66,8 @@ Over budget raises ``PlanError`` naming the numbers.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from cluster.planning import memory_model as mm
@@ -84,7 +91,8 @@ ROLLOUT_OVERHEAD_GIB = 2.0
 MIN_FREE_SHARE = 0.05
 #: host RAM of one process before any model state, GiB: Python, torch, DeepSpeed / vLLM and (on a GPU) the
 #: CUDA runtime's host side. The "_cpu" values are the CPU runs' base RSS (docs/cluster.md, "Memory model").
-HOST_PROCESS_GIB = {"learner": 6.0, "engine": 6.0, "learner_cpu": 0.7, "engine_cpu": 1.05, "reward": 0.15}
+HOST_PROCESS_GIB = {"learner": 6.0, "engine": 6.0, "learner_cpu": 0.7, "engine_cpu": 1.05, "reward": 0.15,
+                    "driver": 0.7}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GIB = float(2**30)
 
@@ -285,16 +293,40 @@ def _placement_groups(cfg: Config) -> dict[str, Any]:
 
 def model_shape(cfg: Config) -> Any:
     """The architecture the plan models: ``model.shape``, or for ``builtin:tiny_moe`` its build keys (vocabulary
-    from ``cluster.models.tiny_model``); None when unknown."""
+    from ``cluster.models.tiny_model``), or the ``config.json`` of a local ``model.path`` folder
+    (``folder_shape``); None when unknown (a hub id not yet fetched, a ``builtin:tiny_<arch>``)."""
     m = cfg.model
     if m.shape is not None:
         return m.shape
     if m.path != "builtin:tiny_moe":
-        return None
+        return folder_shape(Path(m.path))
     return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, vocab_size=VOCAB_SIZE,
                       moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
                       num_experts_per_tok=m.num_experts_per_tok)
+
+
+def folder_shape(folder: Path) -> ModelShape | None:
+    """A ``ModelShape`` from a Hugging Face folder's ``config.json`` (transformers' key names: Llama, Qwen2/3,
+    Qwen3-MoE ``num_experts``, Mixtral ``num_local_experts`` whose experts have ``intermediate_size``); None when
+    the folder or its config is absent. A model whose config nests the text model (``text_config``) is read there.
+    """
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    c = json.loads(path.read_text())
+    c = {**c, **c.get("text_config", {})}
+    heads = int(c["num_attention_heads"])
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    moe_size = int(c.get("moe_intermediate_size") or (c.get("intermediate_size") if experts else 0) or 0)
+    return ModelShape(
+        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
+        intermediate_size=0 if experts and not c.get("moe_intermediate_size") else c.get("intermediate_size", 0),
+        moe_intermediate_size=moe_size if experts else 0, num_experts=experts,
+        num_experts_per_tok=c.get("num_experts_per_tok", 0) if experts else 0,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
 def num_params(cfg: Config) -> float | None:
@@ -424,6 +456,16 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
     return mem
 
 
+def engine_sync_gib(cfg: Config, p: float) -> float:
+    """GiB a CPU engine's peak grows by in its first weight sync: ``b_r P + sync.max_buckets_in_flight x
+    sync.bucket_mb / 1024``. Measured on SmolLM2-135M (docs/real_model.md, "Memory"): 0.62 GiB for 0.50 GiB of
+    weights and 0.12 GiB of buckets, of which 0.32 GiB were object-store pages mapped into the process; the rest
+    is vLLM's layer-wise reload materialising checkpoint-layout tensors beside the packed kernels' copies (the
+    split between the two is not measured, their sum is)."""
+    sc = cfg.sync
+    return _BYTES[cfg.rollout.dtype] * p / _GIB + sc.max_buckets_in_flight * sc.bucket_mb / 1024
+
+
 def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float, *, on_gpu: bool,
                  offloaded: float = 0.0) -> dict[str, Any]:
     """Host RAM per node, GiB (module docstring): ``{"node i": {...parts, "total"}}``, plus ``checked``.
@@ -444,7 +486,8 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
         engine = HOST_PROCESS_GIB["engine"]
     else:  # the CPU holds everything the GPU would
         rank = HOST_PROCESS_GIB["learner_cpu"] + lm["total"] - lm["overhead"]
-        engine = HOST_PROCESS_GIB["engine_cpu"] + br * p / _GIB + rc.kv_cache_gb
+        engine = (HOST_PROCESS_GIB["engine_cpu"] + br * p / _GIB + rc.kv_cache_gb
+                  + mm.engine_sampler_bytes(model_shape(cfg)) / _GIB + engine_sync_gib(cfg, p))
     buckets = sc.max_buckets_in_flight * sc.bucket_mb / 1024
     out: dict[str, Any] = {}
     limit = cfg.cluster.host_memory_gib
@@ -455,6 +498,7 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
         parts = {"learner_ranks": ranks * rank, "learner_optimizer_offload": ranks * offloaded,
                  "checkpoint_export_rank0": full if ranks else 0.0,
                  "engines": engines * engine, "reward_workers": workers * HOST_PROCESS_GIB["reward"],
+                 "driver": HOST_PROCESS_GIB["driver"] if n.index == 0 else 0.0,
                  "object_store_sync": buckets if ranks or engines else 0.0}
         parts = {k: round(v, 2) for k, v in parts.items()}
         # the load is over before the optimizer's host buffers exist and before any checkpoint export
@@ -470,6 +514,8 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
                 + (f", learner.offload_optimizer='cpu' keeps {offloaded:.1f} GiB per rank on the host (raise "
                    "learner.world_size, or offload 'none' where the GPUs hold the optimizer)" if offloaded else "")
                 + ", or spread the services over more nodes")
+    out["per_process"] = {"learner_rank": round(rank, 2), "engine": round(engine, 2),
+                          "reward_worker": HOST_PROCESS_GIB["reward"], "driver": HOST_PROCESS_GIB["driver"]}
     out["checked"] = limit is not None
     return out
 

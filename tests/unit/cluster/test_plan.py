@@ -3,6 +3,7 @@ configs validated through ``python -m cluster.train CONFIG --dry-run``."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -335,7 +336,7 @@ def test_host_ram_per_node():
     """Node 0 of the 30B run: 8 ZeRO-3 ranks (6 GiB process each; at load each merges the whole checkpoint and
     stacks the fused experts, 2 x (30.5 B + 29.0 B expert parameters) bytes = 110.81 GiB, before any optimizer
     state exists; later 71.01 GiB of offloaded optimizer state and gradients each, and rank 0's 56.81 GiB export
-    copy), 4 reward workers (0.15 GiB each), two 1 GiB sync buckets; the total takes the larger of the load and
+    copy), 4 reward workers (0.15 GiB each), two 1 GiB sync buckets, the driver (0.7 GiB); the total takes the larger of the load and
     the training-time parts; refused over host_memory_gib."""
     cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml")
     host = plan(cfg)["memory"]["host_ram_gib"]
@@ -344,10 +345,10 @@ def test_host_ram_per_node():
     assert host["node 0"]["learner_ranks"] == 8 * 6 and host["node 0"]["checkpoint_export_rank0"] == 56.81
     assert host["node 0"]["learner_load_zero3"] == load == 886.49
     assert host["node 0"]["learner_optimizer_offload"] == round(8 * 20 * 30.5e9 / 8 / GIB, 2) == 568.11
-    assert host["node 0"]["total"] == round(48 + max(load, 568.11 + 56.81) + 4 * 0.15 + 2.0, 2) == 937.09
+    assert host["node 0"]["total"] == round(48 + max(load, 568.11 + 56.81) + 4 * 0.15 + 2.0 + 0.7, 2) == 937.79
     assert host["node 1"]["learner_optimizer_offload"] == 0.0 and host["node 1"]["learner_load_zero3"] == 0.0
     plain = plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.offload_optimizer=none"]))
-    assert plain["memory"]["host_ram_gib"]["node 0"]["total"] == round(48 + load + 4 * 0.15 + 2.0, 2)
+    assert plain["memory"]["host_ram_gib"]["node 0"]["total"] == round(48 + load + 4 * 0.15 + 2.0 + 0.7, 2)
     # a dense model has no fused experts: b P per rank at load
     dense_cfg = load_config(REPO_ROOT / "configs/qwen3_1p7b_dense_gsm8k.yaml", ["learner.zero_stage=3"])
     dense = plan(dense_cfg)["memory"]
@@ -361,7 +362,7 @@ def test_host_ram_per_node():
     assert z2["node 0"]["learner_ranks"] == round(8 * (6 + 2 * 30.5e9 / GIB), 2) == 502.49
     assert z2["node 0"]["learner_optimizer_offload"] == round(8 * 16 * 30.5e9 / 8 / GIB, 2)
     assert z2["node 0"]["learner_load_zero3"] == 0.0
-    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 937.1 GiB needed > cluster.host_memory_gib=900"
+    with pytest.raises(PlanError, match=r"host RAM over budget on node 0: 937.8 GiB needed > cluster.host_memory_gib=900"
                                         r".*every ZeRO-3 rank merges the whole checkpoint at load"
                                         r".*learner.offload_optimizer='cpu' keeps 71.0 GiB per rank on the host"):
         plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["cluster.host_memory_gib=900"]))
@@ -406,3 +407,40 @@ def test_cpu_oversubscription_counts_overlapped_threads_together():
 def test_dry_run_warns_about_oversubscribed_cores():
     r = dry_run("configs/tiny_moe.yaml", "trainer.max_staleness=1", "rollout.threads_per_engine=64")
     assert r.returncode == 0 and "warning: " in r.stderr and "rollout.threads_per_engine=64" in r.stderr
+
+
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 30,
+                  "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+                  "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def test_plan_reads_the_shape_of_a_model_folder(tmp_path):
+    """A local ``model.path`` gives the plan its architecture from ``config.json``: SmolLM2-135M's numbers (no
+    ``head_dim`` key: 576 / 9 = 64) count 134,518,848 parameters, the real model's 134,515,008 plus the Q/K norms
+    a Qwen3 layer has and a Llama layer lacks (30 x 2 x 64); a Mixtral-style config's experts use
+    ``intermediate_size``; a folder without ``config.json`` gives no shape."""
+    from cluster.planning.memory_model import param_count
+    from cluster.planning.plan import folder_shape
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    shape = folder_shape(tmp_path)
+    assert (shape.num_layers, shape.head_dim, shape.num_key_value_heads, shape.num_experts) == (30, 64, 3, 0)
+    assert shape.tie_word_embeddings and param_count(shape) == 134_515_008 + 30 * 2 * 64
+    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.kv_cache_gb=1.0"])
+    mem = plan(cfg)["memory"]
+    assert mem["num_params_b"] == 0.134519 and mem["learner_per_rank_gib"]["logits"] > 0
+    mixtral = {**SMOLLM2_CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(mixtral))
+    moe = folder_shape(tmp_path)
+    assert (moe.num_experts, moe.moe_intermediate_size, moe.intermediate_size, moe.num_experts_per_tok) == (8, 1536, 0, 2)
+    assert folder_shape(tmp_path / "absent") is None
+
+
+def test_plan_reports_host_memory_per_process():
+    """``host_ram_gib.per_process``: what one learner rank, one engine and one reward worker hold, the parts the
+    node totals add up (the tiny config: 2 ranks, 1 engine, 1 worker on node 0)."""
+    host = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml"))["memory"]["host_ram_gib"]
+    per, node = host["per_process"], host["node 0"]
+    assert node["learner_ranks"] == pytest.approx(2 * per["learner_rank"], abs=0.011)
+    assert node["engines"] == pytest.approx(per["engine"], abs=0.011)
+    assert node["reward_workers"] == per["reward_worker"]
