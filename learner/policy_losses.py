@@ -76,7 +76,8 @@ def sapo_loss(x: LossInputs, settings: Any) -> LossTerms:
     ``SAPO_SOFT_CLIP_WEIGHT`` (0.5), high when ``r > 1``, low when ``r < 1``.
     """
     ratio, log_ratio = _token_ratio(x)
-    tau = torch.where(x.adv > 0, settings.tau_pos, settings.tau_neg).to(x.lp.dtype)
+    pos, neg = (torch.tensor(float(t), dtype=x.lp.dtype, device=x.lp.device) for t in (settings.tau_pos, settings.tau_neg))
+    tau = torch.where(x.adv > 0, pos, neg)
     z = tau * (ratio - 1.0)
     gate = torch.sigmoid(z) * (4.0 / tau)
     loss = -x.aggregate(_weighted(gate * x.adv, x), settings.loss_agg)
