@@ -126,3 +126,47 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys):
     assert compare.main([CONFIG, "--seeds", "0", "--output-dir", str(tmp_path)]) == 2
     assert compare.main([CONFIG, "trainer.prompts_per_step=3", "--output-dir", str(tmp_path)]) == 2
     assert not (tmp_path / "tiny_moe").exists()
+
+
+def test_registry_losses_run_with_their_own_defaults(tmp_path):
+    """Every registered loss without an arm of its own runs as learner.algorithm=<name> with that loss's own
+    clip range, aggregation, options and advantage normalisation, whatever the base config set."""
+    from learner.objectives import resolve_objective
+
+    overrides = ["learner.algorithm=grpo", "learner.clip_low=0.1", "learner.loss_agg=seq_mean_token_sum",
+                 "learner.normalize_adv_std=true"]
+    base = load_config(CONFIG, overrides)
+    want = {"cispo": (1.0, 4.0, "token_mean", True), "gmpo": (0.4, 0.4, "seq_mean_token_mean", True),
+            "dr_grpo": (0.2, 0.2, "seq_mean_token_sum", False), "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean", True)}
+    for algo, (low, high, agg, std) in want.items():
+        assert compare.registry_arm(algo)
+        cfg = load_config(CONFIG, overrides + compare.run_overrides(algo, 0, base, tmp_path))
+        lc = cfg.learner
+        obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
+        assert (obj.algorithm, obj.clip_low, obj.clip_high, obj.loss_agg, lc.advantage_std()) == (algo, low, high, agg, std)
+    cfg = load_config(CONFIG, overrides + compare.run_overrides("sapo", 0, base, tmp_path))
+    assert cfg.learner.algorithm == "sapo" and cfg.learner.clip_low is None
+    assert compare._settings(cfg) == "sapo, tau_pos=1, tau_neg=1.05, loss_agg=seq_mean_token_mean"
+    assert not compare.registry_arm("gspo") and not compare.registry_arm("nope")
+    assert compare.registry_arm("mylosses:fn")  # a user's loss, by module:function
+
+
+def test_arms_are_the_config_plus_their_overrides(tmp_path, capsys):
+    assert compare.parse_arm("lr3: learner.lr=3e-4  learner.grad_clip=0.5") == (
+        "lr3", ["learner.lr=3e-4", "learner.grad_clip=0.5"])
+    for bad in ("learner.lr=3e-4", "a b: learner.lr=1", "x:", "x: learner.lr"):
+        with pytest.raises(ValueError, match="--arm"):
+            compare.parse_arm(bad)
+    base = load_config(CONFIG, [])
+    arms = {"lr3": ["learner.lr=3e-4"]}
+    cfg = load_config(CONFIG, compare.run_overrides("lr3", 1, base, tmp_path, arms=arms))
+    assert cfg.learner.lr == 3e-4 and cfg.learner.algorithm == base.learner.algorithm
+    assert cfg.run_dir == tmp_path / "lr3_seed1" and cfg.rollout.seed == base.rollout.seed + 1
+    # refused before anything runs: a bad arm, a name twice, an arm whose overrides do not load
+    assert compare.main([CONFIG, "--arm", "nope", "--output-dir", str(tmp_path)]) == 2
+    assert compare.main([CONFIG, "--algorithms", "gspo", "--arm", "gspo: learner.lr=1e-3",
+                         "--output-dir", str(tmp_path)]) == 2
+    assert compare.main([CONFIG, "--algorithms", "", "--arm", "bad: learner.no_such_key=1",
+                         "--output-dir", str(tmp_path)]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+    assert not (tmp_path / "tiny_moe").exists()
