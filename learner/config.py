@@ -20,7 +20,13 @@ from learner.objective_names import (
     SEQUENCE_LEVEL_ALGORITHMS,
     check_loss_agg,
 )
-from learner.loss_settings import BUILTIN_LOSSES, accepts_token_weights, build_settings, default_normalize_adv_std, is_user_loss
+from learner.loss_settings import (
+    BUILTIN_LOSSES,
+    accepts_token_weights,
+    build_settings,
+    default_normalize_adv_std,
+    is_user_loss,
+)
 
 
 # Health-guard thresholds checked on the pre-update pass's metrics (max_logprob_diff, min_entropy,

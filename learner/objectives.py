@@ -43,7 +43,14 @@ from learner.objective_names import (  # noqa: F401
 # to the sequence mean for GSPO / GSPO-token, to each token for GRPO; for GSPO the clip range (3e-4) is far
 # inside it, so the clamp only acts on broken inputs) and the losses' typed settings with their defaults.
 from learner import policy_losses  # noqa: F401  (registers cispo, sapo, gmpo)
-from learner.loss_registry import LOG_RATIO_CLAMP, LossInputs, LossTerms, RatioUnits, get_policy_loss, register_policy_loss
+from learner.loss_registry import (
+    LOG_RATIO_CLAMP,
+    LossInputs,
+    LossTerms,
+    RatioUnits,
+    get_policy_loss,
+    register_policy_loss,
+)
 from learner.loss_settings import build_settings
 
 # Metric keys that are sums over units (exact to add across micro-batches and ranks).

@@ -76,7 +76,8 @@ def sapo_loss(x: LossInputs, settings: Any) -> LossTerms:
     ``SAPO_SOFT_CLIP_WEIGHT`` (0.5), high when ``r > 1``, low when ``r < 1``.
     """
     ratio, log_ratio = _token_ratio(x)
-    pos, neg = (torch.tensor(float(t), dtype=x.lp.dtype, device=x.lp.device) for t in (settings.tau_pos, settings.tau_neg))
+    pos, neg = (torch.tensor(float(t), dtype=x.lp.dtype, device=x.lp.device)
+                for t in (settings.tau_pos, settings.tau_neg))
     tau = torch.where(x.adv > 0, pos, neg)
     z = tau * (ratio - 1.0)
     gate = torch.sigmoid(z) * (4.0 / tau)

@@ -143,7 +143,8 @@ def test_registry_losses_run_with_their_own_defaults(tmp_path):
         cfg = load_config(CONFIG, overrides + compare.run_overrides(algo, 0, base, tmp_path))
         lc = cfg.learner
         obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
-        assert (obj.algorithm, obj.clip_low, obj.clip_high, obj.loss_agg, lc.advantage_std()) == (algo, low, high, agg, std)
+        got = (obj.algorithm, obj.clip_low, obj.clip_high, obj.loss_agg, lc.advantage_std())
+        assert got == (algo, low, high, agg, std)
     cfg = load_config(CONFIG, overrides + compare.run_overrides("sapo", 0, base, tmp_path))
     assert cfg.learner.algorithm == "sapo" and cfg.learner.clip_low is None
     assert compare._settings(cfg) == "sapo, tau_pos=1, tau_neg=1.05, loss_agg=seq_mean_token_mean"
