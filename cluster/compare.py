@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.common import mean as _mean
+from cluster.compare_spread import FIGURES, spread_lines
 from cluster.config import Config, ConfigError, absolute_paths, load_config
 
 log = logging.getLogger("cluster.compare")
@@ -363,6 +364,7 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
     lines += ["## Results (mean ± sample std over seeds)", ""]
     header = ["algorithm", "settings", "runs"] + [h for _, h, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    per_arm: dict[str, dict[str, list[float]]] = {}
     for a in algos:
         runs = [r for r in results if r.algorithm == a and r.status == "ok"]
         all_runs = [r for r in results if r.algorithm == a]
@@ -372,9 +374,10 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
             lines.append(f"| {a} | {settings} | 0 ({status}) |" + " – |" * len(COLUMNS))
             continue
         vals = [_row_values(r, spike_factor) for r in runs]
+        per_arm[a] = {k: [v[k] for v in vals] for k, _ in FIGURES}
         cells = [_fmt(*mean_spread([v[k] for v in vals]), d) for k, _, d in COLUMNS]
         lines.append(f"| {a} | {settings} | {len(runs)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Runs", ""]
+    lines += [""] + spread_lines(per_arm, algos[0]) + ["## Runs", ""]
     header = ["run", "status", "steps"] + [h for _, h, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:

@@ -171,3 +171,25 @@ def test_arms_are_the_config_plus_their_overrides(tmp_path, capsys):
                          "--output-dir", str(tmp_path)]) == 2
     assert "no_such_key" in capsys.readouterr().err
     assert not (tmp_path / "tiny_moe").exists()
+
+
+def test_differences_beyond_the_spread():
+    from cluster.compare_spread import chance_disjoint, spread_lines
+
+    # 3 seeds each: disjoint ranges by chance with probability 2 / C(6, 3) = 0.1
+    assert chance_disjoint(3, 3) == pytest.approx(0.1) and chance_disjoint(4, 4) == pytest.approx(2 / 70)
+    per_arm = {
+        "gspo": {"final_accuracy": [0.80, 0.82, 0.84], "best_accuracy": [0.85, 0.86, 0.87], "reward": [0.5] * 3},
+        "cispo": {"final_accuracy": [0.85, 0.86, 0.90], "best_accuracy": [0.84, 0.88, 0.90],
+                  "reward": [0.5, 0.6, math.nan]},
+        "one_seed": {"final_accuracy": [0.99]},
+    }
+    text = "\n".join(spread_lines(per_arm, "gspo"))
+    assert "final acc +0.050 (**beyond**: 0.850–0.900 vs 0.800–0.840)" in text  # 0.85 > 0.84
+    assert "best acc +0.013 (within: 0.840–0.900 vs 0.850–0.870)" in text
+    assert "reward +0.050 (**beyond**: 0.500–0.600 vs 0.500–0.500)" not in text  # 0.5 touches 0.5: overlap
+    assert "reward (last ¼) +0.050 (within" in text
+    assert "one_seed" not in text  # fewer than two seeds: no spread
+    assert "3 pairs were looked at, so about 0.4 would be expected" in text  # 0.1 + 0.1 + 2 / C(5, 2)
+    assert "Beyond the spread: cispo final acc." in text
+    assert "no spread to compare" in "\n".join(spread_lines({"a": {"reward": [1.0]}, "b": {}}, "a"))
