@@ -394,7 +394,9 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
         "warm start; the same for every algorithm of a seed), final = last evaluation, best = best evaluation.",
         "- Reward: mean training-rollout reward over the last quarter of the RL steps.",
         "- Clip fraction: mean over RL steps of `actor/clip_fraction`. Its unit differs: sequences for GSPO, "
-        "tokens for GRPO/DAPO, so the columns are not the same quantity across algorithms.",
+        "tokens for GRPO/DAPO, so the columns are not the same quantity across algorithms. Tokens for the other "
+        "losses, where it means: CISPO a truncated IS weight, SAPO a soft gate passing under half the gradient, "
+        "GMPO a token log-ratio outside its log-space range, Dr. GRPO as GRPO (learner/README.md).",
         "- Routing volatility: mean `moe/routing_volatility` (share of (token, MoE layer) top-k expert sets that "
         "differ from the behaviour policy's, for the experts used; 0 under Routing Replay by construction) and "
         "`moe/routing_volatility_unreplayed` (the router's own choice). – when not logged (dense model, or one "
