@@ -52,7 +52,7 @@ class GspoSettings(ClipSettings):
 
 @dataclass(frozen=True)
 class CispoSettings(ClipSettings):
-    """CISPO: the IS weight is clipped to ``[1 - clip_low, 1 + clip_high]``. MiniMax-M1 (section 3.1) sets no
+    """CISPO: the IS weight is clipped to ``[1 - clip_low, 1 + clip_high]``. MiniMax-M1 sets no
     lower bound (``clip_low = 1``: the weight is never below 0 anyway) and tunes only the upper one; 4.0 (a
     weight cap of 5) is ScaleRL's value (arXiv 2510.13786), TRL's recommended ``epsilon_high=5.0``. Token-mean
     loss over all the batch's tokens (MiniMax-M1's normaliser ``sum_i |o_i|``)."""
@@ -76,7 +76,7 @@ class GmpoSettings(ClipSettings):
 class DrGrpoSettings(ClipSettings):
     """Dr. GRPO: GRPO's token clipping, the token sum of each sequence divided by one constant ``norm_length``
     (the generation budget; a run config sets it from ``rollout.max_response_tokens``) and the mean over
-    sequences: no length normalisation (Dr. GRPO section 3.2)."""
+    sequences: no length normalisation (Dr. GRPO, arXiv 2503.20783)."""
 
     loss_agg: str = "seq_mean_token_sum"
     norm_length: int | None = None

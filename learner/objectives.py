@@ -380,7 +380,7 @@ def _grpo(x: _Inputs, settings: Any) -> LossTerms:
 
 @register_policy_loss("dr_grpo")
 def _dr_grpo(x: _Inputs, settings: Any) -> LossTerms:
-    """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783, section 3.2, Eq. 3):
+    """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783: the Dr. GRPO objective):
 
         loss = -(1/S) sum_i (1/L) sum_t min(r_i,t A_i, clip(r_i,t, 1 - eps_low, 1 + eps_high) A_i)
 

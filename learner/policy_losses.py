@@ -33,15 +33,16 @@ def _weighted(values: torch.Tensor, x: LossInputs) -> torch.Tensor:
 
 @register_policy_loss("cispo")
 def cispo_loss(x: LossInputs, settings: Any) -> LossTerms:
-    """CISPO (MiniMax-M1, arXiv 2506.13585, section 3.1, Eq. 4-5): a clipped, stop-gradient IS weight on a
-    REINFORCE token term, so no token's gradient is dropped (PPO's clip zeroes it):
+    """CISPO (MiniMax-M1, arXiv 2506.13585: its objective J_CISPO and clipped IS weight r^, below): a clipped,
+    stop-gradient IS weight on a REINFORCE token term, so no token's gradient is dropped (PPO's clip zeroes it):
 
-        r^_i,t = clip(r_i,t, 1 - eps_low, 1 + eps_high)                                         (Eq. 5)
-        loss   = -(1/N) sum_i sum_t sg[r^_i,t] A_i,t log pi_theta(y_i,t | x, y_i,<t)               (Eq. 4)
+        r^_i,t = clip(r_i,t, 1 - eps_low, 1 + eps_high)                                          (r^)
+        loss   = -(1/N) sum_i sum_t sg[r^_i,t] A_i,t log pi_theta(y_i,t | x, y_i,<t)         (-J_CISPO)
 
     aggregated by ``settings.loss_agg`` (default ``token_mean``, the paper's ``1 / sum_i |o_i|``). Defaults
     (``CispoSettings``): no lower bound (``clip_low = 1``, the paper's "large eps_low"), ``clip_high = 4`` (an IS
-    weight of at most 5, ScaleRL's eps_max and TRL's recommended value). Gradient w.r.t. a token's log-prob:
+    weight of at most 5, ScaleRL's eps_max and TRL's recommended value; the sources read give no value of
+    MiniMax's own). Gradient w.r.t. a token's log-prob:
     ``-sg[r^] A / N`` (the loss's value carries ``log pi``, as in verl and TRL; only its gradient matters).
     Clip fraction: the share of tokens whose weight was truncated (low: ``r < 1 - eps_low``, high:
     ``r > 1 + eps_high``, whatever the advantage's sign; verl's ``pg_clipfrac``).
@@ -62,7 +63,7 @@ SAPO_SOFT_CLIP_WEIGHT = 0.5
 
 @register_policy_loss("sapo")
 def sapo_loss(x: LossInputs, settings: Any) -> LossTerms:
-    """SAPO (Gao et al., "Soft Adaptive Policy Optimization", arXiv 2511.20347, section 3, the SAPO objective):
+    """SAPO ("Soft Adaptive Policy Optimization", Qwen team, arXiv 2511.20347: its objective, below):
     a smooth temperature-controlled gate instead of the hard clip,
 
         f_i,t(r) = sigmoid(tau_i,t (r - 1)) * 4 / tau_i,t,    tau_i,t = tau_pos if A_i,t > 0 else tau_neg
@@ -93,7 +94,7 @@ def sapo_loss(x: LossInputs, settings: Any) -> LossTerms:
 
 @register_policy_loss("gmpo")
 def gmpo_loss(x: LossInputs, settings: Any) -> LossTerms:
-    """GMPO (Zhao et al., "Geometric-Mean Policy Optimization", arXiv 2507.20673, section 3, the GMPO objective):
+    """GMPO ("Geometric-Mean Policy Optimization", arXiv 2507.20673: its objective J_GMPO, below):
     the geometric mean of the token terms instead of their arithmetic mean, clipped per token in log space,
 
         l_i,t  = sgn(A_i) * min(sgn(A_i) log r_i,t, sgn(A_i) clip(log r_i,t, -eps_low, eps_high))
