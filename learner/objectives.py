@@ -1,4 +1,6 @@
-"""Policy objectives of GSPO, GSPO-token and GRPO/DAPO, the KL penalty, and their training metrics.
+"""Policy objectives of GSPO, GSPO-token, GRPO/DAPO and Dr. GRPO as entries of the policy-loss registry
+(``learner/loss_registry.py``; CISPO, SAPO and GMPO in ``learner/policy_losses.py``), the KL penalty, and their
+training metrics.
 
 Pure torch (no Ray, vLLM, DeepSpeed or config imports): tensors and plain arguments in, a loss tensor and a
 dict of Python floats out. The math, the defaults and how the algorithms differ: ``learner/README.md``.
@@ -281,6 +283,9 @@ def policy_loss(
 ) -> PolicyLoss:
     """Clipped policy-gradient loss (negative surrogate objective, to minimise) and its metrics.
 
+    Sanitises the inputs, runs the registered loss ``objective.algorithm`` (``learner/loss_registry.py``; the
+    ones below, ``dr_grpo`` here, ``cispo``, ``sapo`` and ``gmpo`` in ``learner/policy_losses.py``, or a user's)
+    with ``objective.settings`` and turns its ratio units into the metrics below.
     With ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``A`` the advantage and ``B`` the number of sequences:
 
     - ``"gspo"`` (GSPO Eq. 5): ``loss = -(1/B) sum_i min(s_i A_i, clip(s_i, lo, hi) A_i)`` with
@@ -303,7 +308,7 @@ def policy_loss(
         advantages: float ``[B]`` (one per sequence) or ``[B, T]`` (``gspo_token`` and ``grpo`` only); must
             be finite on response positions.
         response_mask: bool or 0/1 ``[B, T]``.
-        objective: the algorithm (``"gspo"``, ``"gspo_token"`` or ``"grpo"``), clip range and aggregation, from
+        objective: the algorithm (a registered loss), clip range, aggregation and settings, from
             :func:`resolve_objective`.
         num_sequences, num_tokens: global normalisers (minibatch totals across micro-batches and ranks, see
             :func:`loss_normalisers`); None: this call's own counts.
@@ -326,7 +331,8 @@ def policy_loss(
     Raises:
         ValueError: shapes
             that do not match, ``[B, T]`` advantages with ``"gspo"``, a normaliser smaller than this call's
-            own count, or ``token_weights`` with a sequence-level algorithm (it would change GSPO's aggregation).
+            own count, ``token_weights`` with a loss that takes none (gspo, gspo_token, gmpo: it would change their
+            sequence-level aggregation), an unknown algorithm or a setting the loss does not have.
     """
     spec = get_policy_loss(objective.algorithm)
     if token_weights is not None and not spec.info.token_weights:
