@@ -1,5 +1,6 @@
-"""Equal-budget comparison: ``python -m cluster.compare CONFIG --algorithms gspo,grpo[,grpo_rr,grpo_r3,gspo_mc,dapo]
-[--seeds K] [--name NAME] [dotted.key=value ...]`` (also ``make compare CONFIG=... ARGS=...``).
+"""Equal-budget comparison: ``python -m cluster.compare CONFIG --algorithms gspo,grpo[,grpo_rr,grpo_r3,gspo_mc,dapo,
+cispo,sapo,gmpo,dr_grpo,...] [--arm "NAME: key=value ..."] [--seeds K] [--name NAME] [dotted.key=value ...]``
+(also ``make compare CONFIG=... ARGS=...``).
 
 Trains the same config once per algorithm and seed, one run after the other in this process (a ``Trainer``
 each, Ray shut down between runs), and writes ``<output-dir>/<name>/report.md`` (a table with mean and spread
@@ -24,7 +25,13 @@ the objective:
 - ``gspo_mc``: ``gspo`` with ``learner.rollout_correction=seq_geo_rs`` (geometric-mean rejection of sequences
   whose train-vs-engine ratio leaves ``[learner.rollout_correction_low, _high]``, from the config);
 - ``dapo``: ``grpo`` with clip 0.2 / 0.28, ``loss_agg=token_mean`` and dynamic sampling
-  (``trainer.dynamic_sampling=true``).
+  (``trainer.dynamic_sampling=true``);
+- any other loss of the registry (``gspo_token``, ``cispo``, ``sapo``, ``gmpo``, ``dr_grpo``, or a user's
+  ``module.path:function``): ``learner.algorithm=<name>`` with that loss's own defaults (clip range,
+  aggregation, ``loss_options``, advantage normalisation: ``learner/loss_settings.py``);
+- ``--arm "NAME: key=value key=value"``: an arm that is the config plus those overrides and nothing else
+  (e.g. ``--arm "lora8: learner.lora.rank=8"`` or ``--arm "ppo: learner.algorithm=ppo"``), so an option that
+  is not a loss can be compared on the same footing.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.common import mean as _mean
+from cluster.compare_spread import FIGURES, spread_lines
 from cluster.config import Config, ConfigError, absolute_paths, load_config
 
 log = logging.getLogger("cluster.compare")
@@ -72,12 +80,45 @@ def routing_replay_supported() -> tuple[bool, str]:
     return False, "learner.routing_replay is not an option of this learner (Routing Replay not implemented)"
 
 
-def algorithm_overrides(algorithm: str, base: Config) -> list[str]:
-    """The dotted overrides that turn ``base`` into ``algorithm``'s run (see the module docstring).
+def registry_arm(name: str) -> bool:
+    """Whether ``name`` is an arm run as ``learner.algorithm=<name>`` with the loss's own defaults: a built-in
+    loss without its own arm above, or a user's ``module.path:function``."""
+    from learner.loss_settings import BUILTIN_LOSSES, is_user_loss
+
+    return name not in ALGORITHMS and (name in BUILTIN_LOSSES or is_user_loss(name))
+
+
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """``"NAME: key=value key=value"`` -> ``(NAME, [key=value, ...])``.
+
+    Raises:
+        ValueError: no name, a name with characters other than letters, digits, ``_``, ``-`` and ``.``, or an
+            override without ``=``; the message quotes the argument.
+    """
+    name, sep, rest = text.partition(":")
+    name, overrides = name.strip(), rest.split()
+    if not sep or not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(f"--arm {text!r}: write 'NAME: key=value [key=value ...]' (NAME: letters, digits, _ - .)")
+    bad = [o for o in overrides if "=" not in o]
+    if not overrides or bad:
+        raise ValueError(f"--arm {text!r}: give dotted key=value overrides after the name (not {bad or 'none'})")
+    return name, overrides
+
+
+def algorithm_overrides(algorithm: str, base: Config, arms: dict[str, list[str]] | None = None) -> list[str]:
+    """The dotted overrides that turn ``base`` into ``algorithm``'s run (see the module docstring); an arm of
+    ``arms`` is its own overrides only.
 
     Raises:
         ValueError: an unknown algorithm name.
     """
+    if arms and algorithm in arms:
+        return list(arms[algorithm])
+    if registry_arm(algorithm):
+        return [f"learner.algorithm={algorithm}", "learner.clip_low=null", "learner.clip_high=null",
+                "learner.loss_agg=null", "learner.loss_options={}", "learner.normalize_adv_std=null",
+                "trainer.dynamic_sampling=false"] + (
+                    ["learner.rollout_correction=off"] if routing_replay_supported()[0] else [])
     rr = (["learner.routing_replay=off", "rollout.return_routed_experts=false", "learner.rollout_correction=off"]
           if routing_replay_supported()[0] else [])
     if algorithm in ("gspo", "gspo_mc"):
@@ -100,7 +141,7 @@ def algorithm_overrides(algorithm: str, base: Config) -> list[str]:
 
 
 def run_overrides(algorithm: str, seed_index: int, base: Config, runs_dir: Path,
-                  shared_warm_start: bool = False) -> list[str]:
+                  shared_warm_start: bool = False, arms: dict[str, list[str]] | None = None) -> list[str]:
     """Output folder, run name, seeds (config's + ``seed_index``; ``trainer.seed`` stays the config's with a
     shared warm start) and the algorithm's settings."""
     return [
@@ -109,16 +150,15 @@ def run_overrides(algorithm: str, seed_index: int, base: Config, runs_dir: Path,
         f"trainer.seed={base.trainer.seed + (0 if shared_warm_start else seed_index)}",
         f"rollout.seed={base.rollout.seed + seed_index}",
         "trainer.resume=false",
-    ] + algorithm_overrides(algorithm, base)
+    ] + algorithm_overrides(algorithm, base, arms)
 
 
 def _settings(cfg: Config) -> str:
     from learner.objectives import resolve_objective
 
     lc = cfg.learner
-    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
-    low, high, agg = obj.clip_low, obj.clip_high, obj.loss_agg
-    return f"{lc.algorithm}, clip [1-{low:g}, 1+{high:g}], {agg}" + (
+    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
+    return obj.describe() + ("" if lc.advantage_std() else ", advantages not std-normalised") + (
         f", routing replay {lc.routing_replay}" if getattr(lc, "routing_replay", "off") != "off" else "") + (
         f", {lc.rollout_correction} [{lc.rollout_correction_low:g}, {lc.rollout_correction_high:g}]"
         if getattr(lc, "rollout_correction", "off") != "off" else "") + (
@@ -324,6 +364,7 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
     lines += ["## Results (mean ± sample std over seeds)", ""]
     header = ["algorithm", "settings", "runs"] + [h for _, h, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    per_arm: dict[str, dict[str, list[float]]] = {}
     for a in algos:
         runs = [r for r in results if r.algorithm == a and r.status == "ok"]
         all_runs = [r for r in results if r.algorithm == a]
@@ -333,9 +374,10 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
             lines.append(f"| {a} | {settings} | 0 ({status}) |" + " – |" * len(COLUMNS))
             continue
         vals = [_row_values(r, spike_factor) for r in runs]
+        per_arm[a] = {k: [v[k] for v in vals] for k, _ in FIGURES}
         cells = [_fmt(*mean_spread([v[k] for v in vals]), d) for k, _, d in COLUMNS]
         lines.append(f"| {a} | {settings} | {len(runs)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Runs", ""]
+    lines += [""] + spread_lines(per_arm, algos[0]) + ["## Runs", ""]
     header = ["run", "status", "steps"] + [h for _, h, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
@@ -352,7 +394,9 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
         "warm start; the same for every algorithm of a seed), final = last evaluation, best = best evaluation.",
         "- Reward: mean training-rollout reward over the last quarter of the RL steps.",
         "- Clip fraction: mean over RL steps of `actor/clip_fraction`. Its unit differs: sequences for GSPO, "
-        "tokens for GRPO/DAPO, so the columns are not the same quantity across algorithms.",
+        "tokens for GRPO/DAPO, so the columns are not the same quantity across algorithms. Tokens for the other "
+        "losses, where it means: CISPO a truncated IS weight, SAPO a soft gate passing under half the gradient, "
+        "GMPO a token log-ratio outside its log-space range, Dr. GRPO as GRPO (learner/README.md).",
         "- Routing volatility: mean `moe/routing_volatility` (share of (token, MoE layer) top-k expert sets that "
         "differ from the behaviour policy's, for the experts used; 0 under Routing Replay by construction) and "
         "`moe/routing_volatility_unreplayed` (the router's own choice). – when not logged (dense model, or one "
@@ -430,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gspo-compare", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides applied to every run")
-    parser.add_argument("--algorithms", default="gspo,grpo", help=f"comma-separated, from {', '.join(ALGORITHMS)}")
+    parser.add_argument("--algorithms", default="gspo,grpo",
+                        help=f"comma-separated, from {', '.join(ALGORITHMS)} or any registered loss "
+                        "(cispo, sapo, gmpo, dr_grpo, gspo_token, module.path:function); '' for --arm only")
+    parser.add_argument("--arm", action="append", default=[], metavar='"NAME: key=value ..."',
+                        help="an arm that is the config plus these overrides (repeatable), e.g. "
+                        '"lora8: learner.lora.rank=8"')
     parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (trainer.seed and rollout.seed + k)")
     parser.add_argument("--shared-warm-start", action="store_true",
                         help="one warm start for every seed (seed 0's); only rollout.seed moves with the seed")
@@ -442,10 +491,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGORITHMS]
-    if not algos or unknown or len(set(algos)) != len(algos):
-        print(f"error: --algorithms={args.algorithms!r}: give distinct names from {', '.join(ALGORITHMS)}", file=sys.stderr)
+    try:
+        arms = dict(parse_arm(text) for text in args.arm)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    unknown = [a for a in algos if a not in ALGORITHMS and not registry_arm(a)]
+    names = algos + list(arms)
+    if not names or unknown or len(set(names)) != len(names) or len(arms) != len(args.arm):
+        print(f"error: --algorithms={args.algorithms!r} --arm {args.arm!r}: give distinct names from "
+              f"{', '.join(ALGORITHMS)}, a registered loss or an arm", file=sys.stderr)
+        return 2
+    algos = names
     if args.seeds < 1:
         print(f"error: --seeds={args.seeds} must be >= 1", file=sys.stderr)
         return 2
@@ -459,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         base = absolute_paths(load_config(args.config, args.overrides))
         # Every run's config is checked before the first one starts.
         configs = {(a, k): absolute_paths(load_config(args.config, args.overrides + run_overrides(
-                       a, k, base, runs_dir, args.shared_warm_start)))
+                       a, k, base, runs_dir, args.shared_warm_start, arms)))
                    for k in range(args.seeds) for a in algos if not (a in REPLAY_ARMS and not routing_replay_supported()[0])}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

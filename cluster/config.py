@@ -409,7 +409,8 @@ class Config(Section):
 
     def _check_lengths(self) -> None:
         """Every prompt the data admits plus a full-length response fits the engine's context, and DAPO's
-        overlong shaping uses the rollout's length limit as its L_max (set from it when unset)."""
+        overlong shaping uses the rollout's length limit as its L_max (set from it when unset), as does Dr. GRPO's
+        constant normaliser ``learner.loss_options.norm_length``."""
         ro, rw = self.rollout, self.reward
         if self.data.max_prompt_tokens + ro.max_response_tokens > ro.max_model_len:
             raise ValueError(
@@ -431,6 +432,9 @@ class Config(Section):
             )
         if rw.max_response_tokens is None:
             rw.max_response_tokens = ro.max_response_tokens
+        if self.learner.algorithm == "dr_grpo" and self.learner.loss_options.get("norm_length") is None:
+            # Dr. GRPO's constant normaliser is the generation budget (arXiv 2503.20783, MAX_TOKENS)
+            self.learner.loss_options = {**self.learner.loss_options, "norm_length": ro.max_response_tokens}
 
     def _check_temperature(self) -> None:
         """vLLM raises a sampling temperature below its minimum to that minimum (the learner would still divide

@@ -20,6 +20,13 @@ from learner.objective_names import (
     SEQUENCE_LEVEL_ALGORITHMS,
     check_loss_agg,
 )
+from learner.loss_settings import (
+    BUILTIN_LOSSES,
+    accepts_token_weights,
+    build_settings,
+    default_normalize_adv_std,
+    is_user_loss,
+)
 
 
 # Health-guard thresholds checked on the pre-update pass's metrics (max_logprob_diff, min_entropy,
@@ -34,7 +41,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
 
-Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]  (Literal of the core's tuple of names)
+Algorithm = str  # a built-in name of ALGORITHMS or "module.path:function" (checked in LearnerConfig._algorithm)
 LossAgg = Literal[LOSS_AGGS]  # type: ignore[valid-type]
 KlEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 
@@ -70,7 +77,15 @@ class LearnerConfig(Section):
         "float32", description="training dtype; bfloat16 accumulates gradients in fp32 and needs zero_stage >= 1"
     )
     algorithm: Algorithm = Field(
-        "gspo", description="policy objective; clip range and loss_agg default per algorithm (learner/README.md)"
+        "gspo", description=f"policy loss from the registry: {', '.join(ALGORITHMS)}, or a user's "
+        "'module.path:function' (learner/loss_registry.py); clip range, loss_agg and loss_options default per "
+        "algorithm (learner/README.md)"
+    )
+    loss_options: dict[str, float | int | bool | str | None] = Field(
+        default_factory=dict,
+        description="the loss's own settings beyond clip_low / clip_high / loss_agg, by name: sapo {tau_pos, "
+        "tau_neg}, dr_grpo {norm_length} (set from rollout.max_response_tokens when unset), a user loss its "
+        "own; a name the loss does not have is refused",
     )
     clip_low: float | None = Field(None, ge=0, description="ratio clip 1-clip_low; default per algorithm")
     clip_high: float | None = Field(None, ge=0, description="ratio clip 1+clip_high; default per algorithm")
@@ -143,7 +158,9 @@ class LearnerConfig(Section):
     kl_estimator: KlEstimator = Field(
         "k3", description="estimator of the KL penalty (Schulman, 'Approximating KL divergence', 2020)"
     )
-    normalize_adv_std: bool = Field(True, description="group z-score (True) or mean-only, Dr. GRPO (False)")
+    normalize_adv_std: bool | None = Field(
+        None, description="group z-score (true) or mean-only, Dr. GRPO (false); null = the algorithm's own (false "
+        "for dr_grpo, true otherwise)")
     old_logprob_source: Literal["rollout", "recompute"] = Field(
         "rollout", description="behaviour log-probs from the engine or a learner forward before updating"
     )
@@ -181,6 +198,19 @@ class LearnerConfig(Section):
         "0 partitions everything)",
     )
 
+    @field_validator("algorithm")
+    @classmethod
+    def _algorithm(cls, value: str) -> str:
+        if value not in ALGORITHMS and not is_user_loss(value):
+            raise ValueError(f"algorithm={value!r} is not one of {ALGORITHMS} or a user loss 'module.path:function'")
+        return value
+
+    def advantage_std(self) -> bool:
+        """``normalize_adv_std`` resolved: the config's, or the algorithm's own when null."""
+        if self.normalize_adv_std is not None:
+            return self.normalize_adv_std
+        return default_normalize_adv_std(self.algorithm)
+
     @field_validator("routing_replay", mode="before")
     @classmethod
     def _replay_bool(cls, value: object) -> object:
@@ -199,6 +229,9 @@ class LearnerConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
         check_loss_agg(self.algorithm, self.loss_agg, prefix="learner.")
+        if self.algorithm in BUILTIN_LOSSES:  # a user loss's settings are checked when the driver imports it
+            build_settings(self.algorithm, BUILTIN_LOSSES[self.algorithm], {"clip_low": self.clip_low, "clip_high":
+                           self.clip_high, "loss_agg": self.loss_agg}, self.loss_options, prefix="learner.")
         if self.dtype == "bfloat16" and self.zero_stage == 0:
             raise ValueError(
                 "learner.dtype='bfloat16' with learner.zero_stage=0: DeepSpeed accumulates stage-0 bf16 gradients "
@@ -228,7 +261,7 @@ class LearnerConfig(Section):
                 "every rank, next to a policy ZeRO-3 partitions; use learner.kl_coef=0 (the GSPO paper's setting) or "
                 "a ZeRO stage that keeps whole weights on every rank anyway (learner.zero_stage <= 2)"
             )
-        if self.rollout_correction in TOKEN_CORRECTIONS and self.algorithm in SEQUENCE_LEVEL_ALGORITHMS:
+        if self.rollout_correction in TOKEN_CORRECTIONS and not accepts_token_weights(self.algorithm):
             raise ValueError(
                 f"learner.rollout_correction={self.rollout_correction!r} with learner.algorithm={self.algorithm!r}: "
                 "per-token weights or drops change GSPO's sequence-level aggregation; use 'seq_mis' or 'seq_geo_rs'"

@@ -8,8 +8,9 @@ re-exports them; the config schema (``learner/config.py``) takes them from here,
 
 from __future__ import annotations
 
-# The names the config schema accepts.
-ALGORITHMS = ("gspo", "gspo_token", "grpo")
+# The names the config schema accepts: the built-in entries of the policy-loss registry (learner/loss_registry.py;
+# their settings in learner/loss_settings.py). A user's loss is named "module.path:function" instead.
+ALGORITHMS = ("gspo", "gspo_token", "grpo", "cispo", "sapo", "gmpo", "dr_grpo")
 LOSS_AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

@@ -1,4 +1,6 @@
-"""Policy objectives of GSPO, GSPO-token and GRPO/DAPO, the KL penalty, and their training metrics.
+"""Policy objectives of GSPO, GSPO-token, GRPO/DAPO and Dr. GRPO as entries of the policy-loss registry
+(``learner/loss_registry.py``; CISPO, SAPO and GMPO in ``learner/policy_losses.py``), the KL penalty, and their
+training metrics.
 
 Pure torch (no Ray, vLLM, DeepSpeed or config imports): tensors and plain arguments in, a loss tensor and a
 dict of Python floats out. The math, the defaults and how the algorithms differ: ``learner/README.md``.
@@ -22,8 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,19 +41,19 @@ from learner.objective_names import (  # noqa: F401
     SEQUENCE_LEVEL_ALGORITHMS,
     check_loss_agg,
 )
-
-# |log ratio| band applied before exp: to the sequence mean for GSPO / GSPO-token, to each token for GRPO.
-# exp(20) ~ 4.9e8 is finite in float32 and bfloat16; beyond the band the ratio stops growing and gets no
-# gradient. For GSPO the clip range (3e-4) is far inside the band, so the clamp only acts on broken inputs.
-LOG_RATIO_CLAMP = 20.0
-
-# (clip_low, clip_high, loss_agg) per algorithm: GSPO's values are the paper's (section 5.1); GRPO's are PPO's
-# usual symmetric 0.2 with DAPO's token-level loss.
-_DEFAULTS = {
-    "gspo": (3e-4, 4e-4, "seq_mean_token_mean"),
-    "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean"),
-    "grpo": (0.2, 0.2, "token_mean"),
-}
+# The registry (one signature for every loss; LOG_RATIO_CLAMP is the |log ratio| band applied before exp:
+# to the sequence mean for GSPO / GSPO-token, to each token for GRPO; for GSPO the clip range (3e-4) is far
+# inside it, so the clamp only acts on broken inputs) and the losses' typed settings with their defaults.
+from learner import policy_losses  # noqa: F401  (registers cispo, sapo, gmpo)
+from learner.loss_registry import (
+    LOG_RATIO_CLAMP,
+    LossInputs,
+    LossTerms,
+    RatioUnits,
+    get_policy_loss,
+    register_policy_loss,
+)
+from learner.loss_settings import build_settings
 
 # Metric keys that are sums over units (exact to add across micro-batches and ranks).
 COUNT_METRICS = (
@@ -67,14 +69,16 @@ COUNT_METRICS = (
 
 @dataclass(frozen=True)
 class Objective:
-    """The policy loss's settings, resolved and checked by :func:`resolve_objective`: ``algorithm`` (one of
-    ``ALGORITHMS``), the clip range ``[1 - clip_low, 1 + clip_high]`` and the loss aggregation ``loss_agg`` (one
-    of ``LOSS_AGGS``)."""
+    """The policy loss's settings, resolved and checked by :func:`resolve_objective`: ``algorithm`` (a
+    registered loss, ``learner/loss_registry.py``), the clip range ``[1 - clip_low, 1 + clip_high]`` (NaN for a
+    loss without one, e.g. ``sapo``), the loss aggregation ``loss_agg`` (one of ``LOSS_AGGS``; the KL penalty
+    uses it too) and ``settings``, the loss's own typed settings (``learner/loss_settings.py``)."""
 
     algorithm: str
     clip_low: float
     clip_high: float
     loss_agg: str
+    settings: Any = field(default=None, compare=False)
 
     @property
     def low(self) -> float:
@@ -91,36 +95,47 @@ class Objective:
         """True for GSPO and GSPO-token (one ratio per sequence, ``SEQUENCE_LEVEL_ALGORITHMS``)."""
         return self.algorithm in SEQUENCE_LEVEL_ALGORITHMS
 
+    def describe(self) -> str:
+        """One line for reports: the algorithm and its resolved settings."""
+        if self.settings is None:
+            return f"{self.algorithm}, clip [1-{self.clip_low:g}, 1+{self.clip_high:g}], {self.loss_agg}"
+        parts = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in vars(self.settings).items()]
+        return f"{self.algorithm}, " + ", ".join(parts)
+
 
 def resolve_objective(
     algorithm: str,
     clip_low: float | None = None,
     clip_high: float | None = None,
     loss_agg: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Objective:
-    """Fill in the per-algorithm defaults and refuse invalid combinations.
+    """Fill in the loss's defaults (its settings dataclass) and refuse invalid combinations.
 
     Defaults: ``gspo`` and ``gspo_token``: ``clip_low=3e-4``, ``clip_high=4e-4`` (GSPO paper, section 5.1),
-    ``loss_agg="seq_mean_token_mean"``; ``grpo``: 0.2 / 0.2, ``loss_agg="token_mean"``.
+    ``loss_agg="seq_mean_token_mean"``; ``grpo``: 0.2 / 0.2, ``loss_agg="token_mean"``; the others' in
+    ``learner/loss_settings.py`` (``cispo``, ``sapo``, ``gmpo``, ``dr_grpo``).
+
+    Args:
+        algorithm: a registered name or ``"module.path:function"`` (:func:`learner.loss_registry.get_policy_loss`).
+        clip_low, clip_high, loss_agg: the generic settings; None = the loss's default.
+        options: the loss's other settings by name (``learner.loss_options``).
 
     Raises:
         ValueError: unknown ``algorithm`` or ``loss_agg``; a negative or non-finite clip value; GSPO or
             GSPO-token with a ``loss_agg`` other than ``"seq_mean_token_mean"`` (any other aggregation weights
-            a sequence by its length, which is not GSPO's objective, Eq. 5).
+            a sequence by its length, which is not GSPO's objective, Eq. 5); a setting the loss does not have;
+            ``dr_grpo`` without ``norm_length``.
     """
-    if algorithm not in _DEFAULTS:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
-    d_low, d_high, d_agg = _DEFAULTS[algorithm]
-    clip_low = d_low if clip_low is None else float(clip_low)
-    clip_high = d_high if clip_high is None else float(clip_high)
-    for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    loss_agg = d_agg if loss_agg is None else loss_agg
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg={loss_agg!r} is not one of {LOSS_AGGS}")
-    check_loss_agg(algorithm, loss_agg)
-    return Objective(algorithm, clip_low, clip_high, loss_agg)
+    spec = get_policy_loss(algorithm)
+    generic = {"clip_low": clip_low, "clip_high": clip_high, "loss_agg": loss_agg}
+    settings = build_settings(algorithm, spec.info, generic, dict(options or {}))
+    if getattr(settings, "norm_length", 0) is None:
+        raise ValueError(f"algorithm={algorithm!r} needs loss_options.norm_length, Dr. GRPO's constant "
+                         "normaliser (a run config sets it from rollout.max_response_tokens)")
+    nan = float("nan")
+    return Objective(algorithm, float(getattr(settings, "clip_low", nan)), float(getattr(settings, "clip_high", nan)),
+                     getattr(settings, "loss_agg", GSPO_LOSS_AGG), settings)
 
 
 def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:
@@ -250,16 +265,9 @@ class PolicyLoss:
     per_sequence: SequenceCounts
 
 
-class _Inputs(NamedTuple):
-    """Sanitised ``[B, T]`` loss inputs (0 outside ``mask``), the advantages and the normalisers."""
-
-    lp: Tensor  # current log-probs
-    old: Tensor  # behaviour log-probs
-    adv: Tensor  # [B] or [B, T]
-    mask: Tensor  # bool [B, T]
-    lengths: Tensor  # |y_i|, [B]
-    seq_den: float  # S, the number of sequences the loss is averaged over
-    tok_den: float  # N, the number of tokens
+# Sanitised loss inputs and the units the metrics are taken over: the registry's types (one signature for
+# every loss, learner/loss_registry.py).
+_Inputs, _Units = LossInputs, RatioUnits
 
 
 def policy_loss(
@@ -275,6 +283,9 @@ def policy_loss(
 ) -> PolicyLoss:
     """Clipped policy-gradient loss (negative surrogate objective, to minimise) and its metrics.
 
+    Sanitises the inputs, runs the registered loss ``objective.algorithm`` (``learner/loss_registry.py``; the
+    ones below, ``dr_grpo`` here, ``cispo``, ``sapo`` and ``gmpo`` in ``learner/policy_losses.py``, or a user's)
+    with ``objective.settings`` and turns its ratio units into the metrics below.
     With ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``A`` the advantage and ``B`` the number of sequences:
 
     - ``"gspo"`` (GSPO Eq. 5): ``loss = -(1/B) sum_i min(s_i A_i, clip(s_i, lo, hi) A_i)`` with
@@ -297,7 +308,7 @@ def policy_loss(
         advantages: float ``[B]`` (one per sequence) or ``[B, T]`` (``gspo_token`` and ``grpo`` only); must
             be finite on response positions.
         response_mask: bool or 0/1 ``[B, T]``.
-        objective: the algorithm (``"gspo"``, ``"gspo_token"`` or ``"grpo"``), clip range and aggregation, from
+        objective: the algorithm (a registered loss), clip range, aggregation and settings, from
             :func:`resolve_objective`.
         num_sequences, num_tokens: global normalisers (minibatch totals across micro-batches and ranks, see
             :func:`loss_normalisers`); None: this call's own counts.
@@ -320,24 +331,26 @@ def policy_loss(
     Raises:
         ValueError: shapes
             that do not match, ``[B, T]`` advantages with ``"gspo"``, a normaliser smaller than this call's
-            own count, or ``token_weights`` with a sequence-level algorithm (it would change GSPO's aggregation).
+            own count, ``token_weights`` with a loss that takes none (gspo, gspo_token, gmpo: it would change their
+            sequence-level aggregation), an unknown algorithm or a setting the loss does not have.
     """
-    if token_weights is not None and objective.sequence_level:
-        raise ValueError(f"token_weights with algorithm={objective.algorithm!r}: per-token weights change GSPO's "
-                         "sequence-level aggregation")
+    spec = get_policy_loss(objective.algorithm)
+    if token_weights is not None and not spec.info.token_weights:
+        raise ValueError(f"token_weights with algorithm={objective.algorithm!r}: per-token weights change its "
+                         "sequence-level aggregation (GSPO's, GMPO's)")
+    settings = objective.settings if objective.settings is not None else build_settings(
+        objective.algorithm, spec.info, {"clip_low": objective.clip_low, "clip_high": objective.clip_high,
+                                         "loss_agg": objective.loss_agg})
     mask, dtype = _mask_and_dtype(log_probs, old_log_probs, response_mask, ("log_probs", "old_log_probs"))
     adv = _advantages(advantages, mask, objective.algorithm, dtype)
     lengths = mask.sum(-1)
     n_seq, n_tok = int((lengths > 0).sum()), int(lengths.sum())
     # Sanitise first: nothing at a masked position (NaN, inf) takes part in any later op or gradient.
+    weights = None if token_weights is None else torch.where(mask, token_weights.detach().to(dtype), 0.0)
     x = _Inputs(torch.where(mask, log_probs.to(dtype), 0.0), torch.where(mask, old_log_probs.to(dtype), 0.0), adv,
                 mask, lengths, _normaliser(num_sequences, n_seq, "num_sequences"),
-                _normaliser(num_tokens, n_tok, "num_tokens"))
-    if objective.sequence_level:
-        loss, units = _sequence_level_loss(objective, x)
-    else:
-        weights = None if token_weights is None else torch.where(mask, token_weights.detach().to(dtype), 0.0)
-        loss, units = _token_level_loss(objective, x, weights)
+                _normaliser(num_tokens, n_tok, "num_tokens"), weights)
+    loss, units = spec(x, settings)
 
     metrics = _ratio_metrics(units.mask, units.ratio.detach(), units.abs_log_ratio.detach(), units.clip_low,
                              units.clip_high)
@@ -350,15 +363,44 @@ def policy_loss(
     return PolicyLoss(loss, metrics, SequenceCounts(lengths.to(torch.int64), row_units, row_clipped))
 
 
-class _Units(NamedTuple):
-    """What :func:`policy_loss`'s metrics are taken over: a unit is a sequence (GSPO, GSPO-token, ``[B]``) or a
-    token (GRPO, ``[B, T]``)."""
+@register_policy_loss("gspo")
+def _gspo(x: _Inputs, settings: Any) -> LossTerms:
+    """GSPO (Eq. 5-7), as documented in :func:`policy_loss`; ``settings``: ``loss_settings.GspoSettings``."""
+    return LossTerms(*_sequence_level_loss(Objective("gspo", settings.clip_low, settings.clip_high,
+                                                     settings.loss_agg), x))
 
-    mask: Tensor  # bool: the units that count (sequences with a response token, or response tokens)
-    ratio: Tensor  # the importance ratio used, after the clamp
-    abs_log_ratio: Tensor  # |log ratio| before the clamp
-    clip_low: Tensor  # float: 1 where the low side binds (GSPO-token: the share of the sequence's tokens)
-    clip_high: Tensor  # float: likewise for the high side
+
+@register_policy_loss("gspo_token")
+def _gspo_token(x: _Inputs, settings: Any) -> LossTerms:
+    """GSPO-token (section 4.3), as documented in :func:`policy_loss`."""
+    return LossTerms(*_sequence_level_loss(Objective("gspo_token", settings.clip_low, settings.clip_high,
+                                                     settings.loss_agg), x))
+
+
+@register_policy_loss("grpo")
+def _grpo(x: _Inputs, settings: Any) -> LossTerms:
+    """GRPO / DAPO (token ratios, token clipping), as documented in :func:`policy_loss`."""
+    return LossTerms(*_token_level_loss(Objective("grpo", settings.clip_low, settings.clip_high, settings.loss_agg),
+                                        x, x.weights))
+
+
+@register_policy_loss("dr_grpo")
+def _dr_grpo(x: _Inputs, settings: Any) -> LossTerms:
+    """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783: the Dr. GRPO objective):
+
+        loss = -(1/S) sum_i (1/L) sum_t min(r_i,t A_i, clip(r_i,t, 1 - eps_low, 1 + eps_high) A_i)
+
+    GRPO's token ratios and clipping (``_token_level_loss``) with the ``1/|y_i|`` of each sequence replaced by
+    one constant ``L = settings.norm_length`` (the paper's generation budget ``MAX_TOKENS``; TRL's
+    ``loss_type="dr_grpo"`` divides by ``B * max_completion_length`` the same way, verl's
+    ``seq-mean-token-sum-norm`` by a constant ``loss_scale_factor``); its advantages are ``r_i - mean(r)``
+    without the std (``LossInfo.normalize_adv_std=False``). Defaults: clip 0.2 / 0.2, ``loss_agg =
+    "seq_mean_token_sum"`` (then divided by ``L``); ``token_mean`` or ``seq_mean_token_mean`` are accepted but
+    are not Dr. GRPO. Gradient w.r.t. an unclipped token's log-prob: ``-A r / (S L)``.
+    """
+    loss, units = _token_level_loss(Objective("grpo", settings.clip_low, settings.clip_high, settings.loss_agg),
+                                    x, x.weights)
+    return LossTerms(loss / float(settings.norm_length), units)
 
 
 def _sequence_level_loss(objective: Objective, x: _Inputs) -> tuple[Tensor, _Units]:

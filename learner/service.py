@@ -293,7 +293,7 @@ class LearnerRank:
         self.zero3 = cfg.zero_stage == 3
         # rank 0's collective weight-transfer group with the engines (sync.transport=collective), kept across syncs
         self.transfer_group: weight_sync.TransferGroup | None = None
-        self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg)
+        self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg, cfg.loss_options)
         _init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
         self.partitioned_build = bool(partitioned_build)

@@ -86,7 +86,7 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
 
 def _objective_settings(cfg: Any) -> dict[str, Any]:
     lc = cfg.learner
-    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg)
+    obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
     return {
         "algorithm": lc.algorithm,
         "clip_low": obj.clip_low,

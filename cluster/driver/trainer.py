@@ -126,6 +126,7 @@ class Trainer:
         # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
         self.user_modules = user_code.check_user_verifiers(
             user_code.verifier_names(cfg, self.train_rows + self.eval_rows))
+        self.user_modules += [m for m in user_code.check_user_loss(cfg) if m not in self.user_modules]
         data.dump_rows(self.eval_rows, self.run_dir / "eval_prompts.jsonl")
         log.info("data: %d training prompts, %d held-out prompts", len(self.train_rows), len(self.eval_rows))
         self.data_fingerprint = checkpoint.data_fingerprint(self.train_rows)
@@ -194,7 +195,7 @@ class Trainer:
         """Prepare (group advantages, padded batch, split per rank and minibatch) and train on ``c``.
         Returns (learner metrics, learner seconds)."""
         cfg, tc = self.cfg, self.cfg.trainer
-        advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.normalize_adv_std)
+        advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.advantage_std())
         batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans) if self.step + 1 in tc.audit_steps else None

@@ -1,5 +1,6 @@
 """User code that the run imports by name: ``module:function`` verifiers (``reward.verifier``, the
-``reward.extra_terms``, a data row's own ``verifier``).
+``reward.extra_terms``, a data row's own ``verifier``) and a ``module:function`` policy loss
+(``learner.algorithm``, ``learner/loss_registry.py``).
 
 Each one is imported on the driver before any actor starts, so that a missing module is a config error that
 names the key (``reward.verifier``) and the module, not an actor traceback a minute later. Its module is
@@ -132,3 +133,36 @@ def check_user_verifiers(named: dict[str, str], cwd: Path | None = None) -> list
         if src is not None and str(src) not in ship:
             ship.append(str(src))
     return ship
+
+
+def check_user_loss(cfg: Config, cwd: Path | None = None) -> list[str]:
+    """Import a ``module:function`` policy loss (``learner.algorithm``) on the driver, build its settings from
+    the config, and list its module for the workers (the learner ranks import it), as for a verifier.
+
+    Returns:
+        ``[]`` for a built-in loss; otherwise the paths for the runtime env's ``py_modules`` (empty when the
+        module is inside the repository or installed).
+
+    Raises:
+        ConfigError: the module cannot be imported, has no such loss, or the loss refuses the config's
+            ``learner.clip_low`` / ``clip_high`` / ``loss_agg`` / ``loss_options``; the message names the key.
+    """
+    from learner.loss_registry import get_policy_loss
+    from learner.loss_settings import is_user_loss
+    from learner.objectives import resolve_objective
+
+    lc = cfg.learner
+    if not is_user_loss(lc.algorithm):
+        return []
+    cwd = with_working_dir_on_path(cwd)
+    module_name = lc.algorithm.partition(":")[0]
+    try:
+        get_policy_loss(lc.algorithm)
+        resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
+    except ValueError as err:
+        raise ConfigError(
+            f"learner.algorithm={lc.algorithm!r}: {err}. A user loss's module (here {module_name!r}) must be in the "
+            f"working directory ({cwd}), on PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'}) or installed"
+        ) from None
+    src = module_source(sys.modules[module_name.split(".")[0]])
+    return [] if src is None else [str(src)]

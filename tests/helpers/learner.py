@@ -85,7 +85,8 @@ def reference_step(model_path: str, batches: list[TrainBatch], cfg: LearnerConfi
         old = olds[m] if olds else b.old_log_probs
         lp = _ref_log_probs(model, b)
         result = policy_loss(lp, old, b.advantages, b.response_mask,
-            resolve_objective(cfg.algorithm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg))
+            resolve_objective(cfg.algorithm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
+                              options=cfg.loss_options))
         loss, _ = result.loss, result.metrics
         opt.zero_grad()
         loss.backward()

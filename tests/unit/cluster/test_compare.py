@@ -126,3 +126,70 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys):
     assert compare.main([CONFIG, "--seeds", "0", "--output-dir", str(tmp_path)]) == 2
     assert compare.main([CONFIG, "trainer.prompts_per_step=3", "--output-dir", str(tmp_path)]) == 2
     assert not (tmp_path / "tiny_moe").exists()
+
+
+def test_registry_losses_run_with_their_own_defaults(tmp_path):
+    """Every registered loss without an arm of its own runs as learner.algorithm=<name> with that loss's own
+    clip range, aggregation, options and advantage normalisation, whatever the base config set."""
+    from learner.objectives import resolve_objective
+
+    overrides = ["learner.algorithm=grpo", "learner.clip_low=0.1", "learner.loss_agg=seq_mean_token_sum",
+                 "learner.normalize_adv_std=true"]
+    base = load_config(CONFIG, overrides)
+    want = {"cispo": (1.0, 4.0, "token_mean", True), "gmpo": (0.4, 0.4, "seq_mean_token_mean", True),
+            "dr_grpo": (0.2, 0.2, "seq_mean_token_sum", False), "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean", True)}
+    for algo, (low, high, agg, std) in want.items():
+        assert compare.registry_arm(algo)
+        cfg = load_config(CONFIG, overrides + compare.run_overrides(algo, 0, base, tmp_path))
+        lc = cfg.learner
+        obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
+        got = (obj.algorithm, obj.clip_low, obj.clip_high, obj.loss_agg, lc.advantage_std())
+        assert got == (algo, low, high, agg, std)
+    cfg = load_config(CONFIG, overrides + compare.run_overrides("sapo", 0, base, tmp_path))
+    assert cfg.learner.algorithm == "sapo" and cfg.learner.clip_low is None
+    assert compare._settings(cfg) == "sapo, tau_pos=1, tau_neg=1.05, loss_agg=seq_mean_token_mean"
+    assert not compare.registry_arm("gspo") and not compare.registry_arm("nope")
+    assert compare.registry_arm("mylosses:fn")  # a user's loss, by module:function
+
+
+def test_arms_are_the_config_plus_their_overrides(tmp_path, capsys):
+    assert compare.parse_arm("lr3: learner.lr=3e-4  learner.grad_clip=0.5") == (
+        "lr3", ["learner.lr=3e-4", "learner.grad_clip=0.5"])
+    for bad in ("learner.lr=3e-4", "a b: learner.lr=1", "x:", "x: learner.lr"):
+        with pytest.raises(ValueError, match="--arm"):
+            compare.parse_arm(bad)
+    base = load_config(CONFIG, [])
+    arms = {"lr3": ["learner.lr=3e-4"]}
+    cfg = load_config(CONFIG, compare.run_overrides("lr3", 1, base, tmp_path, arms=arms))
+    assert cfg.learner.lr == 3e-4 and cfg.learner.algorithm == base.learner.algorithm
+    assert cfg.run_dir == tmp_path / "lr3_seed1" and cfg.rollout.seed == base.rollout.seed + 1
+    # refused before anything runs: a bad arm, a name twice, an arm whose overrides do not load
+    assert compare.main([CONFIG, "--arm", "nope", "--output-dir", str(tmp_path)]) == 2
+    assert compare.main([CONFIG, "--algorithms", "gspo", "--arm", "gspo: learner.lr=1e-3",
+                         "--output-dir", str(tmp_path)]) == 2
+    assert compare.main([CONFIG, "--algorithms", "", "--arm", "bad: learner.no_such_key=1",
+                         "--output-dir", str(tmp_path)]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+    assert not (tmp_path / "tiny_moe").exists()
+
+
+def test_differences_beyond_the_spread():
+    from cluster.compare_spread import chance_disjoint, spread_lines
+
+    # 3 seeds each: disjoint ranges by chance with probability 2 / C(6, 3) = 0.1
+    assert chance_disjoint(3, 3) == pytest.approx(0.1) and chance_disjoint(4, 4) == pytest.approx(2 / 70)
+    per_arm = {
+        "gspo": {"final_accuracy": [0.80, 0.82, 0.84], "best_accuracy": [0.85, 0.86, 0.87], "reward": [0.5] * 3},
+        "cispo": {"final_accuracy": [0.85, 0.86, 0.90], "best_accuracy": [0.84, 0.88, 0.90],
+                  "reward": [0.5, 0.6, math.nan]},
+        "one_seed": {"final_accuracy": [0.99]},
+    }
+    text = "\n".join(spread_lines(per_arm, "gspo"))
+    assert "final acc +0.050 (**beyond**: 0.850–0.900 vs 0.800–0.840)" in text  # 0.85 > 0.84
+    assert "best acc +0.013 (within: 0.840–0.900 vs 0.850–0.870)" in text
+    assert "reward +0.050 (**beyond**: 0.500–0.600 vs 0.500–0.500)" not in text  # 0.5 touches 0.5: overlap
+    assert "reward (last ¼) +0.050 (within" in text
+    assert "one_seed" not in text  # fewer than two seeds: no spread
+    assert "3 pairs were looked at, so about 0.4 would be expected" in text  # 0.1 + 0.1 + 2 / C(5, 2)
+    assert "Beyond the spread: cispo final acc." in text
+    assert "no spread to compare" in "\n".join(spread_lines({"a": {"reward": [1.0]}, "b": {}}, "a"))

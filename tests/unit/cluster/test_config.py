@@ -35,7 +35,7 @@ def test_defaults_follow_the_paper():
     assert cfg.learner.clip_low is None and cfg.learner.clip_high is None  # objective defaults: 3e-4 / 4e-4
     assert cfg.learner.kl_coef == 0.0
     assert cfg.learner.num_minibatches == 4
-    assert cfg.learner.normalize_adv_std is True
+    assert cfg.learner.normalize_adv_std is None and cfg.learner.advantage_std() is True  # null: the algorithm's own
 
 
 def test_overrides_are_typed():
@@ -103,25 +103,30 @@ def test_learner_names_are_the_cores():
     """The schema's choices are the core's tuples (not a copy that could drift), and for every pair the
     config refuses exactly what the core refuses."""
     fields = LearnerConfig.model_fields
-    assert typing.get_args(fields["algorithm"].annotation) == objectives.ALGORITHMS
+    # algorithm is a string (a built-in name or a user's module:function loss): every core name is accepted
+    for algorithm in objectives.ALGORITHMS:
+        assert LearnerConfig(algorithm=algorithm).algorithm == algorithm
+    with pytest.raises(ValidationError, match="algorithm='ppo_x' is not one of"):
+        LearnerConfig(algorithm="ppo_x")
     assert typing.get_args(fields["kl_estimator"].annotation) == objectives.KL_ESTIMATORS
     loss_agg_choices = [a for a in typing.get_args(fields["loss_agg"].annotation) if a is not type(None)]
     assert typing.get_args(loss_agg_choices[0]) == objectives.LOSS_AGGS
     refused = set()
     for algorithm in objectives.ALGORITHMS:
+        options = {"norm_length": 4} if algorithm == "dr_grpo" else {}  # Dr. GRPO's constant, set by a run config
         for loss_agg in (None, *objectives.LOSS_AGGS):
             try:
-                LearnerConfig(algorithm=algorithm, loss_agg=loss_agg)
+                LearnerConfig(algorithm=algorithm, loss_agg=loss_agg, loss_options=options)
             except ValidationError:
                 refused.add((algorithm, loss_agg))
             try:
-                objectives.resolve_objective(algorithm, loss_agg=loss_agg)
+                objectives.resolve_objective(algorithm, loss_agg=loss_agg, options=options)
             except ValueError:
                 assert (algorithm, loss_agg) in refused
             else:
                 assert (algorithm, loss_agg) not in refused
-    # hand-written: GSPO and GSPO-token take only the sequence mean of token means
-    assert refused == {(a, agg) for a in ("gspo", "gspo_token") for agg in ("token_mean", "seq_mean_token_sum")}
+    # hand-written: GSPO, GSPO-token and GMPO (one ratio per sequence) take only the sequence mean of token means
+    assert refused == {(a, agg) for a in ("gspo", "gspo_token", "gmpo") for agg in ("token_mean", "seq_mean_token_sum")}
 
 
 def test_assignment_is_checked_by_the_core_rule():

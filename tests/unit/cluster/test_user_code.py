@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.runtime.user_code import check_user_verifiers, module_source, verifier_names
+from cluster.runtime.user_code import check_user_loss, check_user_verifiers, module_source, verifier_names
 from tests.helpers import REPO_ROOT, TEST_ENV
 from tests.helpers.user_code import TINY
 
@@ -178,3 +178,38 @@ def test_worker_output_goes_to_the_log_folder(tmp_path):
     env.pop("GSPO_WORKER_LOG_DIR")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "py-out" in r.stdout and "fd-err" in r.stderr
+
+
+USER_LOSS = """from dataclasses import dataclass
+
+import torch
+
+from learner.loss_registry import LossTerms, RatioUnits, register_policy_loss
+
+
+@dataclass(frozen=True)
+class Settings:
+    scale: float = 1.0
+    loss_agg: str = "token_mean"
+
+
+@register_policy_loss(settings=Settings)
+def my_loss(x, s):
+    zero = torch.zeros_like(x.lp)
+    return LossTerms(-s.scale * x.aggregate(x.adv * x.lp, s.loss_agg), RatioUnits(x.mask, zero + 1, zero, zero, zero))
+"""
+
+
+def test_user_loss_is_checked_and_shipped(tmp_path, clean_path):
+    """learner.algorithm=module:function: imported on the driver, its settings built from the config, its
+    module shipped to the workers; a built-in loss ships nothing."""
+    (tmp_path / "myloss_cwd.py").write_text(USER_LOSS)
+    cfg = load_config(TINY, ["learner.algorithm=myloss_cwd:my_loss", "learner.loss_options={scale: 2}"])
+    assert check_user_loss(cfg, cwd=tmp_path) == [str((tmp_path / "myloss_cwd.py").resolve())]
+    assert check_user_loss(load_config(TINY, []), cwd=tmp_path) == []
+    bad = load_config(TINY, ["learner.algorithm=myloss_cwd:my_loss", "learner.loss_options={beta: 2}"])
+    with pytest.raises(ConfigError, match="learner.algorithm='myloss_cwd:my_loss': loss_options.beta=2 is not a"):
+        check_user_loss(bad, cwd=tmp_path)
+    missing = load_config(TINY, ["learner.algorithm=no_such_loss_mod:f"])
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_loss_mod'.*working directory"):
+        check_user_loss(missing, cwd=tmp_path)
