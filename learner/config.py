@@ -39,6 +39,39 @@ LossAgg = Literal[LOSS_AGGS]  # type: ignore[valid-type]
 KlEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 
 
+# the attention projections of Llama / Qwen-style decoders. Not the MLP's gate/up/down_proj: on an MoE, peft 0.21
+# maps those names onto the fused expert tensors too (its ParamWrapper), which the merge refuses (learner/lora.py)
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoraConfigSection(Section):
+    """LoRA RL (``learner/lora.py``, peft): a frozen base plus a trainable low-rank adapter; the engines get the
+    merged weights. ``rank`` 0 or null = off (full fine-tuning)."""
+
+    rank: int | None = Field(None, ge=0, description="LoRA rank r of each adapted layer; 0 or null = LoRA off")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha: the update is scaled by alpha / rank; "
+                                "null = rank (scale 1)")
+    target_modules: str | list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        description="peft target_modules: names of linear modules (suffixes of their paths) or a peft keyword "
+        "such as 'all-linear'. The default adapts the attention projections; a dense model's MLP can be added "
+        "([q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]). Adapting an MoE's fused experts "
+        "(peft maps gate/up/down_proj onto them) or its router is refused: the merge into the engines' weights "
+        "handles plain linear layers only")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout on the adapter's input in training forwards "
+                           "(never in the pre-update, reference or engine passes)")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"learner.lora.target_modules={value!r} must be a non-empty list of module names "
+                             "or 'all-linear'")
+        if isinstance(value, str) and not value:
+            raise ValueError("learner.lora.target_modules='' names no module")
+        return value
+
+
 class LearnerConfig(Section):
     """Objective, optimiser and parallelism of the learner."""
 
@@ -180,6 +213,7 @@ class LearnerConfig(Section):
         description="ZeRO-3: parameters with fewer elements stay unpartitioned (None: DeepSpeed's default; "
         "0 partitions everything)",
     )
+    lora: LoraConfigSection = Field(default_factory=LoraConfigSection, description="LoRA RL (rank 0/null = off)")
 
     @field_validator("routing_replay", mode="before")
     @classmethod
