@@ -89,14 +89,21 @@ def load(rank, path: str) -> None:
     """Restore weights, optimizer state, lr, optimizer steps and this rank's RNG states from ``save``'s
     folder. Collective.
 
+    A LoRA checkpoint (``learner_state.json`` says ``"lora": true``) switches the rank to LoRA first.
+
     Raises:
         FileNotFoundError: ``path`` holds no learner checkpoint.
+        ValueError: a full-parameter checkpoint loaded into a rank already on LoRA.
     """
     src = Path(path)
     if not (src / DS_TAG).is_dir():
         raise FileNotFoundError(f"path={path!r} holds no learner checkpoint (no {DS_TAG}/ folder)")
-    if (src / STATE_FILE).is_file() and json.loads((src / STATE_FILE).read_text()).get("lora"):
+    saved_lora = (src / STATE_FILE).is_file() and bool(json.loads((src / STATE_FILE).read_text()).get("lora"))
+    if saved_lora:
         rank.enable_lora()  # a LoRA checkpoint: its DeepSpeed state is the peft model's (no-op when on already)
+    elif lora.is_peft(rank.engine.module):
+        raise ValueError(f"path={path!r} was saved before LoRA started (full-parameter state) and this rank trains "
+                         "a LoRA adapter already: load it into a fresh learner, which switches to LoRA after it")
     load_path, client_state = rank.engine.load_checkpoint(
         str(src), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )

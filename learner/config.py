@@ -267,6 +267,9 @@ class LearnerConfig(Section):
                 f"learner.rollout_correction={self.rollout_correction!r} with learner.algorithm={self.algorithm!r}: "
                 "per-token weights or drops change GSPO's sequence-level aggregation; use 'seq_mis' or 'seq_geo_rs'"
             )
+        if self.lora.rank and self.router_lr_scale != 1.0:
+            raise ValueError(f"learner.router_lr_scale={self.router_lr_scale} with learner.lora.rank={self.lora.rank}: "
+                             "under LoRA the routers are frozen (only the adapter trains); leave router_lr_scale at 1")
         if self.rollout_correction_low > self.rollout_correction_high:
             raise ValueError(f"learner.rollout_correction_low={self.rollout_correction_low} > "
                              f"learner.rollout_correction_high={self.rollout_correction_high}: empty band")

@@ -72,6 +72,7 @@ def test_lora_sync_is_exact_and_resume_is_bit_exact(ray_cluster, tmp_path):
         ray.get(learner.sft_step.remote(sft_batch(3), 8 * 11))
         want = ray.get(learner.state_digest.remote())
 
+        ray.kill(engine)  # its CPU for the resumed rank (the fixture's cluster has two)
         resumed = start_learner(ray, path, cfg)  # a fresh rank: full model until the checkpoint says LoRA
         ray.get(resumed.load_checkpoint.remote(str(ckpt)))
         assert ray.get(resumed.lora_enabled.remote())

@@ -54,6 +54,9 @@ def test_lora_section_defaults_off_and_validates():
                 {"rank": 4, "target_modules": ""}, {"rank": 4, "bogus": 1}):
         with pytest.raises(ValidationError):
             LoraConfigSection(**bad)
+    with pytest.raises(ValidationError, match="learner.router_lr_scale"):
+        LearnerConfig(router_lr_scale=2.0, lora={"rank": 4})
+    assert LearnerConfig(router_lr_scale=2.0, lora={"rank": 0}).router_lr_scale == 2.0
     cfg = LearnerConfig(lora={"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.1})
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout) == (8, 16, ["q_proj", "v_proj"],
                                                                                            0.1)
