@@ -61,10 +61,11 @@ def wrap(model: torch.nn.Module, cfg: LoraConfigSection) -> torch.nn.Module:
     except ValueError as err:
         raise ValueError(f"learner.lora.target_modules={cfg.target_modules!r}: {err}") from err
     for prefix, layer in _lora_layers(wrapped).items():
-        if not isinstance(layer.get_base_layer(), torch.nn.Linear) or "router" in type(layer.get_base_layer()).__name__.lower():
+        kind = type(layer.get_base_layer())
+        if not issubclass(kind, torch.nn.Linear) or "router" in kind.__name__.lower():
             raise ValueError(f"learner.lora.target_modules={cfg.target_modules!r} adapts {prefix[:-1]!r} "
-                             f"({type(layer.get_base_layer()).__name__}): only plain linear layers can be merged "
-                             "into the engines' weights; name the attention / MLP projections instead")
+                             f"({kind.__name__}): only plain linear layers can be merged into the engines' "
+                             "weights; name the attention / MLP projections instead")
     return wrapped
 
 
@@ -101,7 +102,8 @@ def merged_bucket(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
         Feed it to ``learner.weight_sync.to_checkpoint_format``.
 
     Raises:
-        KeyError: a LoRA layer's base weight in the bucket without its A and B.
+        KeyError: a LoRA layer's base weight in the bucket without its A and B (``learner.weight_sync`` buckets
+            whole decoder layers, so this means a bucket cut elsewhere).
     """
     if not is_peft(module):
         return module, tensors
@@ -122,13 +124,6 @@ def merged_bucket(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
                 t = t + layer.get_delta_weight(ADAPTER).to(t.dtype)
         out[plain] = t
     return base_of(module), out
-
-
-def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors in peft's saved names (``peft.get_peft_model_state_dict``), CPU copies."""
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(module).items()}
 
 
 def save_adapter(module: torch.nn.Module, folder: str | Path, state: dict[str, torch.Tensor],

@@ -29,6 +29,7 @@ restore, digests), ``learner.checkpoint`` (save and load), ``learner.weight_sync
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import os
 from typing import Any
@@ -320,9 +321,7 @@ class LearnerRank:
             old.tap.remove()
         del old
         self.engine = self.ref_model = None
-        import gc
-
-        gc.collect()
+        gc.collect()  # the old engine's flat fp32 partitions and optimizer state before the new one is built
         self.replica = _build_replica(self.model_path, self.cfg, self.rank, self.world_size, self.temperature,
                                       self.partitioned_build, weights=weights)
         self.engine = self.replica.engine
