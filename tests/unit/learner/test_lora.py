@@ -57,6 +57,9 @@ def test_lora_section_defaults_off_and_validates():
     with pytest.raises(ValidationError, match="learner.router_lr_scale"):
         LearnerConfig(router_lr_scale=2.0, lora={"rank": 4})
     assert LearnerConfig(router_lr_scale=2.0, lora={"rank": 0}).router_lr_scale == 2.0
+    with pytest.raises(ValidationError, match="learner.zero_stage=3 on GPUs"):
+        LearnerConfig(zero_stage=3, num_gpus_per_rank=1, lora={"rank": 4})
+    assert LearnerConfig(zero_stage=3, lora={"rank": 4}).lora.rank == 4  # the CPU builds full copies: fine
     cfg = LearnerConfig(lora={"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.1})
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout) == (8, 16, ["q_proj", "v_proj"],
                                                                                            0.1)
