@@ -7,7 +7,8 @@ complete, ``cluster/driver/checkpoint.py``):
 - ``rng/rank_<r>.pt``: each rank's Python, NumPy and torch RNG states;
 - ``learner_state.json``: world size, ZeRO stage, optimizer steps (rank 0);
 - ``hf/``: the full model in Hugging Face format (safetensors, checkpoint names) plus the tokenizer files,
-  loadable by transformers and vLLM (rank 0).
+  loadable by transformers and vLLM (rank 0); with LoRA (``learner.lora``) the merged policy, and beside it
+  ``adapter/`` (the adapter in peft's format) and ``lora_base/`` (the frozen base it adapts, same format).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from learner import lora
 from learner.state import full_params
 
 log = logging.getLogger(__name__)
@@ -64,14 +66,19 @@ def save(rank, path: str) -> None:
     state = {n: t for n, t in full_params(rank.engine, rank.zero3, keep) if t is not None}
     if keep:
         hf = out / HF_SUBDIR
-        rank.engine.module.save_pretrained(str(hf), state_dict=state, safe_serialization=True)
+        peft = lora.is_peft(rank.engine.module)
+        if peft:  # hf/ the merged policy, lora_base/ the frozen base, adapter/ peft's own format (learner.lora)
+            lora.save_checkpoint_parts(rank.engine.module, out, state, HF_SUBDIR)
+        else:
+            rank.engine.module.save_pretrained(str(hf), state_dict=state, safe_serialization=True)
         src = Path(rank.model_path)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, hf / name)
+        for folder in (hf, out / lora.BASE_SUBDIR) if peft else (hf,):
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, folder / name)
         (out / STATE_FILE).write_text(
             json.dumps({"world_size": rank.world_size, "zero_stage": rank.cfg.zero_stage,
-                        "optimizer_steps": rank.optimizer_steps}, indent=1) + "\n"
+                        "optimizer_steps": rank.optimizer_steps, "lora": peft}, indent=1) + "\n"
         )
     # No barrier after rank 0's Hugging Face export: writing the whole model (61 GB for Qwen3-30B-A3B) can take
     # longer than learner.dist_timeout_s, and peers waiting in a collective for it would time out. The driver
@@ -82,12 +89,21 @@ def load(rank, path: str) -> None:
     """Restore weights, optimizer state, lr, optimizer steps and this rank's RNG states from ``save``'s
     folder. Collective.
 
+    A LoRA checkpoint (``learner_state.json`` says ``"lora": true``) switches the rank to LoRA first.
+
     Raises:
         FileNotFoundError: ``path`` holds no learner checkpoint.
+        ValueError: a full-parameter checkpoint loaded into a rank already on LoRA.
     """
     src = Path(path)
     if not (src / DS_TAG).is_dir():
         raise FileNotFoundError(f"path={path!r} holds no learner checkpoint (no {DS_TAG}/ folder)")
+    saved_lora = (src / STATE_FILE).is_file() and bool(json.loads((src / STATE_FILE).read_text()).get("lora"))
+    if saved_lora:
+        rank.enable_lora()  # a LoRA checkpoint: its DeepSpeed state is the peft model's (no-op when on already)
+    elif lora.is_peft(rank.engine.module):
+        raise ValueError(f"path={path!r} was saved before LoRA started (full-parameter state) and this rank trains "
+                         "a LoRA adapter already: load it into a fresh learner, which switches to LoRA after it")
     load_path, client_state = rank.engine.load_checkpoint(
         str(src), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )

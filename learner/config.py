@@ -46,6 +46,39 @@ LossAgg = Literal[LOSS_AGGS]  # type: ignore[valid-type]
 KlEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 
 
+# the attention projections of Llama / Qwen-style decoders. Not the MLP's gate/up/down_proj: on an MoE, peft 0.21
+# maps those names onto the fused expert tensors too (its ParamWrapper), which the merge refuses (learner/lora.py)
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoraConfigSection(Section):
+    """LoRA RL (``learner/lora.py``, peft): a frozen base plus a trainable low-rank adapter; the engines get the
+    merged weights. ``rank`` 0 or null = off (full fine-tuning)."""
+
+    rank: int | None = Field(None, ge=0, description="LoRA rank r of each adapted layer; 0 or null = LoRA off")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha: the update is scaled by alpha / rank; "
+                                "null = rank (scale 1)")
+    target_modules: str | list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        description="peft target_modules: names of linear modules (suffixes of their paths) or a peft keyword "
+        "such as 'all-linear'. The default adapts the attention projections; a dense model's MLP can be added "
+        "([q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]). Adapting an MoE's fused experts "
+        "(peft maps gate/up/down_proj onto them) or its router is refused: the merge into the engines' weights "
+        "handles plain linear layers only")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout on the adapter's input in training forwards "
+                           "(never in the pre-update, reference or engine passes)")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"learner.lora.target_modules={value!r} must be a non-empty list of module names "
+                             "or 'all-linear'")
+        if isinstance(value, str) and not value:
+            raise ValueError("learner.lora.target_modules='' names no module")
+        return value
+
+
 class LearnerConfig(Section):
     """Objective, optimiser and parallelism of the learner."""
 
@@ -197,6 +230,7 @@ class LearnerConfig(Section):
         description="ZeRO-3: parameters with fewer elements stay unpartitioned (None: DeepSpeed's default; "
         "0 partitions everything)",
     )
+    lora: LoraConfigSection = Field(default_factory=LoraConfigSection, description="LoRA RL (rank 0/null = off)")
 
     @field_validator("algorithm")
     @classmethod
@@ -266,6 +300,13 @@ class LearnerConfig(Section):
                 f"learner.rollout_correction={self.rollout_correction!r} with learner.algorithm={self.algorithm!r}: "
                 "per-token weights or drops change GSPO's sequence-level aggregation; use 'seq_mis' or 'seq_geo_rs'"
             )
+        if self.lora.rank and self.zero_stage == 3 and self.num_gpus_per_rank > 0:
+            raise ValueError(f"learner.lora.rank={self.lora.rank} with learner.zero_stage=3 on GPUs: the switch to "
+                             "LoRA rebuilds the model from full weights, which the partitioned GPU build does not "
+                             "take yet (learner.service.build_partitioned); use learner.zero_stage <= 2")
+        if self.lora.rank and self.router_lr_scale != 1.0:
+            raise ValueError(f"learner.router_lr_scale={self.router_lr_scale} with learner.lora.rank={self.lora.rank}: "
+                             "under LoRA the routers are frozen (only the adapter trains); leave router_lr_scale at 1")
         if self.rollout_correction_low > self.rollout_correction_high:
             raise ValueError(f"learner.rollout_correction_low={self.rollout_correction_low} > "
                              f"learner.rollout_correction_high={self.rollout_correction_high}: empty band")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from learner import state
 from learner.contracts import SFTBatch, TrainBatch
 from learner.elastic_threads import ElasticThreads
+from learner.lora import set_dropout
 from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.microbatch import MicroBatch, batch_problem, micro_slices
 from learner.moe import RouterTap, rollout_replay_ids
@@ -130,7 +131,10 @@ class Replica:
         return micro_slices(batch.attention_mask, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def logits(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]``."""
+        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]``. LoRA dropout (``learner.lora.dropout``) is on
+        in the passes that build a gradient only (``learner.lora.set_dropout``)."""
+        if self.cfg.lora.dropout:
+            set_dropout(model, torch.is_grad_enabled())
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits[:, :-1]
 

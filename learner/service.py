@@ -29,13 +29,14 @@ restore, digests), ``learner.checkpoint`` (save and load), ``learner.weight_sync
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import os
 from typing import Any
 
 import torch
 
-from learner import checkpoint, state, weight_sync
+from learner import checkpoint, lora, state, weight_sync
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.contracts import SFTBatch, SyncReport, TrainBatch
 from learner.moe import RouterTap, find_routers
@@ -175,10 +176,11 @@ def _keep_checkpointing_on(model: torch.nn.Module) -> int:
 
 
 def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: int, temperature: float,
-                   partitioned: bool) -> Replica:
+                   partitioned: bool, weights: dict[str, torch.Tensor] | None = None) -> Replica:
     """The policy under DeepSpeed (``build_optimizer``'s AdamW, the config's ZeRO stage and offload), the reference
     model when ``kl_coef > 0`` and the MoE router tap, wrapped as this rank's ``Replica``. ``partitioned``: build
-    the model under ``deepspeed.zero.Init`` (ZeRO-3 only)."""
+    the model under ``deepspeed.zero.Init`` (ZeRO-3 only). ``weights`` (full tensors by transformers name): the
+    policy starts from them instead of the folder's, wrapped with ``learner.lora``'s adapter (``enable_lora``)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from transformers import AutoModelForCausalLM
@@ -196,6 +198,8 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
         hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds a weak reference while it is alive
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.config.use_cache = False
+    if weights is not None:
+        model = lora.start_from(model, weights, cfg.lora)
     if cfg.routing_replay != "off" and not find_routers(model):
         raise ValueError(f"learner.routing_replay={cfg.routing_replay!r} needs an MoE model; {model_path!r} has no "
                          "expert router")
@@ -300,6 +304,33 @@ class LearnerRank:
         self.replica = _build_replica(self.model_path, cfg, rank, world_size, self.temperature, partitioned_build)
         self.engine = self.replica.engine
         self.ref_model = self.replica.ref_model
+
+    def enable_lora(self) -> bool:
+        """Switch this rank to LoRA RL (``learner.lora``, ``learner/lora.py``): the current weights (after any warm
+        start) become the frozen base, a fresh peft adapter and a fresh optimizer over it alone replace the
+        DeepSpeed engine. Collective (the weights are gathered under ZeRO-3). Idempotent.
+
+        Returns:
+            True when the switch happened now; False when LoRA is off or already on.
+        """
+        if not lora.enabled(self.cfg.lora) or lora.is_peft(self.engine.module):
+            return False
+        weights = {n: t for n, t in state.full_params(self.engine, self.zero3, keep=True)}
+        old, self.replica = self.replica, None
+        if old.tap is not None:
+            old.tap.remove()
+        del old
+        self.engine = self.ref_model = None
+        gc.collect()  # the old engine's flat fp32 partitions and optimizer state before the new one is built
+        self.replica = _build_replica(self.model_path, self.cfg, self.rank, self.world_size, self.temperature,
+                                      self.partitioned_build, weights=weights)
+        self.engine = self.replica.engine
+        self.ref_model = self.replica.ref_model
+        return True
+
+    def lora_enabled(self) -> bool:
+        """Whether this rank trains a LoRA adapter now (after ``enable_lora``)."""
+        return lora.is_peft(self.engine.module)
 
     @property
     def optimizer_steps(self) -> int:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from learner.contracts import SyncReport
+from learner.lora import merged_bucket
 
 if TYPE_CHECKING:
     from rollout.contracts import BucketLoad
@@ -109,7 +110,7 @@ def checkpoint_buckets(rank, bucket_mb: float, keep: bool) -> Iterator[dict[str,
                 yield None
                 continue
             tensors = {n: (params[n] if n in params else buffers[n]).detach() for n in names}
-            yield to_checkpoint_format(module, tensors)
+            yield to_checkpoint_format(*merged_bucket(module, tensors))  # LoRA: W0 + scale B A (learner.lora)
 
 
 def pack_bucket(bucket: dict[str, torch.Tensor]) -> tuple[dict[str, list], list[Any], int]:

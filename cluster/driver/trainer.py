@@ -294,6 +294,8 @@ class Trainer:
         summary: dict[str, Any] = {}
         if not self.state.warm_start_done and cfg.warm_start.steps > 0 and self.step == 0:
             summary.update(self.warm_start())
+        if cfg.learner.lora.rank:  # learner.lora: RL trains an adapter over the weights so far (B = 0: no sync)
+            self.learners.call("enable_lora")
         if self.step == 0:
             ev = self.evaluate()
             self.logger.log({"step": 0, "weight_version": self.weight_version, **ev, **summary})
