@@ -9,7 +9,7 @@ re-exports them; the config schema (``learner/config.py``) takes them from here,
 from __future__ import annotations
 
 # The names the config schema accepts.
-ALGORITHMS = ("gspo", "gspo_token", "grpo")
+ALGORITHMS = ("gspo", "gspo_token", "grpo", "ppo")  # ppo: grpo's token-level clipped loss on GAE advantages
 LOSS_AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

@@ -51,6 +51,7 @@ _DEFAULTS = {
     "gspo": (3e-4, 4e-4, "seq_mean_token_mean"),
     "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean"),
     "grpo": (0.2, 0.2, "token_mean"),
+    "ppo": (0.2, 0.2, "token_mean"),  # PPO with a critic: the same token-level loss, GAE advantages [B, T]
 }
 
 # Metric keys that are sums over units (exact to add across micro-batches and ranks).
