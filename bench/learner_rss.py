@@ -32,17 +32,23 @@ def _status(pid: str) -> dict[str, str]:
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
+def _is_rank(pid: str) -> bool:
+    """Whether process ``pid``'s command line starts with ``ray::LearnerRank`` (False when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(TITLE)
+    except OSError:
+        return False
+
+
 def learner_peaks(root: int) -> dict[int, int]:
     """``{pid: VmHWM in KiB}`` of the descendants of ``root`` whose command line starts with
     ``ray::LearnerRank`` (the run's own Ray head is started by its driver, so its workers descend from it;
-    other jobs' learners on a shared machine do not)."""
+    other jobs' learners on a shared machine do not), leaving out a rank's forked children (they inherit its
+    title and its peak at the fork)."""
     status = {p.name: _status(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}
     out: dict[int, int] = {}
     for pid, st in status.items():
-        try:
-            if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(TITLE):
-                continue
-        except OSError:  # the process ended between the listing and the read
+        if not _is_rank(pid) or _is_rank(st.get("PPid", "0")):  # a rank's own forked child is not a rank
             continue
         parent, seen = st.get("PPid", "0"), 0
         while parent not in ("0", "1", str(root)) and seen < 64:

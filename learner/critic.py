@@ -122,8 +122,14 @@ class Critic:
         dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
         params = [] if self.ccfg.model_path else state.full_params(policy_engine, zero3, keep=True)
         model = build_value_model(policy_engine.module, params, self.ccfg.model_path, dtype)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, betas=tuple(self.cfg.adam_betas),
-                                      weight_decay=self.cfg.weight_decay)
+        if self.cfg.offload_optimizer == "cpu":  # ZeRO-Offload needs DeepSpeed's CPU Adam (as the policy's)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=self.lr, betas=tuple(self.cfg.adam_betas),
+                                         weight_decay=self.cfg.weight_decay, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, betas=tuple(self.cfg.adam_betas),
+                                          weight_decay=self.cfg.weight_decay)
         ds_config = build_ds_config(self.cfg, self.world_size, on_gpu=self.device.type == "cuda")
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                     dist_init_required=False)

@@ -18,7 +18,9 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
       gradients = 4 P / (N if stage >= 2 else 1)   (fp32: data_types.grad_accum_dtype, learner/ds_config.py)
       optimizer = K P / (N if stage >= 1 else 1)
       reference = b P                      (only when learner.kl_coef > 0: an unsharded frozen copy)
-      total     = weights + gradients + optimizer + reference + LEARNER_OVERHEAD_GIB
+      critic    = weights + gradients + optimizer of the critic (learner.algorithm: ppo, learner/critic.py: a
+                  second engine in the rank; its P bounded by the policy's; doubled offloaded host partitions)
+      total     = weights + gradients + optimizer + reference + critic + LEARNER_OVERHEAD_GIB
 
   b = 2 bytes (bfloat16) or 4 (float32); K = 12 for bfloat16 (fp32 master weights + Adam's two moments) and
   8 for float32 (the weights are the master copy; the two moments). ``LEARNER_OVERHEAD_GIB`` covers the CUDA
@@ -368,6 +370,12 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
                             reference_model=lc.kl_coef > 0, offload_optimizer=offload)
     host_off = (learner_host_offload_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size)
                 if offload else {"total": 0.0})
+    ppo = lc.algorithm == "ppo"  # PPO's critic: a second engine and optimizer on every rank (learner/critic.py)
+    if ppo:
+        lm = mm.add_critic_gib(lm, p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
+                               offload_optimizer=offload)
+        if offload:
+            host_off = {k: 2 * v for k, v in host_off.items()}  # the critic's offloaded partitions, the same bound
     work = learner_working_gib(cfg, shape, p)
     if work:
         lm = {**{k: v for k, v in lm.items() if k != "total"}, **{k: v for k, v in work.items() if k != "total"},
@@ -377,6 +385,7 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
         "learner_per_rank_gib": {k: round(v, 2) if k != "micro_batch_tokens" else v for k, v in lm.items()},
         "learner_formula": f"ZeRO-{lc.zero_stage}, {lc.dtype}, AdamW, N={lc.world_size}"
         + (", + reference model" if lc.kl_coef > 0 else "")
+        + (", + PPO critic (its P bounded by the policy's)" if ppo else "")
         + (f", gradient checkpointing {'on' if lc.gradient_checkpointing else 'off'}" if work else "")
         + (", optimizer offloaded to host RAM (CPU Adam)" if offload else ""),
     }
