@@ -23,7 +23,8 @@ Variants (all from the config's learner section; each on its own engine, built o
   trains the whole minibatch with micro-batches of ``micro_batch_size x 2`` rows: as many passes as each of
   2 ranks runs); ``ranks1_zero2_threads2``: one rank with 2 torch threads (the cores 2 ranks have);
 - ``checkpointing``: the default with ``learner.gradient_checkpointing=true``;
-- ``token_budget``: the default with ``learner.max_tokens_per_micro_batch`` = a quarter of a rank's shard.
+- ``token_budget``: the default with ``learner.max_tokens_per_micro_batch`` = a quarter of a rank's shard;
+- ``grpo``, ``ppo``: the default with ``learner.algorithm`` grpo, or ppo (its critic: a second engine per rank).
 
 Rounds interleave the variants (round r runs one update of every variant, in order), so a change of machine
 load hits all of them alike; the first update of each variant is a warm-up and is not timed. Printed: per
@@ -73,6 +74,8 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
                 "micro_batch_size": lc.micro_batch_size * ws}, base_guard)
     out["checkpointing"] = (ws, {"gradient_checkpointing": True}, base_guard)
     out["token_budget"] = (ws, {"max_tokens_per_micro_batch": max(shard_tokens // 4, 1)}, base_guard)
+    out["grpo"] = (ws, {"algorithm": "grpo"}, base_guard)  # token ratios, group advantages
+    out["ppo"] = (ws, {"algorithm": "ppo"}, base_guard)  # grpo's loss + the critic's passes and updates (docs/ppo.md)
     return out
 
 
