@@ -7,8 +7,8 @@ Usage::
 Every ``--interval`` seconds it reads ``VmHWM`` (the kernel's own peak resident set size of a process, so a peak
 between two samples is not missed; only growth in the last interval before a rank exits can be) of every
 process descending from the command whose command line starts with ``ray::LearnerRank`` (the title Ray
-gives a ``LearnerRank`` actor's process). Prints, and writes to ``--out``, one JSON object: ``wall_s``, ``rc``, ``learner_peak_rss_mib`` per pid
-and their ``max`` and ``sum``.
+gives a ``LearnerRank`` actor's process; a rank's own forked children are left out). Prints, and writes to
+``--out``, one JSON object: ``wall_s``, ``rc``, ``learner_peak_rss_mib`` per pid and their ``max`` and ``sum``.
 """
 
 from __future__ import annotations

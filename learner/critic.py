@@ -241,7 +241,8 @@ class Critic:
                                    num_tokens=self.value_tokens[m])
             # DeepSpeed averages gradients over the ranks: x world_size makes it the sum (learner/service.py)
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            loss_sum, clipped, tokens = loss_sum + float(loss.detach()), clipped + met["num_clipped"], tokens + met["num_tokens"]
+            loss_sum += float(loss.detach())
+            clipped, tokens = clipped + met["num_clipped"], tokens + met["num_tokens"]
         self._set_lr(self.current_lr(self.optimizer_steps + 1))
         self.engine.step()
         self.optimizer_steps += 1
