@@ -26,6 +26,7 @@ Variants (all from the config's learner section; each on its own engine, built o
 - ``token_budget``: the default with ``learner.max_tokens_per_micro_batch`` = a quarter of a rank's shard;
 - ``lora``: the default with ``learner.lora`` rank 8, alpha 16 (the attention projections; switched on as the
   driver does after the warm start).
+- ``grpo``, ``ppo``: the default with ``learner.algorithm`` grpo, or ppo (its critic: a second engine per rank).
 
 Rounds interleave the variants (round r runs one update of every variant, in order), so a change of machine
 load hits all of them alike; the first update of each variant is a warm-up and is not timed. Printed: per
@@ -76,6 +77,8 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
     out["checkpointing"] = (ws, {"gradient_checkpointing": True}, base_guard)
     out["token_budget"] = (ws, {"max_tokens_per_micro_batch": max(shard_tokens // 4, 1)}, base_guard)
     out["lora"] = (ws, {"lora": {"rank": 8, "alpha": 16}}, base_guard)
+    out["grpo"] = (ws, {"algorithm": "grpo"}, base_guard)  # token ratios, group advantages
+    out["ppo"] = (ws, {"algorithm": "ppo"}, base_guard)  # grpo's loss + the critic's passes and updates (docs/ppo.md)
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from learner.critic_config import CriticConfig
 from learner.health import GUARD_CHECKS
 from learner.objective_names import (
     CORRECTIONS,
@@ -223,6 +224,9 @@ class LearnerConfig(Section):
     )
     moe_diagnostics: bool = Field(
         True, description="MoE only: log expert load (moe/load_*) and routing volatility (moe/routing_volatility*)"
+    )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="PPO's value model and GAE (learner.algorithm='ppo' only)"
     )
     zero3_param_persistence_threshold: int | None = Field(
         None,

@@ -132,6 +132,7 @@ BUILTIN_LOSSES: dict[str, LossInfo] = {
     "sapo": LossInfo(SapoSettings),
     "gmpo": LossInfo(GmpoSettings, _SEQ, token_weights=False),
     "dr_grpo": LossInfo(DrGrpoSettings, normalize_adv_std=False),
+    "ppo": LossInfo(ClipSettings),  # grpo's loss on the critic's GAE advantages (learner/critic.py)
 }
 
 

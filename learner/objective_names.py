@@ -10,7 +10,8 @@ from __future__ import annotations
 
 # The names the config schema accepts: the built-in entries of the policy-loss registry (learner/loss_registry.py;
 # their settings in learner/loss_settings.py). A user's loss is named "module.path:function" instead.
-ALGORITHMS = ("gspo", "gspo_token", "grpo", "cispo", "sapo", "gmpo", "dr_grpo")
+ALGORITHMS = ("gspo", "gspo_token", "grpo", "cispo", "sapo", "gmpo", "dr_grpo", "ppo")
+# ppo: grpo's token-level clipped loss on the critic's GAE advantages [B, T] (learner/critic.py)
 LOSS_AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

@@ -384,6 +384,15 @@ def _grpo(x: _Inputs, settings: Any) -> LossTerms:
                                         x, x.weights))
 
 
+@register_policy_loss("ppo")
+def _ppo(x: _Inputs, settings: Any) -> LossTerms:
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, Eq. 7) with a critic: GRPO's token-level
+    loss (clip 0.2 / 0.2, ``token_mean``) on the critic's per-token GAE advantages ``[B, T]``
+    (``learner/critic.py``, ``learner/gae.py``)."""
+    return LossTerms(*_token_level_loss(Objective("ppo", settings.clip_low, settings.clip_high, settings.loss_agg),
+                                        x, x.weights))
+
+
 @register_policy_loss("dr_grpo")
 def _dr_grpo(x: _Inputs, settings: Any) -> LossTerms:
     """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783: the Dr. GRPO objective):

@@ -39,6 +39,7 @@ import torch
 from learner import checkpoint, lora, state, weight_sync
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.contracts import SFTBatch, SyncReport, TrainBatch
+from learner.critic import Critic
 from learner.moe import RouterTap, find_routers
 from learner.objectives import resolve_objective
 from learner.replica import Replica
@@ -304,6 +305,8 @@ class LearnerRank:
         self.replica = _build_replica(self.model_path, cfg, rank, world_size, self.temperature, partitioned_build)
         self.engine = self.replica.engine
         self.ref_model = self.replica.ref_model
+        # PPO's value model (learner/critic.py): a second DeepSpeed engine on this rank, built at its first use
+        self.critic = Critic(cfg, world_size, self.replica.device) if cfg.algorithm == "ppo" else None
 
     def enable_lora(self) -> bool:
         """Switch this rank to LoRA RL (``learner.lora``, ``learner/lora.py``): the current weights (after any warm
@@ -405,7 +408,10 @@ class LearnerRank:
             ValueError: inconsistent list lengths, normalisers that do not match the data, a response mask
                 on padding, or an invalid guard.
         """
-        return RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective).run()
+        if self.critic is not None:
+            self.critic.ensure_built(self.engine, self.zero3)
+        return RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
+                                self.critic).run()
 
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on ``batch`` (this rank's shard).
@@ -520,6 +526,9 @@ class LearnerRank:
         """Write what resuming needs into ``path`` (``learner.checkpoint`` gives the layout). Collective; the
         driver renames the folder atomically."""
         checkpoint.save(self, path)
+        if self.critic is not None:
+            self.critic.ensure_built(self.engine, self.zero3)
+            self.critic.save(path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore weights, optimizer state, lr and this rank's RNG states from ``save_checkpoint``'s folder.
@@ -529,6 +538,16 @@ class LearnerRank:
             FileNotFoundError: ``path`` holds no learner checkpoint.
         """
         checkpoint.load(self, path)
+        if self.critic is not None:
+            self.critic.ensure_built(self.engine, self.zero3)
+            self.critic.load(path)
+
+    def critic_digest(self) -> dict[str, Any] | None:
+        """PPO: digests of the critic's weights (collective under ZeRO-3) and this rank's optimizer state, with
+        its counters (``learner.critic.Critic.digest``); None without a critic or before its first use."""
+        if self.critic is None or self.critic.engine is None:
+            return None
+        return self.critic.digest(self.zero3)
 
     def devices(self) -> dict[str, Any]:
         """Where this rank's training state lives (``learner.state.device_report``), and the process group's

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from learner.contracts import SFTBatch, TrainBatch
+from learner.critic import Critic
 from learner.health import GuardDecision
 from learner.logprobs import token_log_probs
 from learner.microbatch import MicroBatch, length_order
@@ -68,7 +69,7 @@ class RolloutBatchStep:
     arguments, the metrics returned and the errors raised. Collective: every rank runs it on its shard."""
 
     def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
-                 num_tokens: list[int], guard: dict[str, float] | None, objective: Objective):
+                 num_tokens: list[int], guard: dict[str, float] | None, objective: Objective, critic: Critic | None = None):
         self.r, self.cfg = replica, replica.cfg
         self.guard = GuardDecision(guard)
         replica.check_normalisers(minibatches, num_sequences, num_tokens)
@@ -84,19 +85,26 @@ class RolloutBatchStep:
         self.routes: list[list[torch.Tensor]] = []
         self.corrections: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []  # per micro: (weights, kept)
         self.nonfinite = 0.0
+        self.critic = critic  # PPO's value model (learner/critic.py), or None
+        self.token_adv: list[list[torch.Tensor]] = []  # PPO: GAE advantages per minibatch and micro-batch
 
     def run(self) -> dict[str, Any]:
         """The phases in order; returns the step's metrics (the same dict on every rank)."""
         self.r.start_update()
         out = self.pre_update_pass() if self.run_pre_update else self.rollout_checks()
+        if self.critic is not None:  # PPO: values, GAE and whitening before any update
+            self.token_adv, critic_metrics = self.critic.prepare(self)
+            out.update(critic_metrics)
         refused = self.guard.refuse_before_update(out, self.nonfinite)
         counts = self.r.aligned_counts([len(self.r.slices(mb)) for mb in self.minibatches])
         snapshot = self.r.snapshot() if self.guard.on and not refused else None
-        if not refused:
+        if not refused and (self.critic is None or self.critic.policy_trains()):
             self.train(counts)
         out.update(self.metrics())
         if self.guard.on:
             out.update(self.guard_verdict(out, snapshot))
+        if self.critic is not None and not refused and not out.get("health/skipped"):
+            out.update(self.critic.train(self))  # only when the policy's update is kept
         return out
 
     # -- phase 1 ------------------------------------------------------------------------------------------
@@ -220,7 +228,8 @@ class RolloutBatchStep:
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
         # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
         weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
-        result = policy_loss(lp, old, mb.advantages, kept, self.objective, token_weights=weights, **norms)
+        adv = self.token_adv[m][k] if self.token_adv else mb.advantages  # PPO: GAE advantages [b, w-1]
+        result = policy_loss(lp, old, adv, kept, self.objective, token_weights=weights, **norms)
         loss, metrics = result.loss, result.metrics
         value = float(loss.detach())
         t.loss_sum += value

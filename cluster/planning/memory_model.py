@@ -209,6 +209,22 @@ def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_
     return out
 
 
+def add_critic_gib(lm: dict[str, float], num_params: float, *, zero_stage: int, dtype: str, world_size: int,
+                   offload_optimizer: bool = False) -> dict[str, float]:
+    """``lm`` (``learner_memory_gib``'s result) with PPO's critic added (``learner.algorithm='ppo'``,
+    ``learner/critic.py``): a second DeepSpeed engine in the same rank process, its weights, gradients and
+    AdamW state partitioned by the same ZeRO rules as the policy's, no second overhead. ``num_params`` is the
+    critic's P; the policy's P is a bound from above (the critic drops the LM head for a scalar head).
+
+    Returns:
+        ``lm`` with ``critic`` (GiB per rank) added to it and to ``total``.
+    """
+    c = learner_memory_gib(num_params, zero_stage=zero_stage, dtype=dtype, world_size=world_size,
+                           offload_optimizer=offload_optimizer)
+    critic = c["weights"] + c["gradients"] + c["optimizer"]
+    return {**{k: v for k, v in lm.items() if k != "total"}, "critic": critic, "total": lm["total"] + critic}
+
+
 def learner_host_offload_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int) -> dict[str, float]:
     """Host RAM one learner rank adds with ``learner.offload_optimizer='cpu'`` (module docstring).
 

@@ -18,7 +18,9 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
       gradients = 4 P / (N if stage >= 2 else 1)   (fp32: data_types.grad_accum_dtype, learner/ds_config.py)
       optimizer = K P / (N if stage >= 1 else 1)
       reference = b P                      (only when learner.kl_coef > 0: an unsharded frozen copy)
-      total     = weights + gradients + optimizer + reference + LEARNER_OVERHEAD_GIB
+      critic    = weights + gradients + optimizer of the critic (learner.algorithm: ppo, learner/critic.py: a
+                  second engine in the rank; its P bounded by the policy's; doubled offloaded host partitions)
+      total     = weights + gradients + optimizer + reference + critic + LEARNER_OVERHEAD_GIB
 
   b = 2 bytes (bfloat16) or 4 (float32); K = 12 for bfloat16 (fp32 master weights + Adam's two moments) and
   8 for float32 (the weights are the master copy; the two moments). ``LEARNER_OVERHEAD_GIB`` covers the CUDA
@@ -66,11 +68,10 @@ Over budget raises ``PlanError`` naming the numbers.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from cluster.planning import memory_model as mm
+from cluster.planning.shapes import folder_shape
 from cluster.config import Config, ConfigError, ModelShape
 from cluster.models.tiny_model import VOCAB_SIZE
 from cluster.planning.memory_model import (  # noqa: F401 - re-exported: the formula of this module's docstring
@@ -299,34 +300,11 @@ def model_shape(cfg: Config) -> Any:
     if m.shape is not None:
         return m.shape
     if m.path != "builtin:tiny_moe":
-        return folder_shape(Path(m.path))
+        return folder_shape(m.path)
     return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, vocab_size=VOCAB_SIZE,
                       moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
                       num_experts_per_tok=m.num_experts_per_tok)
-
-
-def folder_shape(folder: Path) -> ModelShape | None:
-    """A ``ModelShape`` from a Hugging Face folder's ``config.json`` (transformers' key names: Llama, Qwen2/3,
-    Qwen3-MoE ``num_experts``, Mixtral ``num_local_experts`` whose experts have ``intermediate_size``); None when
-    the folder or its config is absent. A model whose config nests the text model (``text_config``) is read there.
-    """
-    path = folder / "config.json"
-    if not path.is_file():
-        return None
-    c = json.loads(path.read_text())
-    c = {**c, **c.get("text_config", {})}
-    heads = int(c["num_attention_heads"])
-    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
-    moe_size = int(c.get("moe_intermediate_size") or (c.get("intermediate_size") if experts else 0) or 0)
-    return ModelShape(
-        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
-        intermediate_size=0 if experts and not c.get("moe_intermediate_size") else c.get("intermediate_size", 0),
-        moe_intermediate_size=moe_size if experts else 0, num_experts=experts,
-        num_experts_per_tok=c.get("num_experts_per_tok", 0) if experts else 0,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
 def num_params(cfg: Config) -> float | None:
@@ -400,6 +378,12 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
                             reference_model=lc.kl_coef > 0, offload_optimizer=offload)
     host_off = (learner_host_offload_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size)
                 if offload else {"total": 0.0})
+    ppo = lc.algorithm == "ppo"  # PPO's critic: a second engine and optimizer on every rank (learner/critic.py)
+    if ppo:
+        lm = mm.add_critic_gib(lm, p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
+                               offload_optimizer=offload)
+        if offload:
+            host_off = {k: 2 * v for k, v in host_off.items()}  # the critic's offloaded partitions, the same bound
     work = learner_working_gib(cfg, shape, p)
     if work:
         lm = {**{k: v for k, v in lm.items() if k != "total"}, **{k: v for k, v in work.items() if k != "total"},
@@ -409,6 +393,7 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
         "learner_per_rank_gib": {k: round(v, 2) if k != "micro_batch_tokens" else v for k, v in lm.items()},
         "learner_formula": f"ZeRO-{lc.zero_stage}, {lc.dtype}, AdamW, N={lc.world_size}"
         + (", + reference model" if lc.kl_coef > 0 else "")
+        + (", + PPO critic (its P bounded by the policy's)" if ppo else "")
         + (f", gradient checkpointing {'on' if lc.gradient_checkpointing else 'off'}" if work else "")
         + (", optimizer offloaded to host RAM (CPU Adam)" if offload else ""),
     }

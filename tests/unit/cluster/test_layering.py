@@ -29,7 +29,8 @@ SERVICES = ("learner", "rollout", "reward")
 PACKAGES = (*SERVICES, "cluster")
 
 
-CORE = ("learner/objectives.py", "learner/objective_names.py", "learner/advantages.py", "learner/logprobs.py")
+CORE = ("learner/objectives.py", "learner/objective_names.py", "learner/advantages.py", "learner/logprobs.py",
+        "learner/gae.py")
 
 
 CORE_FORBIDDEN = ("ray", "vllm", "deepspeed", "pydantic", "cluster", "learner.config", "rollout", "reward")

@@ -420,7 +420,7 @@ def test_plan_reads_the_shape_of_a_model_folder(tmp_path):
     a Qwen3 layer has and a Llama layer lacks (30 x 2 x 64); a Mixtral-style config's experts use
     ``intermediate_size``; a folder without ``config.json`` gives no shape."""
     from cluster.planning.memory_model import param_count
-    from cluster.planning.plan import folder_shape
+    from cluster.planning.shapes import folder_shape
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
     shape = folder_shape(tmp_path)

@@ -453,8 +453,8 @@ def test_defaults_per_algorithm():
 def test_bad_inputs_raise_clear_errors():
     lp, old, mask = make_batch([[0.0, 0.1], [0.2]])
     adv = torch.ones(2)
-    with pytest.raises(ValueError, match="algorithm='ppo'"):
-        policy_loss(lp, old, adv, mask, resolve_objective("ppo"))
+    with pytest.raises(ValueError, match="algorithm='reinforce'"):
+        policy_loss(lp, old, adv, mask, resolve_objective("reinforce"))
     with pytest.raises(ValueError, match="loss_agg='sum'"):
         policy_loss(lp, old, adv, mask, resolve_objective("grpo", loss_agg="sum"))
     with pytest.raises(ValueError, match="clip_low=-0.1"):
