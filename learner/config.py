@@ -120,6 +120,14 @@ class LearnerConfig(Section):
         "those settings. Skipped, actor/entropy, actor/train_rollout_logprob_diff and the moe/ metrics are absent "
         "(learner/README.md)",
     )
+    mismatch_monitor_every: int = Field(
+        10,
+        ge=0,
+        description="with pre_update_pass='auto' and nothing that needs the pass: run it anyway on every N-th "
+        "rollout batch a learner trains (the first one included; counted from the learner's start), so "
+        "actor/train_rollout_logprob_diff (and actor/entropy, mismatch/*) are measured at 1/N of the pass's cost "
+        "and a broken weight sync shows up, on dense and MoE models; 0 = off (the pass only when needed)",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="recompute each decoder layer's activations in the backward (transformers, non-reentrant) "

@@ -51,6 +51,7 @@ class Replica:
         self.ref_model, self.tap = ref_model, tap
         self.zero3 = cfg.zero_stage == 3
         self.optimizer_steps = 0
+        self.rollout_batches = 0  # rollout batches trained since this rank started (learner.mismatch_monitor_every)
         self.capture: dict[str, Any] | None = None  # gradient capture for verification (capture_gradients)
         self._dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
         self.elastic = (ElasticThreads(cfg.threads_per_rank, cfg.max_threads_per_rank)

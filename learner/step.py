@@ -103,7 +103,7 @@ class RolloutBatchStep:
     def pre_update_decision(self) -> bool:
         """Whether this step runs the pre-update pass: ``learner.pre_update_pass`` ``always``; ``auto`` when
         ``pre_update_pass_needs`` names a setting (recompute, Routing Replay, MoE diagnostics on an MoE model,
-        a guard pre-check); ``never`` otherwise.
+        a guard pre-check) or when the mismatch monitor is due (``monitor_due``); ``never`` otherwise.
 
         Raises:
             ValueError: ``never`` with a guard pre-check threshold (the config refuses the other settings).
@@ -114,7 +114,16 @@ class RolloutBatchStep:
                 "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; use "
                 "learner.pre_update_pass='auto' or remove those thresholds"
             )
-        return self.cfg.pre_update_pass == "always" or bool(needs)
+        monitor = self.monitor_due()  # counted on every batch
+        return self.cfg.pre_update_pass == "always" or bool(needs) or monitor
+
+    def monitor_due(self) -> bool:
+        """``auto`` with ``learner.mismatch_monitor_every`` N > 0: whether this is the rank's rollout batch
+        1, N+1, 2N+1, ... (the mismatch monitor's pass). Counts the batch. The same on every rank (each counts
+        the collective calls it took part in)."""
+        n, self.r.rollout_batches = self.r.rollout_batches, self.r.rollout_batches + 1
+        every = self.cfg.mismatch_monitor_every
+        return self.cfg.pre_update_pass == "auto" and every > 0 and n % every == 0
 
     def rollout_checks(self) -> dict[str, Any]:
         """Instead of the pre-update pass: with the guard on, count the non-finite rollout log-probs on response
