@@ -12,6 +12,7 @@ a rank with fewer micro-batches in a minibatch runs zero-weighted passes on a du
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.microbatch import MicroBatch, batch_problem, micro_slices
 from learner.moe import RouterTap, rollout_replay_ids
 from learner.objectives import loss_normalisers
+from learner.packing import PackedRows
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -131,9 +133,41 @@ class Replica:
         return micro_slices(batch.attention_mask, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def logits(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]``."""
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]`` (the padded forward; under ``autocast``)."""
+        with self.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits[:, :-1]
+
+    def autocast(self):
+        """``learner.autocast``: torch's bf16 autocast on this rank's device for a forward, or no context."""
+        if self.cfg.autocast == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def log_probs(self, model, mb: MicroBatch, temperature: float | None = None,
+                  entropy_den: float | None = None) -> tuple[torch.Tensor, float]:
+        """Log-probs of ``mb.targets`` at ``mb.mask`` from ``logits / temperature`` (default: the rollout's), and
+        with ``entropy_den`` the entropy sum ``entropy_from_logits(..., num_tokens=entropy_den)`` (else 0.0).
+
+        With ``learner.pack_sequences`` (and at least one masked target) the rows run packed
+        (``learner.packing``: one ``[1, N]`` row of real tokens, the head only at ``mb.mask``), so no FLOP goes
+        to padding; else the padded forward. Returns float32 ``[b, w-1]`` (packed: 0 outside ``mb.mask``;
+        padded: every position's value) and a float."""
+        temp = self.temperature if temperature is None else float(temperature)
+        if self.cfg.pack_sequences and bool(mb.mask.any()):
+            packed = PackedRows(mb.attention_mask, mb.mask)
+            with self.autocast():
+                logits = model(input_ids=packed.pack(mb.input_ids), position_ids=packed.position_ids,
+                               logits_to_keep=packed.keep[0], use_cache=False).logits  # [1, M, V]
+            lp = packed.unpack(token_log_probs(logits, packed.target_ids(mb.input_ids), temp))
+            mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+        else:
+            logits = self.logits(model, mb.input_ids, mb.attention_mask)
+            lp, mask = token_log_probs(logits, mb.targets, temp), mb.mask
+        ent = 0.0
+        if entropy_den is not None:
+            ent = float(entropy_from_logits(logits, mask, temperature=temp, num_tokens=entropy_den))
+        return lp, ent
 
     def dummy_pass(self, with_grad: bool) -> None:
         """A pass that keeps this rank in step with ranks that have more micro-batches (zero gradient)."""
@@ -170,11 +204,13 @@ class Replica:
                 with self.tap.capture(replay=replay) as record:
                     logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
                 routes.append(record.router_tensor().cpu())
+                lp = token_log_probs(logits, mb.targets, self.temperature)
+                if entropy_den is not None:
+                    ent += float(entropy_from_logits(logits, mb.mask, temperature=self.temperature,
+                                                     num_tokens=entropy_den))
             else:
-                logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
-            lp = token_log_probs(logits, mb.targets, self.temperature)
-            if entropy_den is not None:
-                ent += float(entropy_from_logits(logits, mb.mask, temperature=self.temperature, num_tokens=entropy_den))
+                lp, e = self.log_probs(self.engine, mb, entropy_den=entropy_den)
+                ent += e
             micros.append(mb)
             lps.append(torch.where(mb.mask, lp, 0.0))
         return micros, lps, ent

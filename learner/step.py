@@ -224,8 +224,7 @@ class RolloutBatchStep:
         the total loss is finite)."""
         cfg, t = self.cfg, self.t
         old = self.pre_lps[m][k] if cfg.old_logprob_source == "recompute" else mb.old_log_probs
-        logits = self.forward(m, k, mb, measure, vol)
-        lp = token_log_probs(logits, mb.targets, self.r.temperature)
+        lp = self.forward(m, k, mb, measure, vol)
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
         # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
         weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
@@ -235,8 +234,7 @@ class RolloutBatchStep:
         t.loss_sum += value
         if self.r.ref_model is not None:
             with torch.no_grad():
-                ref_lp = token_log_probs(self.r.logits(self.r.ref_model, mb.input_ids, mb.attention_mask),
-                                         mb.targets, self.r.temperature)
+                ref_lp, _ = self.r.log_probs(self.r.ref_model, mb)
             kl = kl_penalty(lp, ref_lp, mb.mask, cfg.kl_estimator, loss_agg=self.objective.loss_agg, **norms)
             t.kl_sum += float(kl.detach())
             loss = loss + cfg.kl_coef * kl
@@ -250,12 +248,14 @@ class RolloutBatchStep:
         return value, finite
 
     def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
-        """Training forward of micro-batch ``k`` of minibatch ``m`` with Routing Replay when configured (R2:
-        the pre-update pass's experts; R3: the engine's); adds the routing changes against the routers' own
-        pre-update choice to ``vol`` when ``measure``."""
+        """Training forward of micro-batch ``k`` of minibatch ``m``: the ``[b, w-1]`` log-probs (``Replica.log_probs``:
+        packed with ``learner.pack_sequences``), or, when the pre-update pass recorded routes, a padded forward
+        under the router tap with Routing Replay when configured (R2: the pre-update pass's experts; R3: the
+        engine's) that adds the routing changes against the routers' own pre-update choice to ``vol`` when
+        ``measure``."""
         r, tap = self.r, self.tap
         if tap is None or not self.routes:
-            return r.logits(r.engine, mb.input_ids, mb.attention_mask)
+            return r.log_probs(r.engine, mb)[0]
         before = self.routes[m][k]
         mode = self.cfg.routing_replay
         replay = before if mode == "learner" else r.rollout_replay(mb) if mode == "rollout" else None
@@ -266,7 +266,7 @@ class RolloutBatchStep:
             used, _ = topk_set_changes(record.used_tensor().cpu(), before, sel)
             own, compared = topk_set_changes(record.router_tensor().cpu(), before, sel)
             vol[0], vol[1], vol[2] = vol[0] + used, vol[1] + own, vol[2] + compared
-        return logits
+        return token_log_probs(logits, mb.targets, r.temperature)
 
     @torch.no_grad()
     def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
@@ -367,7 +367,7 @@ def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
             r.dummy_pass(with_grad=True)
             continue
         mb = MicroBatch(batch, *slices[k], r.device, "loss_mask")
-        lp = token_log_probs(r.logits(r.engine, mb.input_ids, mb.attention_mask), mb.targets, 1.0)
+        lp, _ = r.log_probs(r.engine, mb, temperature=1.0)
         loss = -torch.where(mb.mask, lp, 0.0).sum() / den
         loss_sum += float(loss.detach())
         r.engine.backward(loss * r.world_size, scale_wrt_gas=False)
