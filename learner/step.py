@@ -134,6 +134,13 @@ class RolloutBatchStep:
             (self.nonfinite,) = self.r.all_reduce([bad])
         return {}
 
+    def wants_routes(self) -> bool:
+        """Whether the pre-update pass records the routers' experts (an MoE model with MoE diagnostics, Routing
+        Replay, or engine routing in the batch to compare with); otherwise its forwards, and the training
+        forwards after it, may run packed."""
+        return self.tap is not None and (self.moe_diag or self.cfg.routing_replay != "off"
+                                         or any(mb.rollout_routes is not None for mb in self.minibatches))
+
     def pre_update_pass(self) -> dict[str, Any]:
         """Forward every minibatch at the current weights; returns entropy, log-prob difference and (MoE)
         expert-load metrics, all-reduced."""
@@ -145,11 +152,12 @@ class RolloutBatchStep:
         mismatch = [0.0, 0.0]  # (token, layer) pairs whose learner top-k set differs from the engine's, compared
         mm_sum, mm_max = [0.0] * 5, [0.0, 0.0]  # learner/rollout_correction.mismatch_sums, summed / maxed
         for mb in self.minibatches:
-            mb_routes: list[torch.Tensor] | None = [] if tap is not None else None
+            mb_routes: list[torch.Tensor] | None = [] if self.wants_routes() else None
             micros, lps, ent = self.r.inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes)
             ent_sum += ent
             self.pre_lps.append(lps)
-            self.routes.append(mb_routes or [])
+            if mb_routes is not None:  # recorded: the training forwards run under the tap (padded)
+                self.routes.append(mb_routes)
             self.corrections.append([])
             for k, (micro, lp) in enumerate(zip(micros, lps)):
                 diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
