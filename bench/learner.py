@@ -29,7 +29,7 @@ Variants (all from the config's learner section; each on its own engine, built o
   ``learner.autocast=bfloat16`` (float32 configs);
 - the ceiling, ``plain_torch_padded`` / ``plain_torch_packed``: one plain torch forward+backward of the same
   batch in the bench's own process (transformers, 1 thread, no DeepSpeed, Ray or optimizer), padded micro-batches
-  of ``micro_batch_size`` rows or each packed into one row. Learner and ceiling are printed as tokens/s over the
+  of ``micro_batch_size`` rows, or packed (``learner.packing``). Learner and ceiling are printed as tokens/s over the
   batch's real tokens, and the log-prob gap of bf16 autocast against float32 on the response tokens.
 
 Rounds interleave the variants (round r runs one update of every variant, in order), so a change of machine
@@ -134,8 +134,8 @@ def driver_batch(cfg, model_path: str):
 
 def plain_torch(model, batch, micro_batch_size: int, temperature: float, packed: bool) -> float:
     """Seconds of one plain-torch forward+backward over ``batch`` in this process (no DeepSpeed, no Ray, no
-    optimizer): a response-token log-prob sum per micro-batch of ``micro_batch_size`` rows, padded to the batch's
-    width (``packed=False``) or as one packed row of real tokens (``learner.packing``)."""
+    optimizer): a response-token log-prob sum per micro-batch of ``micro_batch_size`` rows, padded to the micro-batch's
+    width (``packed=False``) or packed (``learner.packing``)."""
     import torch
 
     from learner.logprobs import token_log_probs
@@ -148,7 +148,7 @@ def plain_torch(model, batch, micro_batch_size: int, temperature: float, packed:
         ids, am, mask = ids[:, :w], am[:, :w], batch.response_mask[lo:lo + micro_batch_size, : w - 1]
         if packed:
             p = PackedRows(am, mask)
-            logits = model(input_ids=p.pack(ids), position_ids=p.position_ids, logits_to_keep=p.keep[0]).logits
+            logits = p.wanted_logits(model, ids)
             loss = token_log_probs(logits, p.target_ids(ids), temperature).sum()
         else:
             logits = model(input_ids=ids, attention_mask=am).logits[:, :-1]

@@ -150,15 +150,14 @@ class Replica:
         with ``entropy_den`` the entropy sum ``entropy_from_logits(..., num_tokens=entropy_den)`` (else 0.0).
 
         With ``learner.pack_sequences`` (and at least one masked target) the rows run packed
-        (``learner.packing``: one ``[1, N]`` row of real tokens, the head only at ``mb.mask``), so no FLOP goes
+        (``learner.packing``: sequences end to end in rows no longer than the longest), so almost no FLOP goes
         to padding; else the padded forward. Returns float32 ``[b, w-1]`` (packed: 0 outside ``mb.mask``;
         padded: every position's value) and a float."""
         temp = self.temperature if temperature is None else float(temperature)
         if self.cfg.pack_sequences and bool(mb.mask.any()):
             packed = PackedRows(mb.attention_mask, mb.mask)
             with self.autocast():
-                logits = model(input_ids=packed.pack(mb.input_ids), position_ids=packed.position_ids,
-                               logits_to_keep=packed.keep[0], use_cache=False).logits  # [1, M, V]
+                logits = packed.wanted_logits(model, mb.input_ids)  # [1, M, V]
             lp = packed.unpack(token_log_probs(logits, packed.target_ids(mb.input_ids), temp))
             mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
         else:

@@ -9,23 +9,31 @@ import torch
 
 from learner.config import LearnerConfig
 from learner.microbatch import MicroBatch
-from learner.packing import PackedRows
+from learner.packing import PackedRows, first_fit_bins
 from learner.replica import Replica
 from tests.helpers.learner import TEMPERATURE, _ref_model, make_batch
 
 
+def test_first_fit_bins_by_hand():
+    assert first_fit_bins([5, 12, 3, 9], 12) == [[1], [3, 2], [0]]  # 12 | 9 + 3 | 5
+    assert first_fit_bins([2, 2, 2, 2], 4) == [[0, 1], [2, 3]]
+    assert first_fit_bins([], 4) == []
+
+
 def test_packed_rows_by_hand():
-    am = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
-    targets = torch.tensor([[False, True, False], [True, False, False], [False, False, True]])
+    # lengths 3, 1, 4, 2 in rows of width 4: bins [row 2] [row 0, row 1] [row 3] (first fit, longest first)
+    am = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    targets = torch.tensor([[False, True, False], [False, False, False], [False, False, True], [True, False, False]])
     p = PackedRows(am, targets)
-    assert p.num_tokens == 9
-    assert p.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    # (row 0, t 1) -> packed 1; (row 1, t 0) -> packed 3; (row 2, t 2) -> packed 5 + 2 = 7
-    assert p.keep.tolist() == [[1, 3, 7]]
-    ids = torch.arange(12).reshape(3, 4)
-    assert p.pack(ids).tolist() == [[0, 1, 2, 4, 5, 8, 9, 10, 11]]
-    assert p.target_ids(ids).tolist() == [[2, 5, 11]]  # input_ids[:, 1:] at the targets
-    assert p.unpack(torch.tensor([[7.0, 8.0, 9.0]])).tolist() == [[0, 7, 0], [8, 0, 0], [0, 0, 9]]
+    assert (p.num_tokens, p.num_bins, p.width, p.num_positions) == (10, 3, 4, 12)
+    assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    ids = torch.arange(16).reshape(4, 4)
+    assert p.pack(ids).tolist() == [[8, 9, 10, 11], [0, 1, 2, 4], [12, 13, 0, 0]]
+    # wanted, in row-major order: (row 0, t 1) at flat 4 + 1; (row 2, t 2) at 0 + 2; (row 3, t 0) at 8
+    assert p.keep.tolist() == [5, 2, 8]
+    assert p.target_ids(ids).tolist() == [[2, 11, 13]]  # the token after each wanted position, in its bin too
+    assert [int(p.pack(ids).reshape(-1)[k + 1]) for k in p.keep] == [2, 11, 13]
+    assert p.unpack(torch.tensor([[7.0, 8.0, 9.0]])).tolist() == [[0, 7, 0], [0, 0, 0], [0, 0, 8], [9, 0, 0]]
 
 
 def test_packed_rows_refuses_left_padding_and_targets_on_padding():
@@ -73,15 +81,22 @@ def test_packed_log_probs_and_gradient_equal_the_padded_forward(model_path, dens
         assert float((g1[name] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-9, name
 
 
-def test_packed_forward_runs_only_real_tokens(model_path):
-    """The model sees one row of the real tokens (no padding) and the head only the response positions."""
-    batch = make_batch(model_path, 5, seed=6)
+def test_packed_forward_runs_fewer_positions(model_path):
+    """The model runs the packed bins (fewer positions than the padded micro-batch when rows differ in length);
+    with a single bin, the head runs only at the response positions."""
+    batch = make_batch(model_path, 6, seed=6)
     mb = MicroBatch(batch, 0, len(batch), torch.device("cpu"), "response_mask")
     model = _ref_model(model_path)
     seen = {}
     model.model.register_forward_hook(lambda _m, _a, out: seen.__setitem__("hidden", out.last_hidden_state.shape))
     model.lm_head.register_forward_hook(lambda _m, _a, out: seen.__setitem__("head", out.shape))
+    p = PackedRows(mb.attention_mask, mb.mask)
+    assert p.num_positions < mb.attention_mask.numel()
     with torch.no_grad():
         _replica(True).log_probs(model, mb)
-    assert seen["hidden"][:2] == (1, int(mb.attention_mask.sum()))
-    assert seen["head"][:2] == (1, int(mb.mask.sum()))
+    assert tuple(seen["hidden"][:2]) == (p.num_bins, p.width)
+    one = MicroBatch(batch.select([1]), 0, 1, torch.device("cpu"), "response_mask")  # one row: one bin
+    assert PackedRows(one.attention_mask, one.mask).num_bins == 1
+    with torch.no_grad():
+        _replica(True).log_probs(model, one)
+    assert seen["head"][1] == int(one.mask.sum()) < one.width
