@@ -22,8 +22,8 @@ def _rank(model_path: str, cfg: LearnerConfig):
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_packed_learner_equals_the_padded_one(model_path, zero_stage):
     """Two minibatches of rows of different lengths (one without response tokens), 3-row micro-batches, the
-    pre-update pass on (packed too: no MoE diagnostics): log-probs within 2e-6, each optimizer step's gradient
-    within 3e-5 relative of the padded learner's and the first of plain torch's, the same metrics."""
+    pre-update pass on (packed too: no MoE diagnostics): log-probs within 2e-6, the first optimizer step's gradient
+    within 3e-5 relative of the padded learner's and of plain torch's (the second's within 1e-3), the same metrics."""
     batches = [make_batch(model_path, 7, seed=101, empty_row=True), make_batch(model_path, 5, seed=102)]
     runs = {}
     for pack in (False, True):
@@ -39,8 +39,10 @@ def test_packed_learner_equals_the_padded_one(model_path, zero_stage):
     mask = batches[0].response_mask
     assert float((lp1 - lp0).abs()[mask].max()) < 2e-6
     assert len(g1) == len(g0) == 2
-    for got, want in zip(g1, g0):  # float32 rounding of other shapes: measured up to 1.1e-5 of a tensor's max
-        assert_grads_close(got, want, rtol=3e-5)
+    assert_grads_close(g1[0], g0[0], rtol=3e-5)  # float32 rounding of other shapes: measured up to 1.1e-5
+    # the second step's gradient is taken at weights after one AdamW step, whose first update lr g / (|g| + eps)
+    # turns float noise in near-zero gradient entries into weight differences: a looser bound
+    assert_grads_close(g1[1], g0[1], rtol=1e-3)
     ref, _ = reference_step(model_path, batches, LearnerConfig(lr=1e-3))
     assert_grads_close(g1[0], ref, rtol=3e-5)
     for key in ("loss/policy", "actor/clip_fraction", "actor/entropy", "actor/train_rollout_logprob_diff",
