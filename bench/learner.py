@@ -14,8 +14,9 @@ by ``cluster.driver.batching.split_for_ranks``. The health guard is the config's
 
 Variants (all from the config's learner section; each on its own engine, built once):
 
-- ``default``: the config as it is (tiny_moe.yaml: 2 ranks, ZeRO-2, MoE diagnostics and the guard's pre-checks,
-  so the pre-update pass runs);
+- ``default``: the config as it is (tiny_moe.yaml: 1 rank, ZeRO-0, a guard without pre-checks, the mismatch
+  monitor; tiny_moe_zero2.yaml: 2 ranks, ZeRO-2, MoE diagnostics and the guard's pre-checks, so the pre-update
+  pass runs);
 - ``pass_always`` / ``pass_skipped``: MoE diagnostics off and a guard with ``max_grad_norm`` only, the
   pre-update pass forced on (``always``) or left to ``auto`` (nothing needs it: skipped): the cost of the pass
   alone;
@@ -27,6 +28,12 @@ Variants (all from the config's learner section; each on its own engine, built o
 - ``lora``: the default with ``learner.lora`` rank 8, alpha 16 (the attention projections; switched on as the
   driver does after the warm start).
 - ``grpo``, ``ppo``: the default with ``learner.algorithm`` grpo, or ppo (its critic: a second engine per rank).
+- ``padded``: the default without sequence packing (``learner.pack_sequences=false``); ``bf16_autocast``: with
+  ``learner.autocast=bfloat16`` (float32 configs);
+- the ceiling, ``plain_torch_padded`` / ``plain_torch_packed``: one plain torch forward+backward of the same
+  batch in the bench's own process (transformers, 1 thread, no DeepSpeed, Ray or optimizer), padded micro-batches
+  of ``micro_batch_size`` rows, or packed (``learner.packing``). Learner and ceiling are printed as tokens/s over the
+  batch's real tokens, and the log-prob gap of bf16 autocast against float32 on the response tokens.
 
 Rounds interleave the variants (round r runs one update of every variant, in order), so a change of machine
 load hits all of them alike; the first update of each variant is a warm-up and is not timed. Printed: per
@@ -61,7 +68,8 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
     out: dict[str, tuple[int, dict, dict | None]] = {
         "default": (ws, {}, base_guard),
         "pass_always": (ws, {"moe_diagnostics": False, "pre_update_pass": "always"}, lean_guard),
-        "pass_skipped": (ws, {"moe_diagnostics": False, "pre_update_pass": "auto"}, lean_guard),
+        "pass_skipped": (ws, {"moe_diagnostics": False, "pre_update_pass": "auto", "mismatch_monitor_every": 0},
+                         lean_guard),
     }
     for n in (ws, other):
         # the same rows per forward/backward in all: a rank's shard of a minibatch is ws / n times the default's
@@ -75,6 +83,9 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
             1, {"zero_stage": lc.zero_stage, "threads_per_rank": ws * lc.threads_per_rank,
                 "micro_batch_size": lc.micro_batch_size * ws}, base_guard)
     out["checkpointing"] = (ws, {"gradient_checkpointing": True}, base_guard)
+    out["padded"] = (ws, {"pack_sequences": False}, base_guard)  # no sequence packing: the padded forward
+    if lc.dtype == "float32":
+        out["bf16_autocast"] = (ws, {"autocast": "bfloat16"}, base_guard)
     out["token_budget"] = (ws, {"max_tokens_per_micro_batch": max(shard_tokens // 4, 1)}, base_guard)
     out["lora"] = (ws, {"lora": {"rank": 8, "alpha": 16}}, base_guard)
     out["grpo"] = (ws, {"algorithm": "grpo"}, base_guard)  # token ratios, group advantages
@@ -122,8 +133,53 @@ def driver_batch(cfg, model_path: str):
         lp = token_log_probs(logits, batch.input_ids[:, 1:], temp)
     batch.old_log_probs = torch.where(batch.response_mask, lp, 0.0).float()
     facts = {"sequences": len(batch), "padded_length": int(batch.input_ids.shape[1]),
+             "real_tokens": int(batch.attention_mask.sum()),
              "response_tokens": int(batch.response_mask.sum()), "reward_mean": float(r.mean())}
     return batch, facts
+
+
+def plain_torch(model, batch, micro_batch_size: int, temperature: float, packed: bool) -> float:
+    """Seconds of one plain-torch forward+backward over ``batch`` in this process (no DeepSpeed, no Ray, no
+    optimizer): a response-token log-prob sum per micro-batch of ``micro_batch_size`` rows, padded to the micro-batch's
+    width (``packed=False``) or packed (``learner.packing``)."""
+    import torch
+
+    from learner.logprobs import token_log_probs
+    from learner.packing import PackedRows
+
+    t = time.perf_counter()
+    for lo in range(0, len(batch), micro_batch_size):
+        ids, am = batch.input_ids[lo:lo + micro_batch_size], batch.attention_mask[lo:lo + micro_batch_size]
+        w = max(int(am.sum(-1).max()), 2)  # right padded: trimmed to the micro-batch's longest row, as the learner
+        ids, am, mask = ids[:, :w], am[:, :w], batch.response_mask[lo:lo + micro_batch_size, : w - 1]
+        if packed:
+            p = PackedRows(am, mask)
+            logits = p.wanted_logits(model, ids)
+            loss = token_log_probs(logits, p.target_ids(ids), temperature).sum()
+        else:
+            logits = model(input_ids=ids, attention_mask=am).logits[:, :-1]
+            loss = torch.where(mask, token_log_probs(logits, ids[:, 1:], temperature), 0.0).sum()
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def bf16_gap(model, batch, temperature: float) -> dict[str, float]:
+    """The log-prob gap bf16 autocast costs: mean and max |log p (bf16 autocast) - log p (float32)| over the
+    response tokens, one padded forward of ``batch`` each (the float32 forward is what the fp32 engine matches
+    within ~1e-6, docs/benchmarks.md)."""
+    import torch
+
+    from learner.logprobs import token_log_probs
+
+    with torch.no_grad():
+        lp = token_log_probs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1],
+                             batch.input_ids[:, 1:], temperature)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        lp16 = token_log_probs(logits.float(), batch.input_ids[:, 1:], temperature)
+    d = (lp16 - lp).abs()[batch.response_mask]
+    return {"mean": float(d.mean()), "max": float(d.max())}
 
 
 class RankHost:
@@ -189,8 +245,9 @@ def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
             learner_cfg = {**cfg.learner.model_dump(), "world_size": n, **over}
             ray.get([h.add.remote(name, learner_cfg) for h in hosts[key[name]]])
         build_s = time.perf_counter() - t0
-        seconds: dict[str, list[float]] = {name: [] for name in table}
+        seconds: dict[str, list[float]] = {name: [] for name in [*table, *PLAIN]}
         last: dict[str, dict] = {}
+        model = plain_model(model_path)
         for rnd in range(rounds + 1):  # round 0: warm-up
             for name, (n, _, guard) in table.items():
                 t = time.perf_counter()
@@ -198,9 +255,26 @@ def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
                 if rnd:
                     seconds[name].append(time.perf_counter() - t)
                 last[name] = outs[0]
+            for name, packed in PLAIN.items():
+                s = plain_torch(model, batch, cfg.learner.micro_batch_size, cfg.rollout.temperature, packed)
+                if rnd:
+                    seconds[name].append(s)
+        gap = bf16_gap(model, batch, cfg.rollout.temperature)
     finally:
         ray.shutdown()
-    return {"batch": facts, "build_s": build_s, "seconds": seconds, "last": last, "table": table}
+    return {"batch": facts, "build_s": build_s, "seconds": seconds, "last": last, "table": table, "bf16_gap": gap}
+
+
+# the ceiling: plain torch forward+backward of the batch's tokens in the bench's own process (1 thread)
+PLAIN = {"plain_torch_padded": False, "plain_torch_packed": True}
+
+
+def plain_model(model_path: str):
+    """The model in float32 under plain transformers, for the ceiling."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
 def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dict:
@@ -219,8 +293,20 @@ def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dic
                       "pre_update_pass_ran": ran, "all_s": sec[name]}
         print(f"{name:22s} {n:5d} {med:9.3f} {low:7.3f} {med / base:15.2f} {low / base_min:8.2f}  "
               f"{'ran' if ran else 'skipped':15s}  {over or '(config)'}")
+    tokens = res["batch"]["real_tokens"]
+    ceiling = {name: tokens / statistics.median(sec[name]) for name in PLAIN}
+    best = max(ceiling.values())
+    print(f"tokens/s over the batch's {tokens} real tokens (learner: one update, its passes included; ceiling: "
+          f"one plain torch forward+backward of the same tokens in this process, 1 thread):")
+    for name in [*table, *PLAIN]:
+        tps = tokens / statistics.median(sec[name])
+        rows.setdefault(name, {"median_s": statistics.median(sec[name]), "all_s": sec[name]})["tokens_per_s"] = tps
+        print(f"   {name:22s} {tps:10.0f} tokens/s  = {tps / best:.2f}x the ceiling")
+    gap = res["bf16_gap"]
+    print(f"bf16 autocast log-prob gap against float32 on the response tokens: mean {gap['mean']:.2e}, "
+          f"max {gap['max']:.2e} nats")
     summary = {"rows": rows, "batch": res["batch"], "load_before": load_before, "load_after": load_after,
-               "rounds": rounds}
+               "rounds": rounds, "ceiling_tokens_per_s": ceiling, "bf16_gap": gap}
     if "pass_always" in rows and "pass_skipped" in rows:
         ratio = rows["pass_skipped"]["median_s"] / rows["pass_always"]["median_s"]
         low = rows["pass_skipped"]["min_s"] / rows["pass_always"]["min_s"]

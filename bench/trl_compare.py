@@ -336,7 +336,8 @@ def main() -> int:
                     help="torch threads of the TRL process (default: one per core in --cores)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="lean",
                     help="our side's settings: 'lean' = the CPU split chosen by measurement (LEAN), 'config' = "
-                         "configs/tiny_moe.yaml as it is (2 learner ranks, ZeRO-2, diagnostics, guard, on-policy)")
+                         "configs/tiny_moe.yaml as it is (since issue 28 the same split, with the health guard on "
+                         "(max_grad_norm only), the mismatch monitor, a token budget and elastic threads)")
     ap.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of our side only, e.g. --ours trainer.max_staleness=1 (repeatable)")
     ap.add_argument("--side", choices=["trl", "ours"], help=argparse.SUPPRESS)

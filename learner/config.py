@@ -169,6 +169,28 @@ class LearnerConfig(Section):
         "those settings. Skipped, actor/entropy, actor/train_rollout_logprob_diff and the moe/ metrics are absent "
         "(learner/README.md)",
     )
+    pack_sequences: bool = Field(
+        True,
+        description="sequence packing (learner/packing.py): each micro-batch's rows run as one row of their real "
+        "tokens (position ids restart per sequence, attention confined to each; transformers' packed path) and the "
+        "head only where a log-prob is used, so no forward/backward FLOP goes to padding; the log-probs equal the "
+        "padded forward's within float32 rounding. Forwards under the MoE router tap (moe_diagnostics, "
+        "routing_replay) stay padded. false = the padded forward",
+    )
+    autocast: Literal["off", "bfloat16"] = Field(
+        "off",
+        description="'bfloat16': the learner's forwards (and so their backwards) under torch.autocast in bf16 "
+        "with float32 weights, optimizer and log-prob math; faster on CPUs with bf16 units (avx512_bf16, AMX) "
+        "and GPUs, at a learner/engine log-prob gap against an fp32 engine (docs/benchmarks.md). 'off' = float32",
+    )
+    mismatch_monitor_every: int = Field(
+        10,
+        ge=0,
+        description="with pre_update_pass='auto' and nothing that needs the pass: run it anyway on every N-th "
+        "rollout batch a learner trains (the first one included; counted from the learner's start), so "
+        "actor/train_rollout_logprob_diff (and actor/entropy, mismatch/*) are measured at 1/N of the pass's cost "
+        "and a broken weight sync shows up, on dense and MoE models; 0 = off (the pass only when needed)",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="recompute each decoder layer's activations in the backward (transformers, non-reentrant) "

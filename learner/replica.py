@@ -12,6 +12,7 @@ a rank with fewer micro-batches in a minibatch runs zero-weighted passes on a du
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.microbatch import MicroBatch, batch_problem, micro_slices
 from learner.moe import RouterTap, rollout_replay_ids
 from learner.objectives import loss_normalisers
+from learner.packing import PackedRows
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -52,6 +54,7 @@ class Replica:
         self.ref_model, self.tap = ref_model, tap
         self.zero3 = cfg.zero_stage == 3
         self.optimizer_steps = 0
+        self.rollout_batches = 0  # rollout batches trained since this rank started (learner.mismatch_monitor_every)
         self.capture: dict[str, Any] | None = None  # gradient capture for verification (capture_gradients)
         self._dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
         self.elastic = (ElasticThreads(cfg.threads_per_rank, cfg.max_threads_per_rank)
@@ -131,12 +134,48 @@ class Replica:
         return micro_slices(batch.attention_mask, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def logits(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]``. LoRA dropout (``learner.lora.dropout``) is on
-        in the passes that build a gradient only (``learner.lora.set_dropout``)."""
+        """``[B, T-1, V]`` logits predicting ``input_ids[:, 1:]`` (the padded forward; under ``autocast``). LoRA
+        dropout (``learner.lora.dropout``) is on in the passes that build a gradient only (``learner.lora.set_dropout``)."""
+        self.lora_dropout(model)
+        with self.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits[:, :-1]
+
+    def lora_dropout(self, model) -> None:
+        """With ``learner.lora.dropout``: the adapters' dropout on when this pass builds a gradient, else off."""
         if self.cfg.lora.dropout:
             set_dropout(model, torch.is_grad_enabled())
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.logits[:, :-1]
+
+    def autocast(self):
+        """``learner.autocast``: torch's bf16 autocast on this rank's device for a forward, or no context."""
+        if self.cfg.autocast == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def log_probs(self, model, mb: MicroBatch, temperature: float | None = None,
+                  entropy_den: float | None = None) -> tuple[torch.Tensor, float]:
+        """Log-probs of ``mb.targets`` at ``mb.mask`` from ``logits / temperature`` (default: the rollout's), and
+        with ``entropy_den`` the entropy sum ``entropy_from_logits(..., num_tokens=entropy_den)`` (else 0.0).
+
+        With ``learner.pack_sequences`` (and at least one masked target) the rows run packed
+        (``learner.packing``: sequences end to end in rows no longer than the longest), so almost no FLOP goes
+        to padding; else the padded forward. Returns float32 ``[b, w-1]`` (packed: 0 outside ``mb.mask``;
+        padded: every position's value) and a float."""
+        temp = self.temperature if temperature is None else float(temperature)
+        if self.cfg.pack_sequences and bool(mb.mask.any()):
+            packed = PackedRows(mb.attention_mask, mb.mask)
+            self.lora_dropout(model)
+            with self.autocast():
+                logits = packed.wanted_logits(model, mb.input_ids)  # [1, M, V]
+            lp = packed.unpack(token_log_probs(logits, packed.target_ids(mb.input_ids), temp))
+            mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+        else:
+            logits = self.logits(model, mb.input_ids, mb.attention_mask)
+            lp, mask = token_log_probs(logits, mb.targets, temp), mb.mask
+        ent = 0.0
+        if entropy_den is not None:
+            ent = float(entropy_from_logits(logits, mask, temperature=temp, num_tokens=entropy_den))
+        return lp, ent
 
     def dummy_pass(self, with_grad: bool) -> None:
         """A pass that keeps this rank in step with ranks that have more micro-batches (zero gradient)."""
@@ -173,11 +212,13 @@ class Replica:
                 with self.tap.capture(replay=replay) as record:
                     logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
                 routes.append(record.router_tensor().cpu())
+                lp = token_log_probs(logits, mb.targets, self.temperature)
+                if entropy_den is not None:
+                    ent += float(entropy_from_logits(logits, mb.mask, temperature=self.temperature,
+                                                     num_tokens=entropy_den))
             else:
-                logits = self.logits(self.engine, mb.input_ids, mb.attention_mask)
-            lp = token_log_probs(logits, mb.targets, self.temperature)
-            if entropy_den is not None:
-                ent += float(entropy_from_logits(logits, mb.mask, temperature=self.temperature, num_tokens=entropy_den))
+                lp, e = self.log_probs(self.engine, mb, entropy_den=entropy_den)
+                ent += e
             micros.append(mb)
             lps.append(torch.where(mb.mask, lp, 0.0))
         return micros, lps, ent

@@ -111,7 +111,7 @@ class RolloutBatchStep:
     def pre_update_decision(self) -> bool:
         """Whether this step runs the pre-update pass: ``learner.pre_update_pass`` ``always``; ``auto`` when
         ``pre_update_pass_needs`` names a setting (recompute, Routing Replay, MoE diagnostics on an MoE model,
-        a guard pre-check); ``never`` otherwise.
+        a guard pre-check) or when the mismatch monitor is due (``monitor_due``); ``never`` otherwise.
 
         Raises:
             ValueError: ``never`` with a guard pre-check threshold (the config refuses the other settings).
@@ -122,7 +122,16 @@ class RolloutBatchStep:
                 "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; use "
                 "learner.pre_update_pass='auto' or remove those thresholds"
             )
-        return self.cfg.pre_update_pass == "always" or bool(needs)
+        monitor = self.monitor_due()  # counted on every batch
+        return self.cfg.pre_update_pass == "always" or bool(needs) or monitor
+
+    def monitor_due(self) -> bool:
+        """``auto`` with ``learner.mismatch_monitor_every`` N > 0: whether this is the rank's rollout batch
+        1, N+1, 2N+1, ... (the mismatch monitor's pass). Counts the batch. The same on every rank (each counts
+        the collective calls it took part in)."""
+        n, self.r.rollout_batches = self.r.rollout_batches, self.r.rollout_batches + 1
+        every = self.cfg.mismatch_monitor_every
+        return self.cfg.pre_update_pass == "auto" and every > 0 and n % every == 0
 
     def rollout_checks(self) -> dict[str, Any]:
         """Instead of the pre-update pass: with the guard on, count the non-finite rollout log-probs on response
@@ -132,6 +141,13 @@ class RolloutBatchStep:
             bad = sum(float((~torch.isfinite(mb.old_log_probs) & mb.response_mask.bool()).sum()) for mb in self.minibatches)
             (self.nonfinite,) = self.r.all_reduce([bad])
         return {}
+
+    def wants_routes(self) -> bool:
+        """Whether the pre-update pass records the routers' experts (an MoE model with MoE diagnostics, Routing
+        Replay, or engine routing in the batch to compare with); otherwise its forwards, and the training
+        forwards after it, may run packed."""
+        return self.tap is not None and (self.moe_diag or self.cfg.routing_replay != "off"
+                                         or any(mb.rollout_routes is not None for mb in self.minibatches))
 
     def pre_update_pass(self) -> dict[str, Any]:
         """Forward every minibatch at the current weights; returns entropy, log-prob difference and (MoE)
@@ -144,11 +160,12 @@ class RolloutBatchStep:
         mismatch = [0.0, 0.0]  # (token, layer) pairs whose learner top-k set differs from the engine's, compared
         mm_sum, mm_max = [0.0] * 5, [0.0, 0.0]  # learner/rollout_correction.mismatch_sums, summed / maxed
         for mb in self.minibatches:
-            mb_routes: list[torch.Tensor] | None = [] if tap is not None else None
+            mb_routes: list[torch.Tensor] | None = [] if self.wants_routes() else None
             micros, lps, ent = self.r.inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes)
             ent_sum += ent
             self.pre_lps.append(lps)
-            self.routes.append(mb_routes or [])
+            if mb_routes is not None:  # recorded: the training forwards run under the tap (padded)
+                self.routes.append(mb_routes)
             self.corrections.append([])
             for k, (micro, lp) in enumerate(zip(micros, lps)):
                 diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
@@ -223,8 +240,7 @@ class RolloutBatchStep:
         the total loss is finite)."""
         cfg, t = self.cfg, self.t
         old = self.pre_lps[m][k] if cfg.old_logprob_source == "recompute" else mb.old_log_probs
-        logits = self.forward(m, k, mb, measure, vol)
-        lp = token_log_probs(logits, mb.targets, self.r.temperature)
+        lp = self.forward(m, k, mb, measure, vol)
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
         # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
         weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
@@ -235,8 +251,7 @@ class RolloutBatchStep:
         t.loss_sum += value
         if self.r.ref_model is not None:
             with torch.no_grad():
-                ref_lp = token_log_probs(self.r.logits(self.r.ref_model, mb.input_ids, mb.attention_mask),
-                                         mb.targets, self.r.temperature)
+                ref_lp, _ = self.r.log_probs(self.r.ref_model, mb)
             kl = kl_penalty(lp, ref_lp, mb.mask, cfg.kl_estimator, loss_agg=self.objective.loss_agg, **norms)
             t.kl_sum += float(kl.detach())
             loss = loss + cfg.kl_coef * kl
@@ -250,12 +265,14 @@ class RolloutBatchStep:
         return value, finite
 
     def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
-        """Training forward of micro-batch ``k`` of minibatch ``m`` with Routing Replay when configured (R2:
-        the pre-update pass's experts; R3: the engine's); adds the routing changes against the routers' own
-        pre-update choice to ``vol`` when ``measure``."""
+        """Training forward of micro-batch ``k`` of minibatch ``m``: the ``[b, w-1]`` log-probs (``Replica.log_probs``:
+        packed with ``learner.pack_sequences``), or, when the pre-update pass recorded routes, a padded forward
+        under the router tap with Routing Replay when configured (R2: the pre-update pass's experts; R3: the
+        engine's) that adds the routing changes against the routers' own pre-update choice to ``vol`` when
+        ``measure``."""
         r, tap = self.r, self.tap
         if tap is None or not self.routes:
-            return r.logits(r.engine, mb.input_ids, mb.attention_mask)
+            return r.log_probs(r.engine, mb)[0]
         before = self.routes[m][k]
         mode = self.cfg.routing_replay
         replay = before if mode == "learner" else r.rollout_replay(mb) if mode == "rollout" else None
@@ -266,7 +283,7 @@ class RolloutBatchStep:
             used, _ = topk_set_changes(record.used_tensor().cpu(), before, sel)
             own, compared = topk_set_changes(record.router_tensor().cpu(), before, sel)
             vol[0], vol[1], vol[2] = vol[0] + used, vol[1] + own, vol[2] + compared
-        return logits
+        return token_log_probs(logits, mb.targets, r.temperature)
 
     @torch.no_grad()
     def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
@@ -367,7 +384,7 @@ def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
             r.dummy_pass(with_grad=True)
             continue
         mb = MicroBatch(batch, *slices[k], r.device, "loss_mask")
-        lp = token_log_probs(r.logits(r.engine, mb.input_ids, mb.attention_mask), mb.targets, 1.0)
+        lp, _ = r.log_probs(r.engine, mb, temperature=1.0)
         loss = -torch.where(mb.mask, lp, 0.0).sum() / den
         loss_sum += float(loss.detach())
         r.engine.backward(loss * r.world_size, scale_wrt_gas=False)

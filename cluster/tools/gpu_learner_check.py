@@ -48,7 +48,7 @@ GROUP = 4  # completions per prompt (advantages are z-scored within each group)
 
 
 def check_overrides(size: str, offload: str, on_gpu: bool) -> list[str]:
-    """``configs/tiny_moe.yaml`` overrides for the check's run: the model shape, one learner rank of ZeRO-3 in
+    """``configs/tiny_moe_zero2.yaml`` overrides for the check's run: the model shape, one learner rank of ZeRO-3 in
     bfloat16 with gradient checkpointing, the optimizer placement, and the device (one whole GPU)."""
     n, prompt, response, micro = BATCHES[size]
     return ([f"model.{k}={v}" for k, v in SHAPES[size].items()] + [
@@ -63,11 +63,11 @@ def check_overrides(size: str, offload: str, on_gpu: bool) -> list[str]:
 
 
 def check_config(size: str, offload: str, on_gpu: bool):
-    """The run config of the check (``cluster.config.Config``): ``configs/tiny_moe.yaml`` with
+    """The run config of the check (``cluster.config.Config``): ``configs/tiny_moe_zero2.yaml`` with
     ``check_overrides``."""
     from cluster.config import load_config
 
-    return load_config(REPO_ROOT / "configs/tiny_moe.yaml",
+    return load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml",
                        check_overrides(size, offload, on_gpu))
 
 

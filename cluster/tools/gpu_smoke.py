@@ -35,7 +35,7 @@ from cluster.config import apply_overrides, load_config
 from cluster.planning.plan import num_params, plan
 from cluster.runtime.devices import DEVICES_FILE, device_problems
 
-#: the smoke run's overrides of configs/tiny_moe.yaml (one GPU: the learner and the engine share it).
+#: the smoke run's overrides of configs/tiny_moe_zero2.yaml (one GPU: the learner and the engine share it).
 SMOKE_OVERRIDES = [
     "model.num_experts=64", "model.num_experts_per_tok=4", "model.hidden_size=256", "model.num_layers=4",
     "model.moe_intermediate_size=256", "model.num_attention_heads=8", "model.num_key_value_heads=4",
@@ -51,9 +51,9 @@ SMOKE_OVERRIDES = [
 
 
 def smoke_yaml(gpu_memory_gib: float, folder: Path) -> Path:
-    """Write the smoke run's config file into ``folder``: configs/tiny_moe.yaml without its CPU-only
+    """Write the smoke run's config file into ``folder``: configs/tiny_moe_zero2.yaml without its CPU-only
     ``rollout.kv_cache_gb`` (refused on a GPU), with ``SMOKE_OVERRIDES`` and one GPU of ``gpu_memory_gib``."""
-    raw = yaml.safe_load(Path("configs/tiny_moe.yaml").read_text())
+    raw = yaml.safe_load(Path("configs/tiny_moe_zero2.yaml").read_text())
     raw["rollout"].pop("kv_cache_gb", None)
     raw = apply_overrides(raw, SMOKE_OVERRIDES + [f"cluster.gpu_memory_gib={gpu_memory_gib}", "cluster.gpus_per_node=1"])
     folder.mkdir(parents=True, exist_ok=True)

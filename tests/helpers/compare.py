@@ -5,4 +5,4 @@ from __future__ import annotations
 
 from tests.helpers import REPO_ROOT
 
-CONFIG = str(REPO_ROOT / "configs" / "tiny_moe.yaml")
+CONFIG = str(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml")

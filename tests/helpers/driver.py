@@ -19,4 +19,4 @@ def _trainer(out, name, extra):
     from cluster.driver.trainer import Trainer
 
     overrides = [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]
-    return Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", overrides))
+    return Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", overrides))

@@ -12,4 +12,4 @@ from __future__ import annotations
 
 from tests.helpers import REPO_ROOT
 
-TINY = str(REPO_ROOT / "configs" / "tiny_moe.yaml")
+TINY = str(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml")

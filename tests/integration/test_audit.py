@@ -25,7 +25,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
     from cluster.config import load_config
     from cluster.driver.trainer import Trainer
 
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit", "trainer.total_steps=1",
         "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0",
         "trainer.plots=false", "trainer.audit_steps=[1]", "learner.micro_batch_size=2", "learner.num_minibatches=2",

@@ -52,7 +52,7 @@ def test_short_run_on_own_jsonl(tmp_path):
                  "data.num_eval=8", "trainer.total_steps=2", "trainer.eval_every=0", "trainer.run_name=own_jsonl",
                  f"trainer.output_dir={tmp_path / 'out'}", "trainer.plots=false", "wandb.mode=disabled",
                  "warm_start.steps=2"]
-    proc = subprocess.run([sys.executable, "-m", "cluster.train", str(REPO_ROOT / "configs/tiny_moe.yaml"), *overrides],
+    proc = subprocess.run([sys.executable, "-m", "cluster.train", str(REPO_ROOT / "configs/tiny_moe_zero2.yaml"), *overrides],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT), "GSPO_PROGRESS": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,7 +30,7 @@ def trainer(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("e2e")
     cfg = load_config(
-        REPO_ROOT / "configs" / "tiny_moe.yaml",
+        REPO_ROOT / "configs" / "tiny_moe_zero2.yaml",
         [
             f"trainer.output_dir={out}", "trainer.run_name=e2e", "trainer.total_steps=2", "trainer.prompts_per_step=8",
             "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0", "learner.micro_batch_size=2",

@@ -168,7 +168,7 @@ def test_pre_update_pass_skipped_when_nothing_needs_it(model_path, port):
     runs = {}
     for mode in ("always", "auto"):
         cfg = LearnerConfig(zero_stage=2, micro_batch_size=2, lr=1e-3, num_minibatches=2, moe_diagnostics=False,
-                            pre_update_pass=mode)
+                            pre_update_pass=mode, mismatch_monitor_every=0)
         learner = _rank(model_path, cfg, port)
         calls = _count_forwards(learner)
         out, grads = _train_captured(learner, batches, guard={"max_grad_norm": 1e6})

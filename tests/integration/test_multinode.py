@@ -44,7 +44,7 @@ def trainer(three_nodes, tmp_path_factory):
     from cluster.driver.trainer import Trainer
 
     cluster, _ = three_nodes
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", [
         f"trainer.output_dir={tmp_path_factory.mktemp('multinode')}", "trainer.run_name=three_nodes",
         f"trainer.ray_address={cluster.address}", "trainer.total_steps=2", "trainer.prompts_per_step=8",
         "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0", "trainer.plots=false",

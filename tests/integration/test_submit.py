@@ -90,7 +90,7 @@ def test_submit_tiny_moe_two_steps(tmp_path):
                  "learner.micro_batch_size=2", "data.num_eval=16", "wandb.mode=disabled", "trainer.output_dir=runs",
                  "trainer.run_name=submitted", "trainer.plots=false"]
     try:
-        r = _cli(str(REPO_ROOT / "configs/tiny_moe.yaml"), *overrides, "--temp-dir", str(temp), cwd=tmp_path,
+        r = _cli(str(REPO_ROOT / "configs/tiny_moe_zero2.yaml"), *overrides, "--temp-dir", str(temp), cwd=tmp_path,
                  timeout=1700)
         assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
         assert "job raysubmit_" in r.stderr and "SUCCEEDED" in r.stderr

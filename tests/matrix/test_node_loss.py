@@ -47,7 +47,7 @@ def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog
     rollout_nodes = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, object_store_memory=STORE)
                      for _ in range(2)]
     cluster.wait_for_nodes()
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=loss", f"trainer.ray_address={cluster.address}",
         "trainer.total_steps=4", "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0",
         "trainer.plots=false", "learner.micro_batch_size=2", "warm_start.steps=0", "data.num_eval=8",

@@ -52,7 +52,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
         "rollout.node_resources={rollout_node: 1}", "learner.node_resources={learner_node: 0.5}",
         "reward.node_resources={reward_node: 1}", "cluster.placement_timeout_s=60", "wandb.mode=disabled",
     ]
-    t = Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", overrides))
+    t = Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", overrides))
     try:
         t.start()
         t.rl_step()
@@ -79,7 +79,7 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
 
     new_node = cluster.add_node(num_cpus=1, resources={"learner_node": 1}, object_store_memory=STORE)
     cluster.wait_for_nodes()
-    t = Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", overrides + ["trainer.resume=true"]))
+    t = Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", overrides + ["trainer.resume=true"]))
     try:
         t.start()
         assert t.step == 2 and t.weight_version == 2

@@ -17,10 +17,31 @@ from learner.config import LearnerConfig
 from learner.health import GUARD_CHECKS, validate_guard
 from tests.helpers import REPO_ROOT
 
-TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
+TINY = REPO_ROOT / "configs" / "tiny_moe_zero2.yaml"
 
 
-CONFIGS = [REPO_ROOT / "configs" / "tiny_moe.yaml", REPO_ROOT / "configs" / "gsm8k_tiny.yaml"]
+CONFIGS = [REPO_ROOT / "configs" / "tiny_moe.yaml", REPO_ROOT / "configs" / "tiny_moe_zero2.yaml",
+           REPO_ROOT / "configs" / "gsm8k_tiny.yaml"]
+
+
+def test_default_config_runs_the_fast_cpu_layout_with_the_guard_and_the_monitor_on():
+    """configs/tiny_moe.yaml (`make train`): bench/trl_compare.py's `lean` layout, the guard on, the mismatch
+    monitor on; tiny_moe_zero2.yaml is the same job on two ZeRO-2 ranks, on-policy, with the guard's pre-checks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_compare", REPO_ROOT / "bench" / "trl_compare.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    default, zero2 = load_config(CONFIGS[0]), load_config(CONFIGS[1])
+    lean = [o for o in bench.LEAN if not o.startswith("health.")]  # the default keeps the guard on
+    assert load_config(CONFIGS[0], lean).model_dump() == default.model_dump()
+    assert default.health.enabled and default.health.guard() == {"max_grad_norm": 1000.0}
+    assert default.learner.pre_update_pass == "auto" and default.learner.mismatch_monitor_every == 10
+    assert default.learner.pre_update_pass_needs(default.health.guard()) == []
+    assert (zero2.learner.world_size, zero2.learner.zero_stage, zero2.trainer.max_staleness) == (2, 2, 0)
+    assert "health.max_logprob_diff" in zero2.learner.pre_update_pass_needs(zero2.health.guard())
+    same = {k: v for k, v in zero2.model_dump().items() if k not in ("learner", "rollout", "health", "trainer")}
+    assert same == {k: v for k, v in default.model_dump().items() if k in same}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -267,9 +288,9 @@ def test_temperature_range_is_the_installed_vllms():
 def test_never_pre_update_pass_refused_when_the_guard_needs_it():
     """The health guard's pre-update checks need the pass: refused at load, naming the guard keys."""
     with pytest.raises(ConfigError, match="health.max_logprob_diff"):
-        load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.pre_update_pass=never",
+        load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", ["learner.pre_update_pass=never",
                                                               "learner.moe_diagnostics=false"])
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.pre_update_pass=never",
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", ["learner.pre_update_pass=never",
                                                                 "learner.moe_diagnostics=false", "health.enabled=false"])
     assert cfg.learner.pre_update_pass == "never"
 
@@ -277,9 +298,9 @@ def test_never_pre_update_pass_refused_when_the_guard_needs_it():
 def test_audit_steps_refused_in_the_overlapped_mode():
     """The audit recomputes a step at the weights that sampled it; overlapped steps train on older samples."""
     with pytest.raises(ConfigError, match="trainer.audit_steps"):
-        load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1", "trainer.audit_steps=[2]"])
+        load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", ["trainer.max_staleness=1", "trainer.audit_steps=[2]"])
     # the decoupled anchor (learner's pre-update weights) is allowed beside the overlapped mode
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["trainer.max_staleness=1",
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", ["trainer.max_staleness=1",
                                                                 "learner.old_logprob_source=recompute"])
     assert "learner.old_logprob_source='recompute'" in cfg.learner.pre_update_pass_needs(None)
 

@@ -174,7 +174,7 @@ def test_relative_paths_from_the_working_directory_then_the_repo_root(tmp_path, 
     monkeypatch.chdir(tmp_path)
     assert resolve_data_path("mine.jsonl") == tmp_path.joinpath("mine.jsonl").relative_to(tmp_path)
     assert resolve_data_path("m*.jsonl").resolve().parent == tmp_path.resolve()
-    assert resolve_data_path("configs/tiny_moe.yaml") == REPO_ROOT / "configs/tiny_moe.yaml"  # the old rule
+    assert resolve_data_path("configs/tiny_moe_zero2.yaml") == REPO_ROOT / "configs/tiny_moe_zero2.yaml"  # the old rule
     train, _ = file_rows(cfg("mine.jsonl", test_path="mine.jsonl"), plain)
     assert len(train) == 10
 
@@ -183,7 +183,7 @@ def test_config_checks_name_the_key():
     with pytest.raises(ConfigError, match=r"data.task='files' needs data.train_path"):
         load_config(None, ["data.task=files", "warm_start.steps=0"])
     with pytest.raises(ConfigError, match=r"warm_start.steps=\d+ with data.task='files' needs data.solution_key"):
-        load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["data.task=files", "data.train_path=x.jsonl"])
+        load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", ["data.task=files", "data.train_path=x.jsonl"])
     with pytest.raises(ConfigError, match=r"data.prompt_template=.*must name row fields"):
         load_config(None, ["data.prompt_template=no fields here"])
     with pytest.raises(ConfigError, match=r"data.eval_fraction"):

@@ -19,7 +19,7 @@ def _cfg(learner_gpus: float, engine_gpus: float, **learner) -> Config:
     from cluster.config import load_config
     from tests.helpers import REPO_ROOT
 
-    cfg = load_config(REPO_ROOT / "configs/tiny_moe.yaml")
+    cfg = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml")
     lc = cfg.learner.model_copy(update={"num_gpus_per_rank": learner_gpus, **learner})
     rc = cfg.rollout.model_copy(update={"num_gpus_per_engine": engine_gpus})
     return cfg.model_copy(update={"learner": lc, "rollout": rc})

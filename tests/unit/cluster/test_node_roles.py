@@ -10,7 +10,7 @@ from cluster.runtime.local_cluster import parse_resources
 from cluster.runtime.placement import check_node_resources, cross_node_engines, custom_resources
 from tests.helpers import REPO_ROOT
 
-CONFIG = REPO_ROOT / "configs" / "tiny_moe.yaml"
+CONFIG = REPO_ROOT / "configs" / "tiny_moe_zero2.yaml"
 
 
 def _cfg(*overrides: str):

@@ -220,7 +220,7 @@ def test_fractional_gpus_share_a_device():
 
 
 def test_cpu_config_plan_has_no_gpu_check():
-    p = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml"))
+    p = plan(load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml"))
     assert p["gpus_total"] == 0 and p["logical_cpus"] == 1.75
     assert len(p["nodes"]) == 1 and "gpus" not in p["nodes"][0]
     assert p["memory"]["checked"] is False and p["memory"]["host_ram_gib"]["checked"] is False
@@ -232,8 +232,8 @@ def test_cpu_plan_with_offload_counts_the_host_buffers():
     as 1e9 parameters) moves each rank's 8 P / 2 bytes of Adam moments out of the rank's device part and adds the
     offload's 12 + 2 x 4 bytes a parameter over 2 (a master copy and a host gradient accumulation buffer)."""
     big = ["model.num_params_b=1.0"]
-    plain = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml", big))["memory"]
-    off = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml", big + ["learner.offload_optimizer=cpu"]))["memory"]
+    plain = plan(load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", big))["memory"]
+    off = plan(load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", big + ["learner.offload_optimizer=cpu"]))["memory"]
     p = 1e9
     assert off["learner_per_rank_gib"]["optimizer"] == 0.0
     assert off["learner_host_offload_per_rank_gib"]["total"] == round(20 * p / 2 / GIB, 2)
@@ -270,7 +270,7 @@ def test_param_count_matches_the_real_tiny_model():
     from cluster.planning import memory_model as mm
     from cluster.planning.plan import model_shape
 
-    cfg = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["model.num_experts=64"])
+    cfg = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", ["model.num_experts=64"])
     shape = model_shape(cfg)
     m = cfg.model
     hf = Qwen3MoeConfig(vocab_size=shape.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
@@ -316,7 +316,7 @@ def test_kv_refusal_names_the_keys():
     with pytest.raises(PlanError, match=r"rollout KV cache too small: .*rollout.gpu_memory_utilization=0.45.*"
                                         r"trainer.prompts_per_step=64 x trainer.group_size=16 / rollout.num_engines=4"):
         plan(cfg)
-    cpu = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["rollout.kv_cache_gb=0.001"])
+    cpu = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", ["rollout.kv_cache_gb=0.001"])
     with pytest.raises(PlanError, match=r"rollout.kv_cache_gb=0.001"):
         plan(cpu)
 
@@ -391,21 +391,21 @@ def test_gpu_smoke_dry_run_and_refusal_without_cuda():
 
 def test_cpu_oversubscription_counts_overlapped_threads_together():
     """The overlapped step adds engine and learner threads; the on-policy step alternates them; GPUs never warn."""
-    cfg = load_config(REPO_ROOT / "configs/tiny_moe.yaml")  # 1 engine x 2 threads, 2 ranks x 1 thread
+    cfg = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml")  # 1 engine x 2 threads, 2 ranks x 1 thread
     assert cpu_oversubscription(cfg, 2) is None  # on-policy: max(2, 2) threads
-    over = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["trainer.max_staleness=1"])
+    over = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", ["trainer.max_staleness=1"])
     msg = cpu_oversubscription(over, 2)
     assert msg.startswith("4 compute threads at once on 2 CPU cores")
     assert "rollout.threads_per_engine=2" in msg and "learner.world_size=2" in msg and "max_staleness=1" in msg
     assert cpu_oversubscription(over, 4) is None
-    lean = load_config(REPO_ROOT / "configs/tiny_moe.yaml", ["trainer.max_staleness=1", "rollout.threads_per_engine=1",
+    lean = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", ["trainer.max_staleness=1", "rollout.threads_per_engine=1",
                                                              "learner.world_size=1", "learner.zero_stage=0"])
     assert cpu_oversubscription(lean, 2) is None
     assert cpu_oversubscription(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml"), 1) is None
 
 
 def test_dry_run_warns_about_oversubscribed_cores():
-    r = dry_run("configs/tiny_moe.yaml", "trainer.max_staleness=1", "rollout.threads_per_engine=64")
+    r = dry_run("configs/tiny_moe_zero2.yaml", "trainer.max_staleness=1", "rollout.threads_per_engine=64")
     assert r.returncode == 0 and "warning: " in r.stderr and "rollout.threads_per_engine=64" in r.stderr
 
 
@@ -438,8 +438,8 @@ def test_plan_reads_the_shape_of_a_model_folder(tmp_path):
 
 def test_plan_reports_host_memory_per_process():
     """``host_ram_gib.per_process``: what one learner rank, one engine and one reward worker hold, the parts the
-    node totals add up (the tiny config: 2 ranks, 1 engine, 1 worker on node 0)."""
-    host = plan(load_config(REPO_ROOT / "configs/tiny_moe.yaml"))["memory"]["host_ram_gib"]
+    node totals add up (the two-rank tiny config: 2 ranks, 1 engine, 1 worker on node 0)."""
+    host = plan(load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml"))["memory"]["host_ram_gib"]
     per, node = host["per_process"], host["node 0"]
     assert node["learner_ranks"] == pytest.approx(2 * per["learner_rank"], abs=0.011)
     assert node["engines"] == pytest.approx(per["engine"], abs=0.011)

@@ -27,7 +27,7 @@ from cluster.driver.checkpoint import (
 )
 from tests.helpers import REPO_ROOT
 
-TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
+TINY = REPO_ROOT / "configs" / "tiny_moe_zero2.yaml"
 
 
 def _chars(text: str) -> list[int]:
@@ -41,7 +41,7 @@ def _rows(cfg: Config):
 
 
 def _saved(overrides=(), step=2):
-    """The driver state ``Trainer.save`` writes for a run of tiny_moe.yaml with ``overrides``."""
+    """The driver state ``Trainer.save`` writes for a run of tiny_moe_zero2.yaml with ``overrides``."""
     cfg = load_config(TINY, list(overrides))
     return {"step": step, "weight_version": step, "warm_start_done": True, "stream_position": 64, "sft_rng": [],
             "config": cfg.model_dump(mode="json"), "data_fingerprint": data_fingerprint(_rows(cfg))}

@@ -18,8 +18,8 @@ from tests.helpers.submit import _cli
 
 
 def test_entrypoint_and_config_path():
-    ep = submit.train_entrypoint(str(REPO_ROOT / "configs/tiny_moe.yaml"), ["trainer.run_name=a b"], "python")
-    assert shlex.split(ep) == ["python", "-m", "cluster.train", "configs/tiny_moe.yaml", "trainer.run_name=a b"]
+    ep = submit.train_entrypoint(str(REPO_ROOT / "configs/tiny_moe_zero2.yaml"), ["trainer.run_name=a b"], "python")
+    assert shlex.split(ep) == ["python", "-m", "cluster.train", "configs/tiny_moe_zero2.yaml", "trainer.run_name=a b"]
     with pytest.raises(ConfigError, match="outside the repository"):
         submit.train_entrypoint("/etc/hostname", [])
     with pytest.raises(ConfigError, match="not shipped"):
@@ -35,14 +35,14 @@ def test_path_overrides_make_relative_paths_absolute(tmp_path):
     assert not any(o.startswith("model.path=") for o in got)  # builtin:tiny_moe stays
     # absolute paths are left alone; a relative model folder becomes absolute, a hub id stays as it is
     (tmp_path / "models" / "m").mkdir(parents=True)
-    hub = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"),
+    hub = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe_zero2.yaml"),
                                 ["model.path=HuggingFaceTB/SmolLM2-135M-Instruct"], cwd=tmp_path)
     assert not any(o.startswith("model.path=") for o in hub)
-    got = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"),
+    got = submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe_zero2.yaml"),
                                 ["trainer.output_dir=/abs/out", "model.path=models/m"], cwd=tmp_path)
     assert got == [f"model.path={tmp_path / 'models/m'}"]
     with pytest.raises(ConfigError, match="trainer.total_steps"):
-        submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe.yaml"), ["trainer.total_steps=-1"])
+        submit.path_overrides(str(REPO_ROOT / "configs/tiny_moe_zero2.yaml"), ["trainer.total_steps=-1"])
 
 
 def test_runtime_env(monkeypatch):
@@ -80,7 +80,7 @@ def test_local_head_command_binds_loopback_with_private_ports(tmp_path):
 
 
 def test_cli_refuses_bad_input():
-    r = _cli("configs/tiny_moe.yaml", "trainer.total_steps=-1")
+    r = _cli("configs/tiny_moe_zero2.yaml", "trainer.total_steps=-1")
     assert r.returncode == 2 and "trainer.total_steps" in r.stderr
     r = _cli()
     assert r.returncode == 2 and "a CONFIG is needed" in r.stderr

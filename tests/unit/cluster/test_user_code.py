@@ -104,7 +104,7 @@ def test_cli_paths_are_from_the_working_dir(tmp_path):
     exists: an ``owner/name`` path naming nothing there is a hub id, cluster/models/hub_model.py)."""
     (tmp_path / "cfg").mkdir()
     (tmp_path / "models" / "m").mkdir(parents=True)
-    (tmp_path / "cfg" / "mine.yaml").write_text((REPO_ROOT / "configs" / "tiny_moe.yaml").read_text())
+    (tmp_path / "cfg" / "mine.yaml").write_text((REPO_ROOT / "configs" / "tiny_moe_zero2.yaml").read_text())
     (tmp_path / "myrew_cli.py").write_text("def score(response, row):\n    return 1.0\n")
     env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(REPO_ROOT)}
     r = subprocess.run([sys.executable, "-m", "cluster.train", "cfg/mine.yaml", "model.path=models/m", "--dry-run",

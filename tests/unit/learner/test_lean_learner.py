@@ -102,3 +102,9 @@ def test_config_keys_and_refusals():
     assert LearnerConfig().pre_update_pass_needs({}, is_moe=False) == []
     with pytest.raises(ValueError, match="learner.gradient_checkpointing=true with learner.routing_replay=.learner."):
         LearnerConfig(gradient_checkpointing=True, routing_replay=True)
+
+
+def test_mismatch_monitor_every_defaults_on_and_refuses_negative():
+    assert LearnerConfig().mismatch_monitor_every == 10
+    with pytest.raises(ValueError, match="mismatch_monitor_every"):
+        LearnerConfig(mismatch_monitor_every=-1)

@@ -35,7 +35,7 @@ def test_config_keeps_the_collective_syncs_two_start_phases_inside_the_dist_time
     from cluster.config import load_config
     from tests.helpers import REPO_ROOT
 
-    tiny = REPO_ROOT / "configs/tiny_moe.yaml"
+    tiny = REPO_ROOT / "configs/tiny_moe_zero2.yaml"
     assert load_config(tiny, ["sync.engine_timeout_s=200"]).sync.engine_timeout_s == 200  # object store: 200 < 300
     with pytest.raises(ValueError, match=r"sync.engine_timeout_s=200 x 2 \(sync.transport=collective"):
         load_config(tiny, ["sync.engine_timeout_s=200", "sync.transport=collective"])

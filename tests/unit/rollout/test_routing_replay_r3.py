@@ -50,8 +50,8 @@ def test_config_modes_and_refusals():
     assert LearnerConfig(routing_replay=True).routing_replay == "learner"
     assert LearnerConfig(routing_replay=False).routing_replay == "off"
     with pytest.raises(ValueError, match="rollout.return_routed_experts=true"):
-        load_config("configs/tiny_moe.yaml", ["learner.routing_replay=rollout"])
-    cfg = load_config("configs/tiny_moe.yaml", ["learner.routing_replay=rollout", "rollout.return_routed_experts=true"])
+        load_config("configs/tiny_moe_zero2.yaml", ["learner.routing_replay=rollout"])
+    cfg = load_config("configs/tiny_moe_zero2.yaml", ["learner.routing_replay=rollout", "rollout.return_routed_experts=true"])
     assert cfg.learner.routing_replay == "rollout"
     with pytest.raises(ValueError, match="gradient_checkpointing=true with learner.routing_replay='rollout'"):
         LearnerConfig(gradient_checkpointing=True, routing_replay="rollout")

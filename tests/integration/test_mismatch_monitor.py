@@ -1,0 +1,76 @@
+"""The mismatch monitor (issue 28, item 5): with ``learner.pre_update_pass='auto'`` and nothing that needs the
+pass, ``learner.mismatch_monitor_every=N`` still runs it on rollout batches 1, N+1, ..., so
+``actor/train_rollout_logprob_diff`` is measured, on a dense model too, and a broken weight sync shows up in it.
+
+Real DeepSpeed (CPU accelerator, gloo), one rank in this process, the tiny dense Llama of
+``cluster.models.tiny_archs``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.config import LearnerConfig
+from learner.contracts import TrainBatch
+from learner.objectives import loss_normalisers
+from tests.helpers.learner import TEMPERATURE, _free_port, _ref_log_probs, _ref_model, make_batch
+
+KEY = "actor/train_rollout_logprob_diff"
+
+
+@pytest.fixture(scope="module")
+def dense_path(tmp_path_factory) -> str:
+    from cluster.models.tiny_archs import build_tiny_arch
+
+    return str(build_tiny_arch(tmp_path_factory.mktemp("dense") / "llama", "llama", seed=0))
+
+
+def _rank(model_path: str, cfg: LearnerConfig):
+    from learner.service import LearnerRank
+
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+                       seed=0, temperature=TEMPERATURE)
+
+
+def _train(learner, batch: TrainBatch) -> dict:
+    s, t = loss_normalisers(batch.response_mask)
+    return learner.train_rollout_batch([batch], [s], [t], guard={"max_grad_norm": 1000.0})
+
+
+def _broken_sync_log_probs(model_path: str, batch: TrainBatch) -> torch.Tensor:
+    """Behaviour log-probs of an engine whose weight sync garbled one tensor: the learner's weights with the first
+    layer's MLP up-projection rows permuted (the right bytes in the wrong places)."""
+    model = _ref_model(model_path)
+    w = model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        w.copy_(w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(0))])
+        lp = _ref_log_probs(model, batch)
+    return torch.where(batch.response_mask, lp, 0.0).float()
+
+
+def test_monitor_measures_every_nth_batch_and_sees_a_broken_sync(dense_path):
+    """Dense model, auto, no guard pre-check, N=2: batches 1 and 3 carry the metric, 2 and 4 do not; with the
+    engine's log-probs from the learner's weights it is the rollout noise (~1e-3 nats), with a garbled tensor
+    in the engine it is far larger. The monitored updates equal the unmonitored ones bit for bit."""
+    cfg = LearnerConfig(zero_stage=0, micro_batch_size=4, lr=1e-9, num_minibatches=1, mismatch_monitor_every=2)
+    learner = _rank(dense_path, cfg)
+    assert learner.replica.tap is None  # dense: no MoE diagnostics would run the pass
+    assert cfg.pre_update_pass_needs({"max_grad_norm": 1000.0}, is_moe=False) == []
+    clean = [make_batch(dense_path, 6, seed=s, noise=1e-3) for s in (1, 2)]
+    broken = make_batch(dense_path, 6, seed=3, noise=0.0)
+    broken.old_log_probs = _broken_sync_log_probs(dense_path, broken)
+    outs = [_train(learner, b) for b in (clean[0], clean[1], broken)]
+    digest = learner.state_digest()
+    outs.append(_train(learner, clean[0]))
+    assert [KEY in o for o in outs] == [True, False, True, False]
+    assert "actor/entropy" in outs[0] and "mismatch/log_ratio_mean" in outs[0]
+    assert 1e-4 < outs[0][KEY] < 2e-3  # |N(0, 1e-3)| has mean 8e-4
+    assert outs[2][KEY] > 10 * outs[0][KEY], outs[2][KEY]  # measured: 0.019 against 9e-4
+
+    off = _rank(dense_path, cfg.model_copy(update={"mismatch_monitor_every": 0}))
+    offs = [_train(off, b) for b in (clean[0], clean[1], broken)]
+    assert not any(KEY in o for o in offs)
+    assert off.state_digest() == digest  # the monitor's pass changes no update
+    assert [o["loss/policy"] for o in offs] == [o["loss/policy"] for o in outs[:3]]
+
