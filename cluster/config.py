@@ -152,6 +152,12 @@ class DataConfig(Section):
         description="arithmetic: share of warm-start demonstrations that drop the units carry; code: share that carry "
         "their family's classic bug (imperfect cold-start data)",
     )
+    long_tail_fraction: float = Field(
+        0.0, ge=0, lt=1, description="arithmetic: share of problems (prompt 'a+b#') whose answer is the sum written "
+        "data.long_tail_repeat times: a heavy tail of response lengths (cluster/data/long_tail.py); needs "
+        "rollout.max_response_tokens >= repeat x the digits of the largest sum + 1")
+    long_tail_repeat: int = Field(8, ge=2, description="arithmetic with data.long_tail_fraction > 0: times a long "
+                                  "answer repeats the sum")
 
     @model_validator(mode="after")
     def _check_template(self) -> "DataConfig":

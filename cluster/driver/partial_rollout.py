@@ -73,6 +73,11 @@ class PartialCollector:
         self.segment = segment_tokens(cfg.rollout.max_response_tokens, tc.max_staleness, tc.partial_segment_tokens)
         self.buffer = PartialBuffer(tc.group_size, cfg.rollout.max_response_tokens, tc.max_staleness)
         self.stats: dict[str, float] = {}  # the last collection's partial/* metrics
+        if self.segment * (tc.max_staleness + 1) < cfg.rollout.max_response_tokens:
+            log.warning("trainer.partial_segment_tokens=%d x (trainer.max_staleness=%d + 1) is below "
+                        "rollout.max_response_tokens=%d: a sample that long cannot finish within the staleness "
+                        "bound across syncs and is sampled again (partial/restarted_samples)", self.segment,
+                        tc.max_staleness, cfg.rollout.max_response_tokens)
 
     def _round(self, c: Collected) -> tuple[int, int]:
         """One round: every unfinished sample gets up to one segment. Returns (requests, longest new piece)."""
