@@ -182,3 +182,25 @@ def test_config_refuses_bad_partial_rollout_settings(overrides, match):
 def test_config_accepts_partial_rollouts_with_a_staleness_window():
     cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.max_staleness=3"])
     assert cfg.trainer.max_staleness == 3 and cfg.trainer.partial_segment_tokens is None
+
+
+def test_the_learner_batch_carries_each_tokens_own_behaviour_logprob():
+    """The corrections and the ratio read ``old_log_probs`` per token: a two-version sample's tokens keep the
+    log-prob of the version that sampled each of them, at their own positions."""
+    import torch
+
+    from cluster.driver.batching import build_train_batch
+
+    buf = PartialBuffer(group_size=1, max_response_tokens=4, max_staleness=1)
+    buf.admit([row()])
+    (r,) = buf.requests()
+    buf.extend(r, piece([1, 2], 3, "length", lp=-0.25), 2)
+    buf.expire(4)
+    (r,) = buf.requests()
+    buf.extend(r, piece([3, 4], 4, "length", lp=-0.75), 2)
+    (g,) = buf.take(1, 4)
+    c = to_completion(g, g.samples[0])
+    batch = build_train_batch([c], torch.tensor([1.0]), torch.tensor([0.5]), 0)
+    assert batch.old_log_probs[0, 1:5].tolist() == [-0.25, -0.25, -0.75, -0.75]  # targets of response tokens 0..3
+    assert batch.response_mask[0].tolist() == [False, True, True, True, True]
+    assert batch.weight_versions.tolist() == [3]
