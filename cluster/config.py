@@ -153,6 +153,12 @@ class DataConfig(Section):
         description="arithmetic: share of warm-start demonstrations that drop the units carry; code: share that carry "
         "their family's classic bug (imperfect cold-start data)",
     )
+    long_tail_fraction: float = Field(
+        0.0, ge=0, lt=1, description="arithmetic: share of problems (prompt 'a+b#') whose answer is the sum written "
+        "data.long_tail_repeat times: a heavy tail of response lengths (cluster/data/long_tail.py); needs "
+        "rollout.max_response_tokens >= repeat x the digits of the largest sum + 1")
+    long_tail_repeat: int = Field(8, ge=2, description="arithmetic with data.long_tail_fraction > 0: times a long "
+                                  "answer repeats the sum")
 
     @model_validator(mode="after")
     def _check_template(self) -> "DataConfig":
@@ -264,12 +270,22 @@ class TrainerConfig(Section):
     )
     max_sampling_rounds: int = Field(3, ge=0, description="dynamic sampling: extra rollout rounds per step, at most")
     max_staleness: int = Field(
-        0, ge=0, le=1,
+        0, ge=0,
         description="0: on-policy steps, one phase after another (deterministic); 1: one-step off-policy, the "
         "rollout of step k+1 runs while the learner trains on step k, so a sample is at most 1 weight version old "
         "(with learner.old_logprob_source=rollout GSPO's ratio is taken against the sampling engine's log-probs; "
         "with recompute against the learner's weights before the update, the decoupled anchor of AReaL, arXiv "
         "2505.24298, which keeps the clip fraction of the on-policy loop; mismatch/* logs the sample's staleness)")
+    partial_rollouts: bool = Field(
+        False, description="engines generate at most trainer.partial_segment_tokens tokens of a sample per round; an "
+        "unfinished sample continues after the next weight sync under the new weights (prompt + its tokens so far, "
+        "a new request), each token keeping its weight version and behaviour log-prob; max_staleness=k >= 1 then "
+        "bounds the oldest token's age in versions (a sample past it is dropped, counted and sampled again). The "
+        "rollout runs between syncs (not overlapped with the learner). Refused with R3 and dynamic_sampling")
+    partial_segment_tokens: int | None = Field(
+        None, ge=1, description="partial rollouts: tokens of a sample per round; must divide "
+        "rollout.max_response_tokens; None = its smallest divisor >= max_response_tokens / (max_staleness + 1), so "
+        "every sample can finish within the staleness bound")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     eval_samples: int = Field(
         0, ge=0, description="k samples per held-out prompt at the rollout temperature at every eval, for "
@@ -367,6 +383,7 @@ class Config(Section):
         self._check_node_resources()
         self._check_temperature()
         self._check_routing_replay()
+        self._check_partial_rollouts()
         self._check_transport()
         return self
 
@@ -399,6 +416,25 @@ class Config(Section):
                                      "have their own keys")
                 if not amount > 0:
                     raise ValueError(f"{role}.node_resources: {name}={amount!r}: amounts must be > 0")
+
+    def _check_partial_rollouts(self) -> None:
+        t, lr = self.trainer, self.learner
+        if not t.partial_rollouts:
+            if t.max_staleness > 1:
+                raise ValueError(f"trainer.max_staleness={t.max_staleness} needs trainer.partial_rollouts=true (without "
+                                 "it the overlapped step keeps samples at most 1 version old: use 0 or 1)")
+            return
+        why = ("needs trainer.max_staleness >= 1" if t.max_staleness < 1 else
+               "is refused with learner.routing_replay='rollout' (R3): a continued sample's prefix is run again under "
+               "new weights, so the experts recorded for it are not those that sampled its tokens"
+               if lr.routing_replay == "rollout" else
+               "is refused with trainer.dynamic_sampling (groups finish across rounds; not implemented)"
+               if t.dynamic_sampling else "")
+        if why:
+            raise ValueError(f"trainer.partial_rollouts=true {why}")
+        seg, limit = t.partial_segment_tokens, self.rollout.max_response_tokens
+        if seg is not None and limit % seg:
+            raise ValueError(f"trainer.partial_segment_tokens={seg} must divide rollout.max_response_tokens={limit}")
 
     def _check_routing_replay(self) -> None:
         if self.learner.routing_replay == "rollout" and not self.rollout.return_routed_experts:

@@ -53,6 +53,9 @@ class Completion:
         routed_experts: None, or (``rollout.return_routed_experts``) int16 numpy ``[P + R - 1, layers, k]``:
             the expert ids each MoE layer of the engine ran for input position ``t`` (prompt then response
             tokens; the last sampled token is never fed back, so it has none), in the engine's layer order.
+        token_versions: None (every token sampled by ``weight_version``), or, for a partial rollout that spanned
+            weight syncs, the version that sampled each response token (length R; ``weight_version`` is then
+            the oldest of them).
     """
 
     prompt_uid: str
@@ -64,6 +67,7 @@ class Completion:
     finish_reason: str
     weight_version: int
     routed_experts: Any = None
+    token_versions: list[int] | None = None
 
     @property
     def truncated(self) -> bool:

@@ -10,6 +10,7 @@ from cluster.config import Config, ConfigError
 from cluster.data import prompts as data
 from cluster.data.code_task import code_rows
 from cluster.data.files import file_rows
+from cluster.data.long_tail import long_tail_rows
 from cluster.data.prompting import PromptEncoder, PromptError
 from rollout.contracts import PromptRow
 
@@ -42,10 +43,14 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
     except PromptError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None
     if d.task == "arithmetic":
-        return data.arithmetic_rows(
+        train, held_out = data.arithmetic_rows(
             encoder.ids, max_operand=d.max_operand, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
             demo_slip_rate=d.demo_slip_rate,
         )
+        if d.long_tail_fraction:  # a share of answers ~long_tail_repeat times longer (cluster.data.long_tail)
+            train, held_out = (long_tail_rows(rows, encoder.ids, fraction=d.long_tail_fraction, repeat=d.long_tail_repeat,
+                                              seed=d.seed + k) for k, rows in ((2, train), (3, held_out)))
+        return train, held_out
     if d.task == "code":
         return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
                          demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)

@@ -1,6 +1,7 @@
 """The driver's run: ``trainer.Trainer`` and the parts it is built from.
 
-``trainer`` wires the run; ``collect`` a step's rollout and scoring; ``batching`` completions into learner
+``trainer`` wires the run; ``collect`` a step's rollout and scoring; ``partial_buffer`` and ``partial_rollout``
+partial rollouts across weight syncs; ``batching`` completions into learner
 batches and rank shards (with their row indices); ``warm_start`` the supervised warm start and the lr
 schedules; ``evaluation`` greedy accuracy and pass@k; ``guard`` the health guard's policy (rollbacks, the
 stop); ``scaling`` ``control.yaml``; ``step_metrics`` and ``length_slices`` a step's metrics; ``progress`` the

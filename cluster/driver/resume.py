@@ -23,6 +23,7 @@ from cluster.driver.collect import Collected
 log = logging.getLogger("cluster.train")
 
 PENDING_FILE = "pending_rollout.pkl"  # in a checkpoint: the rollout collected ahead of the learner (max_staleness=1)
+PARTIAL_FILE = "partial_rollouts.pkl"  # in a checkpoint: partial rollouts' in-flight samples (PartialBuffer)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ResumePoint:
     path: Path
     state: DriverState
     pending: Collected | None
+    partial: Any = None  # the PartialBuffer in flight at the checkpoint (trainer.partial_rollouts), or None
 
 
 def find_resume_point(cfg: Config, run_dir: Path, fingerprint: dict[str, Any]) -> ResumePoint | None:
@@ -86,17 +88,22 @@ def find_resume_point(cfg: Config, run_dir: Path, fingerprint: dict[str, Any]) -
     checkpoint.check_resume(saved, cfg, fingerprint, checkpoint.read_learner_state(path))
     pending_file = path / PENDING_FILE
     pending = pickle.loads(pending_file.read_bytes()) if pending_file.is_file() else None
-    return ResumePoint(path, DriverState.from_json(saved), pending)
+    partial_file = path / PARTIAL_FILE
+    partial = pickle.loads(partial_file.read_bytes()) if partial_file.is_file() else None
+    return ResumePoint(path, DriverState.from_json(saved), pending, partial)
 
 
 def save_checkpoint(run_dir: Path, cfg: Config, learners: Any, state: DriverState, pending: Collected | None,
-                    fingerprint: dict[str, Any]) -> Path:
+                    fingerprint: dict[str, Any], partial: Any = None) -> Path:
     """Write a checkpoint of the learner (``learners``: ``LearnerGroup``) and the driver's state, atomically
-    renamed when complete, keeping ``trainer.keep_checkpoints``. Returns the final folder."""
+    renamed when complete, keeping ``trainer.keep_checkpoints``; ``partial``: partial rollouts' in-flight
+    ``PartialBuffer`` (kept with its token versions, so a resumed run continues them). Returns the final folder."""
     tmp = checkpoint.temp_dir_for(run_dir, state.step)
     learners.save_checkpoint(str(tmp / "learner"))
     if pending is not None:  # sampled with weights no checkpoint holds: kept, not regenerated
         (tmp / PENDING_FILE).write_bytes(pickle.dumps(pending))
+    if partial is not None:
+        (tmp / PARTIAL_FILE).write_bytes(pickle.dumps(partial))
     saved = {**state.to_json(), "config": cfg.model_dump(mode="json"), "data_fingerprint": fingerprint}
     final = checkpoint.finalize(run_dir, tmp, state.step, saved, cfg.trainer.keep_checkpoints)
     log.info("checkpoint written: %s", final)

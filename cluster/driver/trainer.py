@@ -27,7 +27,7 @@ import yaml
 from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
-from cluster.driver import audit_dump, checkpoint, length_slices, step_metrics
+from cluster.driver import audit_dump, checkpoint, length_slices, partial_rollout, step_metrics
 from cluster.driver.batching import build_train_batch, split_for_ranks
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.evaluation import evaluate
@@ -137,6 +137,11 @@ class Trainer:
         self.stream = data.PromptStream(self.train_rows, seed=cfg.trainer.seed, position=self.state.stream_position)
         self._start_services()
         self.collector = Collector(cfg, self.stream, self.fleet, self.rewards)
+        if cfg.trainer.partial_rollouts:  # rounds of bounded length; samples continue across syncs
+            self.collector = partial_rollout.PartialCollector(cfg, self.stream, self.fleet, self.rewards,
+                                                              lambda: self.weight_version)
+            if point is not None and point.partial is not None:
+                self.collector.buffer = point.partial  # in flight at the checkpoint: none lost, versions kept
         if point is not None:
             self.learners.load_checkpoint(str(point.path / "learner"))
             self._sync_weights(self.weight_version)
@@ -237,7 +242,8 @@ class Trainer:
         restarts = self.fleet.restarts
         c, self.pending = self.pending or self.collector.collect(self.step), None
         ahead = None
-        if self.cfg.trainer.max_staleness and self.step + 1 < self.cfg.trainer.total_steps:
+        if (self.cfg.trainer.max_staleness and not self.cfg.trainer.partial_rollouts
+                and self.step + 1 < self.cfg.trainer.total_steps):
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         learner_m: dict[str, Any] = {}
@@ -268,6 +274,7 @@ class Trainer:
         m.update(step_metrics.rollout_metrics(self.cfg, c, rewards))
         m.update(self.run_metrics(learner_s, sync_s, restarts))
         m.update(step_metrics.length_metrics(self.cfg, c, rewards, by_length))
+        m.update(partial_rollout.step_metrics(self.collector, c))
         m["timing/wait_rollout_s"] = wait_s
         m["timing/step_s"] = time.perf_counter() - t_step
         return m
@@ -284,7 +291,8 @@ class Trainer:
         """Write a checkpoint of the learner and the driver's state (``cluster.driver.resume``)."""
         self.state.stream_position = self.stream.position
         self.state.sft_rng = self.sft_rng.getstate()
-        return save_checkpoint(self.run_dir, self.cfg, self.learners, self.state, self.pending, self.data_fingerprint)
+        return save_checkpoint(self.run_dir, self.cfg, self.learners, self.state, self.pending, self.data_fingerprint,
+                               partial=getattr(self.collector, "buffer", None))
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -318,12 +318,13 @@ class EngineFleet:
         return out  # type: ignore[return-value]
 
     def generate_stream(self, prompts: list[PromptRow], n: int, *, greedy: bool = False, seed: int | None = None,
-                        pieces_per_engine: int = 1) -> Iterator[tuple[int, list[Completion]]]:
+                        pieces_per_engine: int = 1, max_tokens: int | None = None) -> Iterator[tuple[int, list[Completion]]]:
         """Like ``generate``, but yields ``(index of the piece's first prompt, its completions)`` as each piece
         finishes: every engine's contiguous share is cut into ``pieces_per_engine`` calls queued on it in order,
         so the caller can score one piece while the engines generate the next. The samples do not depend on
         the cut (``prompt_offset`` keeps each prompt's seed). A piece whose engine died is generated again on
-        the engine that replaces it.
+        the engine that replaces it. ``max_tokens``: the response limit of sampled calls (None: the engine's
+        ``rollout.max_response_tokens``).
 
         Raises:
             RuntimeError: an engine slot died more than ``max_retries`` times in one call.
@@ -337,7 +338,7 @@ class EngineFleet:
                 ref = engine.generate_greedy.remote(rows)
             else:
                 ref = engine.generate.remote(rows, n, seed=None if seed is None else seed + 7919 * slot,
-                                             prompt_offset=offset)
+                                             prompt_offset=offset, max_tokens=max_tokens)
             tasks[ref] = (slot, offset, lo, rows)
 
         start = 0

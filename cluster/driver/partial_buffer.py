@@ -1,0 +1,211 @@
+"""Partial rollouts' bookkeeping (pure Python): samples that span weight versions, and the staleness bound.
+
+With ``trainer.partial_rollouts=true`` an engine generates at most ``trainer.partial_segment_tokens`` tokens of a
+sample per round; a sample that has not finished stays in the ``PartialBuffer`` and continues after the next weight
+sync as a new request whose prompt is the original prompt plus the tokens generated so far (abort-and-continue:
+the engine recomputes the prefix's KV cache with the new weights, so nothing stale is reused). Every response
+token keeps the weight version that sampled it and its behaviour log-prob under that version.
+
+The staleness of a token trained at learner version ``V`` is ``V - version(token)``; ``trainer.max_staleness=k``
+bounds the oldest token of every trained sample. A sample (finished or not, not yet trained) whose oldest token
+is older than ``V - k`` is dropped and sampled again from its prompt under the current weights: its tokens are
+counted in ``partial/dropped_tokens`` and the sample in ``partial/restarted_samples`` (dropped and counted, not
+corrected). A group is trained when all of its ``G`` samples have finished; groups leave in admission order.
+
+Nothing here knows Ray or vLLM: the driver (``cluster.driver.partial_rollout``) turns requests into engine calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout.contracts import Completion, PromptRow
+
+
+@dataclass
+class PartialSample:
+    """One sample of a group, possibly unfinished.
+
+    Attributes:
+        sample_index: index in its group, ``[0, G)``.
+        token_ids: response tokens generated so far.
+        logprobs: behaviour log-prob of each token (nats, post-temperature), under the version that sampled it.
+        versions: weight version that sampled each token (same length as ``token_ids``).
+        text: decoded response so far (the segments' texts joined).
+        finish_reason: ``""`` while in flight, then ``"stop"`` or ``"length"``.
+    """
+
+    sample_index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+
+    @property
+    def finished(self) -> bool:
+        """True once the sample stopped (EOS) or reached the response limit."""
+        return bool(self.finish_reason)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of its oldest token; None for a sample with no token yet."""
+        return min(self.versions) if self.versions else None
+
+    def restart(self) -> int:
+        """Throw the sample's tokens away (it is sampled again from its prompt). Returns the tokens dropped."""
+        n = len(self.token_ids)
+        self.token_ids, self.logprobs, self.versions, self.text, self.finish_reason = [], [], [], "", ""
+        return n
+
+
+@dataclass
+class PartialGroup:
+    """A prompt and its ``G`` samples; ``serial`` is its admission number (groups train in this order)."""
+
+    row: PromptRow
+    serial: int
+    samples: list[PartialSample]
+
+    @property
+    def finished(self) -> bool:
+        """True when every sample has finished."""
+        return all(s.finished for s in self.samples)
+
+
+@dataclass
+class Request:
+    """One engine request of a round: continue ``group.samples[index]`` (its prompt is the row's prompt plus
+    the tokens generated so far)."""
+
+    group: PartialGroup
+    index: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The row's prompt followed by the sample's tokens so far."""
+        return list(self.group.row.prompt_token_ids) + self.group.samples[self.index].token_ids
+
+
+class PartialBuffer:
+    """The groups admitted and not yet trained, with the counters of what the staleness bound dropped.
+
+    Args:
+        group_size: ``G``, samples per prompt (>= 1).
+        max_response_tokens: the response limit (>= 1): a sample reaching it finishes as ``"length"``.
+        max_staleness: ``k >= 1``, the largest ``V - version`` of any trained token.
+
+    Raises:
+        ValueError: a bad argument (named with its value).
+    """
+
+    def __init__(self, group_size: int, max_response_tokens: int, max_staleness: int):
+        if group_size < 1 or max_response_tokens < 1 or max_staleness < 1:
+            raise ValueError(f"group_size={group_size}, max_response_tokens={max_response_tokens} and "
+                             f"max_staleness={max_staleness} must be >= 1")
+        self.group_size = group_size
+        self.max_response_tokens = max_response_tokens
+        self.max_staleness = max_staleness
+        self.groups: list[PartialGroup] = []
+        self.next_serial = 0  # admission counter (also seeds the rounds: resume keeps it)
+        self.rounds = 0  # rounds generated so far (seeds each round's requests)
+        self.restarted_samples = 0  # samples whose tokens the staleness bound threw away
+        self.dropped_tokens = 0  # tokens thrown away with them
+
+    # -- admission and requests ----------------------------------------------------------------------------
+    def admit(self, rows: list[PromptRow]) -> None:
+        """Add one group of ``G`` empty samples per row, in order."""
+        for row in rows:
+            self.groups.append(PartialGroup(row, self.next_serial, [PartialSample(k) for k in range(self.group_size)]))
+            self.next_serial += 1
+
+    def num_ready(self) -> int:
+        """Groups whose samples have all finished."""
+        return sum(g.finished for g in self.groups)
+
+    def num_unfinished(self) -> int:
+        """Groups with a sample still in flight."""
+        return len(self.groups) - self.num_ready()
+
+    def requests(self) -> list[Request]:
+        """Every unfinished sample, in admission then sample order."""
+        return [Request(g, s.sample_index) for g in self.groups for s in g.samples if not s.finished]
+
+    # -- the staleness bound -------------------------------------------------------------------------------
+    def expire(self, version: int) -> int:
+        """Before sampling or training at weight version ``version``: restart every sample whose oldest token is
+        older than ``version - max_staleness`` (it could never be trained within the bound). Returns how many
+        samples were restarted (also added to ``restarted_samples``; their tokens to ``dropped_tokens``)."""
+        n = 0
+        for g in self.groups:
+            for s in g.samples:
+                old = s.oldest_version
+                if old is not None and version - old > self.max_staleness:
+                    self.dropped_tokens += s.restart()
+                    n += 1
+        self.restarted_samples += n
+        return n
+
+    # -- results -------------------------------------------------------------------------------------------
+    def extend(self, request: Request, piece: Completion, segment_tokens: int) -> None:
+        """Append an engine's continuation ``piece`` (``piece.response_*`` are the new tokens only, sampled by
+        ``piece.weight_version``) to the request's sample. The sample finishes on ``"stop"``, at the response
+        limit; a piece cut at ``segment_tokens`` (``"length"``) below the limit stays in flight.
+
+        Raises:
+            ValueError: the sample has already finished, or the piece would pass the response limit.
+        """
+        s = request.group.samples[request.index]
+        if s.finished:
+            raise ValueError(f"prompt uid={request.group.row.uid!r} sample {s.sample_index} has already finished")
+        new = list(piece.response_token_ids)
+        if len(s.token_ids) + len(new) > self.max_response_tokens:
+            raise ValueError(f"prompt uid={request.group.row.uid!r}: {len(s.token_ids)} + {len(new)} tokens exceed "
+                             f"rollout.max_response_tokens={self.max_response_tokens}")
+        s.token_ids += new
+        s.logprobs += list(piece.response_logprobs)
+        s.versions += [piece.weight_version] * len(new)
+        s.text += piece.response_text
+        if piece.finish_reason != "length" or len(new) < segment_tokens:  # EOS or a stop string
+            s.finish_reason = "stop"
+        elif len(s.token_ids) >= self.max_response_tokens:
+            s.finish_reason = "length"
+
+    def take(self, count: int, version: int) -> list[PartialGroup]:
+        """Remove and return up to ``count`` finished groups (admission order) to train at ``version``.
+
+        Raises:
+            RuntimeError: a taken sample's oldest token is beyond the bound (``expire`` was not called).
+        """
+        out = [g for g in self.groups if g.finished][:count]
+        taken = {id(g) for g in out}
+        self.groups = [g for g in self.groups if id(g) not in taken]
+        for g in out:
+            worst = max(version - s.oldest_version for s in g.samples if s.versions) if any(
+                s.versions for s in g.samples) else 0
+            if worst > self.max_staleness:
+                raise RuntimeError(f"prompt uid={g.row.uid!r}: a token {worst} versions old at version {version}, "
+                                   f"beyond trainer.max_staleness={self.max_staleness}")
+        return out
+
+    def drop_all(self) -> list[PromptRow]:
+        """Forget every group (a rollback threw their weights away). Returns their rows, in admission order."""
+        rows = [g.row for g in self.groups]
+        self.groups = []
+        return rows
+
+
+def to_completion(group: PartialGroup, s: PartialSample) -> Completion:
+    """A finished sample as the ``Completion`` the batch is built from: ``weight_version`` is its OLDEST token's
+    version (what the staleness metric reads), ``token_versions`` every token's.
+
+    Raises:
+        ValueError: the sample has not finished.
+    """
+    if not s.finished:
+        raise ValueError(f"prompt uid={group.row.uid!r} sample {s.sample_index} has not finished")
+    c = Completion(prompt_uid=group.row.uid, sample_index=s.sample_index,
+                   prompt_token_ids=list(group.row.prompt_token_ids), response_token_ids=list(s.token_ids),
+                   response_logprobs=list(s.logprobs), response_text=s.text, finish_reason=s.finish_reason,
+                   weight_version=s.oldest_version if s.versions else 0, token_versions=list(s.versions))
+    return c

@@ -1,0 +1,145 @@
+"""Partial rollouts (``trainer.partial_rollouts=true``): a step's rollout in rounds of bounded length, samples
+that have not finished continuing after the weight sync under the new weights.
+
+A round sends every unfinished sample of the ``PartialBuffer`` (``cluster.driver.partial_buffer``) to the engines
+as one request (the row's prompt plus the tokens generated so far, ``n=1``, at most
+``trainer.partial_segment_tokens`` new tokens). The engines therefore never wait for a batch's longest
+completion: a round lasts at most one segment, and a long sample carries over to the next step. Before each
+round new prompts are admitted so that enough groups can finish (``P`` finished groups are needed, at most
+``2 P`` groups are in the buffer); rounds repeat until ``P`` groups have finished, which are then scored and
+trained. What AReaL (interruptible generation, arXiv 2505.24298) and slime / Kimi k1.5 (partial rollouts with a
+per-iteration budget) do, with the abort-and-continue form: vLLM's offline ``LLM`` class in this project runs
+one blocking ``generate`` per call, so a request is "paused" by ending the round and "resumed" as a new request
+whose prompt carries its prefix. The prefix's KV cache is recomputed under the new weights (the engines reset
+their prefix cache at every sync), so no KV from older weights is reused; the sampled tokens' log-probs are
+those of the weights that sampled them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from cluster.config import Config
+from cluster.data.prompts import PromptStream
+from cluster.driver.collect import Collected, score
+from cluster.driver.partial_buffer import PartialBuffer, Request, to_completion
+from rollout.contracts import PromptRow
+
+log = logging.getLogger("cluster.train")
+
+
+def segment_tokens(max_response_tokens: int, max_staleness: int, configured: int | None = None) -> int:
+    """The tokens of a sample per round: ``configured``, or the smallest divisor of ``max_response_tokens`` that
+    is at least ``max_response_tokens / (max_staleness + 1)`` (so ``max_staleness + 1`` rounds, the versions a
+    trained sample may span, reach the response limit: no sample has to be dropped in a run without failures).
+
+    Raises:
+        ValueError: ``configured`` does not divide ``max_response_tokens``, or an argument below 1.
+    """
+    if max_response_tokens < 1 or max_staleness < 1:
+        raise ValueError(f"max_response_tokens={max_response_tokens} and max_staleness={max_staleness} must be >= 1")
+    if configured is not None:
+        if configured < 1 or max_response_tokens % configured:
+            raise ValueError(f"trainer.partial_segment_tokens={configured} must divide "
+                             f"rollout.max_response_tokens={max_response_tokens}")
+        return configured
+    least = -(-max_response_tokens // (max_staleness + 1))
+    return next(d for d in range(least, max_response_tokens + 1) if max_response_tokens % d == 0)
+
+
+def request_row(req: Request) -> PromptRow:
+    """The engine's prompt for ``req``: the row with the sample's tokens so far appended to its prompt ids."""
+    row = req.group.row
+    return PromptRow(uid=f"{row.uid}#{req.index}", prompt=row.prompt, prompt_token_ids=req.prompt_token_ids,
+                     answer=row.answer, verifier=row.verifier, meta=row.meta)
+
+
+class PartialCollector:
+    """``collect(step)`` like ``cluster.driver.collect.Collector``, from rounds over a ``PartialBuffer``.
+
+    Args:
+        cfg: the run config (``trainer.partial_rollouts=true``).
+        stream: the training prompt stream (advances by the prompts admitted).
+        fleet: the ``cluster.runtime.services.EngineFleet``.
+        rewards: the ``reward.pool.RewardPool``.
+        version: returns the weight version the engines hold now (the driver's).
+    """
+
+    def __init__(self, cfg: Config, stream: PromptStream, fleet, rewards, version: Callable[[], int]):
+        tc = cfg.trainer
+        self.cfg, self.stream, self.fleet, self.rewards, self.version = cfg, stream, fleet, rewards, version
+        self.segment = segment_tokens(cfg.rollout.max_response_tokens, tc.max_staleness, tc.partial_segment_tokens)
+        self.buffer = PartialBuffer(tc.group_size, cfg.rollout.max_response_tokens, tc.max_staleness)
+        self.stats: dict[str, float] = {}  # the last collection's partial/* metrics
+        if self.segment * (tc.max_staleness + 1) < cfg.rollout.max_response_tokens:
+            log.warning("trainer.partial_segment_tokens=%d x (trainer.max_staleness=%d + 1) is below "
+                        "rollout.max_response_tokens=%d: a sample that long cannot finish within the staleness "
+                        "bound across syncs and is sampled again (partial/restarted_samples)", self.segment,
+                        tc.max_staleness, cfg.rollout.max_response_tokens)
+
+    def _round(self, c: Collected) -> tuple[int, int]:
+        """One round: every unfinished sample gets up to one segment. Returns (requests, longest new piece)."""
+        reqs = self.buffer.requests()
+        rows = [request_row(r) for r in reqs]
+        seed = self.cfg.rollout.seed + 1_000_003 * self.buffer.rounds + 17
+        t0, longest = time.perf_counter(), 0
+        for lo, piece in self.fleet.generate_stream(rows, 1, seed=seed, max_tokens=self.segment,
+                                                    pieces_per_engine=self.cfg.rollout.pieces_per_engine):
+            for j, comp in enumerate(piece):
+                self.buffer.extend(reqs[lo + j], comp, self.segment)
+                c.generated_tokens += len(comp.response_token_ids)
+                longest = max(longest, len(comp.response_token_ids))
+        c.rollout_s += time.perf_counter() - t0
+        self.buffer.rounds += 1
+        c.rounds += 1
+        return len(reqs), longest
+
+    def collect(self, step: int) -> Collected:
+        """Rounds at the current weight version until ``trainer.prompts_per_step`` groups have finished; those
+        groups, scored, in admission order. ``stats`` gets the collection's ``partial/*`` metrics."""
+        P, version = self.cfg.trainer.prompts_per_step, self.version()
+        c = Collected(step=step, start_position=self.stream.position)
+        restarted = self.buffer.expire(version)
+        dropped0, slots, used = self.buffer.dropped_tokens, 0, 0
+        while self.buffer.num_ready() < P:
+            room = 2 * P - len(self.buffer.groups)
+            admit = min(P - self.buffer.num_ready(), room)
+            if admit > 0:
+                self.buffer.admit(self.stream.take(admit))
+            tokens0 = c.generated_tokens
+            n, longest = self._round(c)
+            slots, used = slots + n * longest, used + c.generated_tokens - tokens0
+        groups = self.buffer.take(P, version)
+        c.prompts = [g.row for g in groups]
+        c.completions = [to_completion(g, s) for g in groups for s in g.samples]
+        by_uid = {r.uid: r for r in c.prompts}
+        t = time.perf_counter()
+        c.results = score(self.rewards, by_uid, c.completions)
+        c.reward_s += time.perf_counter() - t
+        c.reward_metrics = dict(self.rewards.metrics())
+        c.end_position = self.stream.position
+        spans = [len(set(x.token_versions or [x.weight_version])) for x in c.completions]
+        self.stats = {
+            "partial/rounds": float(c.rounds), "partial/restarted_samples": float(restarted),
+            "partial/dropped_tokens": float(self.buffer.dropped_tokens - dropped0),
+            "partial/multi_version_share": sum(s > 1 for s in spans) / max(1, len(spans)),
+            "partial/in_flight_groups": float(self.buffer.num_unfinished()),
+            "rollout/slot_utilization": used / slots if slots else 0.0,
+        }
+        return c
+
+
+def slot_utilization(c: Collected) -> float:
+    """Share of an on-policy rollout's decode slots that produced a token: generated tokens over
+    (samples x the longest sample), the engines' batch shrinking as short samples finish (1.0 = no tail)."""
+    lengths = [len(x.response_token_ids) for x in c.completions]
+    return sum(lengths) / (len(lengths) * max(lengths)) if lengths and max(lengths) else 0.0
+
+
+def step_metrics(collector: Any, c: Collected) -> dict[str, float]:
+    """``rollout/slot_utilization`` for any collector, and the ``partial/*`` metrics of a ``PartialCollector``."""
+    if isinstance(collector, PartialCollector):
+        return dict(collector.stats)
+    return {"rollout/slot_utilization": slot_utilization(c)}

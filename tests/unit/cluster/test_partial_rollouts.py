@@ -1,0 +1,206 @@
+"""Partial rollouts' bookkeeping: token versions across syncs, the staleness bound (drop, count, sample again),
+the segment length, the round scheduler and the config's refusals; a buffer pickled into a checkpoint keeps its
+in-flight samples and its staleness accounting. The real engines are in
+tests/integration/test_partial_rollouts.py; here a scripted stand-in fleet answers the rounds."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import load_config
+from cluster.data.prompts import PromptStream
+from cluster.driver.collect import Collected
+from cluster.driver.partial_buffer import PartialBuffer, to_completion
+from cluster.driver.partial_rollout import PartialCollector, segment_tokens, slot_utilization
+from reward.contracts import RewardResult
+from rollout.contracts import Completion, PromptRow
+from tests.helpers import REPO_ROOT
+
+TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
+
+
+def row(uid: str = "r0", ids: tuple[int, ...] = (5, 6)) -> PromptRow:
+    return PromptRow(uid=uid, prompt="p", prompt_token_ids=list(ids), answer="a")
+
+
+def piece(tokens: list[int], version: int, reason: str, lp: float = -0.5) -> Completion:
+    return Completion("r0", 0, [], tokens, [lp] * len(tokens), "x" * len(tokens), reason, version)
+
+
+def test_segment_length_default_lets_every_sample_finish_within_the_bound():
+    assert segment_tokens(32, 1) == 16
+    assert segment_tokens(32, 3) == 8
+    assert segment_tokens(30, 2) == 10
+    assert segment_tokens(7, 1) == 7  # no divisor of 7 in [4, 6]
+    assert segment_tokens(32, 1, configured=4) == 4
+    with pytest.raises(ValueError, match="partial_segment_tokens=5 must divide"):
+        segment_tokens(32, 1, configured=5)
+
+
+def test_a_sample_spanning_a_sync_keeps_each_tokens_version_and_logprob():
+    buf = PartialBuffer(group_size=2, max_response_tokens=8, max_staleness=1)
+    buf.admit([row()])
+    r0, r1 = buf.requests()
+    buf.extend(r0, piece([1, 2, 3, 4], version=3, reason="length", lp=-0.1), segment_tokens=4)
+    buf.extend(r1, piece([7, 9], version=3, reason="stop", lp=-0.2), segment_tokens=4)
+    assert buf.num_ready() == 0 and buf.take(1, version=3) == []
+    # the sync: version 4; the unfinished sample continues with its prefix in the prompt
+    assert buf.expire(4) == 0
+    (cont,) = buf.requests()
+    assert cont.index == 0 and cont.prompt_token_ids == [5, 6, 1, 2, 3, 4]
+    buf.extend(cont, piece([8, 8, 8, 8], version=4, reason="length", lp=-0.3), segment_tokens=4)
+    (g,) = buf.take(1, version=4)
+    c0, c1 = (to_completion(g, s) for s in g.samples)
+    assert c0.response_token_ids == [1, 2, 3, 4, 8, 8, 8, 8] and c0.finish_reason == "length"  # at the limit
+    assert c0.token_versions == [3, 3, 3, 3, 4, 4, 4, 4] and c0.weight_version == 3  # the oldest token's
+    assert c0.response_logprobs == [-0.1] * 4 + [-0.3] * 4
+    assert c1.token_versions == [3, 3] and c1.finish_reason == "stop"
+    assert buf.groups == [] and buf.restarted_samples == 0
+
+
+def test_samples_beyond_the_bound_are_dropped_counted_and_sampled_again():
+    buf = PartialBuffer(group_size=2, max_response_tokens=8, max_staleness=1)
+    buf.admit([row()])
+    r0, r1 = buf.requests()
+    buf.extend(r0, piece([1, 2, 3, 4], 3, "length"), 4)
+    buf.extend(r1, piece([7], 3, "stop"), 4)  # finished, waiting for its sibling
+    assert buf.expire(4) == 0  # 1 version old: within k=1
+    assert buf.expire(5) == 2  # 2 versions old: both restarted, the finished one too
+    assert (buf.restarted_samples, buf.dropped_tokens) == (2, 5)
+    assert [r.prompt_token_ids for r in buf.requests()] == [[5, 6], [5, 6]]  # from the prompt again
+    assert buf.num_unfinished() == 1
+
+
+def test_take_refuses_a_sample_beyond_the_bound_and_extend_refuses_overruns():
+    buf = PartialBuffer(group_size=1, max_response_tokens=4, max_staleness=2)
+    buf.admit([row()])
+    (r,) = buf.requests()
+    buf.extend(r, piece([1], 1, "stop"), 4)
+    with pytest.raises(RuntimeError, match="3 versions old at version 4, beyond trainer.max_staleness=2"):
+        buf.take(1, version=4)
+    buf.admit([row("r1")])
+    (r,) = buf.requests()
+    with pytest.raises(ValueError, match="exceed rollout.max_response_tokens=4"):
+        buf.extend(r, piece([1] * 5, 1, "length"), 5)
+    buf.extend(r, piece([1], 1, "stop"), 4)
+    with pytest.raises(ValueError, match="has already finished"):
+        buf.extend(r, piece([1], 1, "stop"), 4)
+    with pytest.raises(ValueError, match="max_staleness=0 must be >= 1"):
+        PartialBuffer(2, 4, 0)
+
+
+def test_a_pickled_buffer_resumes_with_nothing_lost_and_the_same_staleness_accounting():
+    buf = PartialBuffer(group_size=2, max_response_tokens=8, max_staleness=1)
+    buf.admit([row("a"), row("b")])
+    reqs = buf.requests()
+    for r, v in zip(reqs, [3, 3, 4, 4]):
+        buf.extend(r, piece([1, 2, 3, 4], v, "length"), 4)
+    buf.rounds = 7
+    back = pickle.loads(pickle.dumps(buf))  # what the checkpoint holds
+    assert [(r.group.row.uid, r.index, r.prompt_token_ids) for r in back.requests()] == \
+           [(r.group.row.uid, r.index, r.prompt_token_ids) for r in buf.requests()]
+    assert (back.next_serial, back.rounds) == (2, 7)
+    # after the restart the driver's weight version is 5: group a (version 3) is past the bound, b is not
+    assert back.expire(5) == 2 and [s.versions for s in back.groups[1].samples] == [[4] * 4, [4] * 4]
+    assert back.restarted_samples == 2 and back.dropped_tokens == 8
+
+
+class ScriptedFleet:
+    """Stand-in for the engines in a unit test: prompt ``uid#k`` of group ``long/..`` answers 12 tokens in all,
+    others 3; each call returns at most ``max_tokens`` of what is left (finish 'length' when cut)."""
+
+    def __init__(self):
+        self.version = 0
+        self.calls: list[int] = []
+
+    def generate_stream(self, rows, n, *, seed, max_tokens, pieces_per_engine):
+        self.calls.append(len(rows))
+        out = []
+        for r in rows:
+            want = (12 if r.uid.startswith("long") else 3) - (len(r.prompt_token_ids) - 1)
+            k = min(want, max_tokens)
+            out.append(Completion(r.uid, 0, r.prompt_token_ids, [1] * k, [-1.0] * k, "1" * k,
+                                  "length" if k < want else "stop", self.version))
+        yield 0, out
+
+
+class AllCorrect:
+    def score(self, reqs):
+        return [RewardResult(score=1.0, correct=True) for _ in reqs]
+
+    def metrics(self):
+        return {}
+
+
+def test_the_collector_admits_rounds_and_carries_long_samples_across_syncs():
+    cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.max_staleness=2", "trainer.prompts_per_step=4",
+                             "trainer.group_size=2", "rollout.max_response_tokens=12", "rollout.max_model_len=40",
+                             "trainer.partial_segment_tokens=4", "learner.world_size=1", "learner.num_minibatches=1",
+                             "learner.micro_batch_size=8"])
+    rows = [row(("long" if i % 4 == 0 else "short") + f"/{i}", (9,)) for i in range(64)]
+    fleet = ScriptedFleet()
+    col = PartialCollector(cfg, PromptStream(rows, seed=0), fleet, AllCorrect(), lambda: fleet.version)
+    assert col.segment == 4
+    seen_multi = False
+    for step in range(6):
+        c = col.collect(step)
+        assert len(c.prompts) == 4 and len(c.completions) == 8 and len(c.results) == 8
+        for x in c.completions:
+            assert fleet.version - x.weight_version <= 2 and len(x.token_versions) == len(x.response_token_ids)
+            assert len(x.response_token_ids) == (12 if x.prompt_uid.startswith("long") else 3)
+            seen_multi |= len(set(x.token_versions)) > 1
+        assert len(col.buffer.groups) <= 8  # at most 2 P groups in the buffer
+        fleet.version += 1  # the sync after the step's update
+    assert seen_multi and col.stats["partial/restarted_samples"] == 0
+    assert max(fleet.calls) <= 16  # one request per unfinished sample: at most 2 P groups x G
+
+
+def test_slot_utilization_counts_the_tail():
+    c = Collected(completions=[piece([1, 1], 0, "stop"), piece([1] * 8, 0, "stop")])
+    assert slot_utilization(c) == pytest.approx(10 / 16)
+    assert slot_utilization(Collected()) == 0.0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["trainer.max_staleness=2"], "trainer.max_staleness=2 needs trainer.partial_rollouts=true"),
+    (["trainer.partial_rollouts=true"], "needs trainer.max_staleness >= 1"),
+    (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.dynamic_sampling=true"],
+     "refused with trainer.dynamic_sampling"),
+    (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "learner.routing_replay=rollout",
+      "rollout.return_routed_experts=true"], "refused with learner.routing_replay='rollout'"),
+    (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.partial_segment_tokens=3"],
+     "partial_segment_tokens=3 must divide rollout.max_response_tokens=4"),
+])
+def test_config_refuses_bad_partial_rollout_settings(overrides, match):
+    with pytest.raises((ValidationError, ValueError), match=match):
+        load_config(TINY, overrides)
+
+
+def test_config_accepts_partial_rollouts_with_a_staleness_window():
+    cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.max_staleness=3"])
+    assert cfg.trainer.max_staleness == 3 and cfg.trainer.partial_segment_tokens is None
+
+
+def test_the_learner_batch_carries_each_tokens_own_behaviour_logprob():
+    """The corrections and the ratio read ``old_log_probs`` per token: a two-version sample's tokens keep the
+    log-prob of the version that sampled each of them, at their own positions."""
+    import torch
+
+    from cluster.driver.batching import build_train_batch
+
+    buf = PartialBuffer(group_size=1, max_response_tokens=4, max_staleness=1)
+    buf.admit([row()])
+    (r,) = buf.requests()
+    buf.extend(r, piece([1, 2], 3, "length", lp=-0.25), 2)
+    buf.expire(4)
+    (r,) = buf.requests()
+    buf.extend(r, piece([3, 4], 4, "length", lp=-0.75), 2)
+    (g,) = buf.take(1, 4)
+    c = to_completion(g, g.samples[0])
+    batch = build_train_batch([c], torch.tensor([1.0]), torch.tensor([0.5]), 0)
+    assert batch.old_log_probs[0, 1:5].tolist() == [-0.25, -0.25, -0.75, -0.75]  # targets of response tokens 0..3
+    assert batch.response_mask[0].tolist() == [False, True, True, True, True]
+    assert batch.weight_versions.tolist() == [3]
