@@ -166,7 +166,7 @@ def test_slot_utilization_counts_the_tail():
 
 @pytest.mark.parametrize("overrides, match", [
     (["trainer.max_staleness=2"], "trainer.max_staleness=2 needs trainer.partial_rollouts=true"),
-    (["trainer.partial_rollouts=true"], "needs trainer.max_staleness >= 1"),
+    (["trainer.partial_rollouts=true", "trainer.max_staleness=0"], "needs trainer.max_staleness >= 1"),
     (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.dynamic_sampling=true"],
      "refused with trainer.dynamic_sampling"),
     (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "learner.routing_replay=rollout",
