@@ -44,4 +44,4 @@ def test_two_algorithms_one_seed_report(tmp_path):
     step1 = [next(r for r in m if r["step"] == 1) for m in metrics]
     assert step1[0]["reward/mean"] == step1[1]["reward/mean"]
     assert step1[0]["response/length_mean"] == step1[1]["response/length_mean"]
-    assert "gspo" in runs[0]["settings"] and "grpo, clip [1-0.2, 1+0.27]" in runs[1]["settings"]
+    assert "gspo" in runs[0]["settings"] and "grpo, clip_low=0.2, clip_high=0.27" in runs[1]["settings"]
