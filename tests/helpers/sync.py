@@ -26,3 +26,14 @@ def learner_logprobs(ray, learner, seq: list[int], start: int) -> torch.Tensor:
 def weight_change(before: dict, after: dict) -> float:
     """The largest absolute change of any tensor between two state dicts of the same keys."""
     return max((after[k] - before[k]).abs().max().item() for k in before)
+
+
+def sft_batch(seed: int, n: int = 8, length: int = 16):
+    """A seeded supervised batch of ``n`` random sequences of ``length`` tokens, loss on positions 4 on."""
+    from learner.contracts import SFTBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 60, (n, length), generator=g)
+    mask = torch.zeros((n, length - 1), dtype=torch.bool)
+    mask[:, 4:] = True
+    return SFTBatch(ids, torch.ones_like(ids), mask)

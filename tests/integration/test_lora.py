@@ -12,19 +12,11 @@ import json
 import torch
 
 from learner.config import LearnerConfig
-from learner.contracts import SFTBatch
 from rollout.config import RolloutConfig
-from tests.helpers.sync import learner_logprobs
+from tests.helpers.sync import sft_batch, learner_logprobs
 
 TOL = 1e-5
 
-
-def sft_batch(seed: int, n: int = 8, length: int = 16) -> SFTBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 60, (n, length), generator=g)
-    mask = torch.zeros((n, length - 1), dtype=torch.bool)
-    mask[:, 4:] = True
-    return SFTBatch(ids, torch.ones_like(ids), mask)
 
 
 def start_learner(ray, path: str, cfg: LearnerConfig):

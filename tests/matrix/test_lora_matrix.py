@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.sync import sft_batch
+
 from learner.config import LearnerConfig
 from learner.contracts import SFTBatch, TrainBatch
 from rollout.config import RolloutConfig
@@ -16,13 +18,6 @@ from rollout.config import RolloutConfig
 TOL = 1e-5
 MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-
-def sft_batch(seed: int, n: int = 8, length: int = 16) -> SFTBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 60, (n, length), generator=g)
-    mask = torch.zeros((n, length - 1), dtype=torch.bool)
-    mask[:, 4:] = True
-    return SFTBatch(ids, torch.ones_like(ids), mask)
 
 
 @pytest.mark.parametrize("arch,zero_stage,targets", [("qwen3_moe", 3, None), ("qwen3_moe", 0, None),
