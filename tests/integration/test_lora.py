@@ -13,7 +13,7 @@ import torch
 
 from learner.config import LearnerConfig
 from rollout.config import RolloutConfig
-from tests.helpers.sync import sft_batch, learner_logprobs
+from tests.helpers.sync import learner_logprobs, sft_batch
 
 TOL = 1e-5
 

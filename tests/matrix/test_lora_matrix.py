@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.sync import sft_batch
-
 from learner.config import LearnerConfig
-from learner.contracts import SFTBatch, TrainBatch
+from learner.contracts import TrainBatch
 from rollout.config import RolloutConfig
+from tests.helpers.sync import sft_batch
 
 TOL = 1e-5
 MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
