@@ -70,7 +70,7 @@ WORKLOADS: dict[str, list[str]] = {
 LEAN = ["trainer.max_staleness=1", "learner.moe_diagnostics=false", "health.enabled=false", "learner.world_size=1",
         "learner.zero_stage=0", "rollout.threads_per_engine=1"]
 PROFILES: dict[str, dict[str, list[str]]] = {
-    "lean": {"tiny": LEAN, "small": [*LEAN, "learner.max_tokens_per_micro_batch=1280", "learner.max_threads_per_rank=2"]},
+    "lean": {"tiny": LEAN, "small": [*LEAN, "learner.max_tokens_per_micro_batch=8192", "learner.max_threads_per_rank=2"]},
     "config": {"tiny": [], "small": []},
 }
 CONFIG = "configs/tiny_moe.yaml"

@@ -186,10 +186,12 @@ class LearnerConfig(Section):
     mismatch_monitor_every: int = Field(
         10,
         ge=0,
-        description="with pre_update_pass='auto' and nothing that needs the pass: run it anyway on every N-th "
-        "rollout batch a learner trains (the first one included; counted from the learner's start), so "
-        "actor/train_rollout_logprob_diff (and actor/entropy, mismatch/*) are measured at 1/N of the pass's cost "
-        "and a broken weight sync shows up, on dense and MoE models; 0 = off (the pass only when needed)",
+        description="with pre_update_pass='auto' and nothing that needs the pass: run it anyway on RL steps 1, "
+        "N+1, 2N+1, ... (the driver decides by global step, so a resumed run monitors the same steps; a caller "
+        "that passes no decision gets every N-th batch the rank trains), so actor/train_rollout_logprob_diff (and "
+        "actor/entropy, mismatch/*) are measured at 1/N of the pass's cost and a broken weight sync shows up, on "
+        "dense and MoE models. In the overlapped step (trainer.max_staleness >= 1) a monitored step's rollout is "
+        "collected on-policy, after the previous sync, so the metric is the engine/learner gap alone; 0 = off",
     )
     gradient_checkpointing: bool = Field(
         False,

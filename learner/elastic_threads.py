@@ -3,11 +3,14 @@
 On a CPU machine the rollout engines and the learner share the cores. In the overlapped step
 (``trainer.max_staleness >= 1``) the engine generates the next batch while the learner trains, and when the
 engine's generation ends first its cores sit idle for the rest of the learner's update. ``ElasticThreads`` lets
-a rank take them: before each micro-batch it measures, over the interval since its last measurement, how many
-of the cores in its affinity mask other processes kept busy (``/proc/stat`` busy time of those cores minus this
-process's own CPU time, ``os.times``), and sets ``torch.set_num_threads`` to the idle cores it sees, between
-``learner.threads_per_rank`` and ``learner.max_threads_per_rank``. When the engine starts generating again, the
-next measurement sees its core busy and the rank drops back. Never more threads than idle cores: two thread
+a rank take them: a watcher thread measures, every ``period`` seconds, how many of the cores in its affinity
+mask other processes kept busy over that last window (``/proc/stat`` busy time of those cores minus this
+process's own CPU time, ``os.times``), and before each micro-batch's forward and before its backward the rank
+sets ``torch.set_num_threads`` to the idle cores of the latest window, between ``learner.threads_per_rank`` and
+``learner.max_threads_per_rank``. A short recent window, not the whole interval since the last decision: a
+micro-batch lasts seconds on the CPU, and an interval in which the engine was busy for most of the time would
+keep the rank at one thread long after the engine finished. When the engine starts generating again, the next
+window sees its core busy and the rank drops back. Never more threads than idle cores: two thread
 pools on one core make torch's OpenMP barriers spin (../shared/docs/cpu-stack.md: 10-100x slower).
 
 Linux only (``/proc/stat``); on GPUs the knob is refused by the config. Pure standard library and torch.
@@ -16,6 +19,7 @@ Linux only (``/proc/stat``); on GPUs the knob is refused by the config. Pure sta
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -55,41 +59,69 @@ def threads_for(idle_cores: float, low: int, high: int) -> int:
 
 
 class ElasticThreads:
-    """The thread count of one learner rank, re-decided before every micro-batch (see the module docstring).
+    """The thread count of one learner rank, re-decided before every micro-batch's forward and backward (see the
+    module docstring).
 
     Args:
         low: ``learner.threads_per_rank`` (the count at the start of every update, and the floor).
         high: ``learner.max_threads_per_rank`` (the ceiling), >= ``low``.
+        period: seconds of a measurement window (at least 0.05: shorter ones hold too few clock ticks).
+        watch: run the watcher thread (a daemon, started by the first ``start``); False = the caller closes
+            the windows with ``tick`` itself (tests).
+
+    Raises:
+        ValueError: not ``1 <= low <= high``.
     """
 
-    def __init__(self, low: int, high: int):
+    def __init__(self, low: int, high: int, period: float = 0.2, watch: bool = True):
         if not 1 <= low <= high:
             raise ValueError(f"threads: need 1 <= threads_per_rank ({low}) <= max_threads_per_rank ({high})")
-        self.low, self.high = low, high
+        self.low, self.high, self.period, self.watch = low, high, max(period, 0.05), watch
         self.cores = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self.threads = low
         self.changes = 0
+        self.recent_idle: float | None = None  # idle cores over the latest complete window
         self._mark: tuple[float, float, float] | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """At the start of an update: back to ``low`` threads (a colocated engine may have started generating
-        since the last update) and a fresh measurement interval."""
+        since the last update) and a fresh window (no decision until it is complete)."""
         self._set(self.low)
-        self._mark = self._sample()
+        with self._lock:
+            self._mark, self.recent_idle = self._sample(), None
+        if self.watch and self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="elastic-threads", daemon=True)
+            self._thread.start()
 
-    def adjust(self) -> int:
-        """Before a micro-batch: measure the interval since the last call and set the thread count. Returns it."""
-        now = self._sample()
-        if self._mark is not None:
+    def tick(self) -> None:
+        """Close the current window when it is at least 0.05 s long: record its idle cores, open the next."""
+        with self._lock:
+            now = self._sample()
+            if self._mark is None:
+                self._mark = now
+                return
             wall = now[0] - self._mark[0]
             if wall >= 0.05:  # shorter intervals hold too few clock ticks to mean anything
                 others = (now[1] - self._mark[1]) - (now[2] - self._mark[2])
-                idle = len(self.cores) - max(others, 0.0) / wall
-                self._set(threads_for(idle, self.low, self.high))
+                self.recent_idle = len(self.cores) - max(others, 0.0) / wall
                 self._mark = now
-        else:
-            self._mark = now
+
+    def adjust(self) -> int:
+        """Before a forward or a backward: the thread count for the latest window's idle cores (unchanged
+        while no window is complete). Returns it."""
+        if self.recent_idle is not None:
+            self._set(threads_for(self.recent_idle, self.low, self.high))
         return self.threads
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.period)
+            try:
+                self.tick()
+            except OSError:  # /proc/stat unreadable: keep the last decision
+                pass
 
     def _sample(self) -> tuple[float, float, float]:
         return time.monotonic(), busy_seconds(self.cores), own_seconds()

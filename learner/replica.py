@@ -72,6 +72,12 @@ class Replica:
         if self.elastic is not None:
             self.thread_counts.append(self.elastic.adjust())
 
+    def before_backward(self) -> None:
+        """Between a micro-batch's forward and its backward: the elastic threads decide again (a backward
+        lasts about twice its forward; not counted in ``thread_counts``)."""
+        if self.elastic is not None:
+            self.elastic.adjust()
+
     # -- collectives --------------------------------------------------------------------------------------
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """All-reduce a list of floats (float64) over the ranks; ``op`` is ``"sum"``, ``"max"`` or ``"min"``."""

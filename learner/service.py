@@ -354,6 +354,7 @@ class LearnerRank:
         num_tokens: list[int],
         *,
         guard: dict[str, float] | None = None,
+        monitor: bool | None = None,
     ) -> dict[str, Any]:
         """Train on one rollout batch: ``cfg.ppo_epochs`` passes over the minibatches, one optimizer step each.
 
@@ -374,6 +375,9 @@ class LearnerRank:
                 (training stops at the first step whose loss or grad norm fails) and the state is restored
                 from an in-memory copy taken at the start (CPU memory: one copy of this rank's parameters,
                 fp32 master partition and optimizer state).
+            monitor: whether the mismatch monitor's pre-update pass runs on this batch (``learner.
+                mismatch_monitor_every`` > 0 with ``pre_update_pass='auto'``; the driver decides by RL step);
+                None = every N-th batch this rank has trained. The same on every rank.
 
         Returns:
             The same dict on every rank, aggregated exactly over micro-batches, minibatches, epochs and ranks:
@@ -411,7 +415,7 @@ class LearnerRank:
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
         return RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
-                                self.critic).run()
+                                self.critic, monitor).run()
 
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on ``batch`` (this rank's shard).

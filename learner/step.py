@@ -69,8 +69,10 @@ class RolloutBatchStep:
     arguments, the metrics returned and the errors raised. Collective: every rank runs it on its shard."""
 
     def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
-                 num_tokens: list[int], guard: dict[str, float] | None, objective: Objective, critic: Critic | None = None):
+                 num_tokens: list[int], guard: dict[str, float] | None, objective: Objective, critic: Critic | None = None,
+                 monitor: bool | None = None):
         self.r, self.cfg = replica, replica.cfg
+        self.monitor = monitor  # the driver's decision for the mismatch monitor; None = this rank's own count
         self.guard = GuardDecision(guard)
         replica.check_normalisers(minibatches, num_sequences, num_tokens)
         if self.cfg.group_by_length:  # longest rows first: micro-batches of like length pad little
@@ -126,12 +128,15 @@ class RolloutBatchStep:
         return self.cfg.pre_update_pass == "always" or bool(needs) or monitor
 
     def monitor_due(self) -> bool:
-        """``auto`` with ``learner.mismatch_monitor_every`` N > 0: whether this is the rank's rollout batch
-        1, N+1, 2N+1, ... (the mismatch monitor's pass). Counts the batch. The same on every rank (each counts
-        the collective calls it took part in)."""
+        """``auto`` with ``learner.mismatch_monitor_every`` N > 0: whether the mismatch monitor's pass runs on
+        this batch. The caller's decision when it passed ``monitor`` (the driver: RL steps 1, N+1, 2N+1, ...,
+        see ``cluster.driver.trainer.monitor_step``); otherwise this rank's rollout batch 1, N+1, 2N+1, ...
+        since it started (counted here, the same on every rank: each counts the collective calls it took part
+        in)."""
         n, self.r.rollout_batches = self.r.rollout_batches, self.r.rollout_batches + 1
         every = self.cfg.mismatch_monitor_every
-        return self.cfg.pre_update_pass == "auto" and every > 0 and n % every == 0
+        due = n % every == 0 if self.monitor is None and every > 0 else bool(self.monitor)
+        return self.cfg.pre_update_pass == "auto" and every > 0 and due
 
     def rollout_checks(self) -> dict[str, Any]:
         """Instead of the pre-update pass: with the guard on, count the non-finite rollout log-probs on response
@@ -259,6 +264,7 @@ class RolloutBatchStep:
         if self.guard.on:  # a non-finite learner log-prob the clamps would hide (e.g. -inf) fails the step too
             finite = finite and bool(torch.isfinite(lp.detach()[mb.mask]).all())
         # DeepSpeed averages gradients over the ranks: x world_size turns that into the sum.
+        self.r.before_backward()
         self.r.engine.backward(loss * self.r.world_size, scale_wrt_gas=False)
         t.parts.append(metrics)
         self.sequence_ratio_stats(lp.detach(), old, mb.mask, result.per_sequence)

@@ -48,6 +48,16 @@ from rollout.contracts import PromptRow
 log = logging.getLogger("cluster.train")
 
 
+def monitor_step(cfg: Config, step: int) -> bool:
+    """Whether RL step ``step`` (1-based) runs the learner's mismatch monitor: steps 1, N+1, 2N+1, ... with
+    ``learner.mismatch_monitor_every`` N > 0 and ``learner.pre_update_pass='auto'``. Counted by the global step,
+    so a resumed run monitors the same steps. In the overlapped mode such a step's rollout is collected after the
+    previous sync (on-policy), so ``actor/train_rollout_logprob_diff`` measures the engine/learner mismatch
+    alone, not one update's policy change as well."""
+    every = cfg.learner.mismatch_monitor_every
+    return cfg.learner.pre_update_pass == "auto" and every > 0 and (step - 1) % every == 0
+
+
 def setup_run_dir(cfg: Config) -> Path:
     """Create ``outputs/<run_name>/`` (and its cache), point vLLM's and inductor's caches into it, and write
     the resolved config there."""
@@ -206,7 +216,7 @@ class Trainer:
         audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans) if self.step + 1 in tc.audit_steps else None
         self.rl_lr.apply(self.step)
         t = time.perf_counter()
-        m = self.learners.train(plans, cfg.health.guard())
+        m = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
         learner_s = time.perf_counter() - t
         if audit_dir is not None:
             audit_dump.save_outputs(self, audit_dir, m)
@@ -243,7 +253,7 @@ class Trainer:
         c, self.pending = self.pending or self.collector.collect(self.step), None
         ahead = None
         if (self.cfg.trainer.max_staleness and not self.cfg.trainer.partial_rollouts
-                and self.step + 1 < self.cfg.trainer.total_steps):
+                and self.step + 1 < self.cfg.trainer.total_steps and not monitor_step(self.cfg, self.step + 2)):
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         learner_m: dict[str, Any] = {}

@@ -108,11 +108,12 @@ class LearnerGroup:
         """Block until every rank finished its constructor (raises the rank's error if one failed)."""
         self.call("pid")
 
-    def train(self, plans: list[Any], guard: dict[str, float] | None) -> dict[str, Any]:
-        """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``). Returns the
-        metrics (identical on every rank)."""
+    def train(self, plans: list[Any], guard: dict[str, float] | None, monitor: bool | None = None) -> dict[str, Any]:
+        """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``); ``monitor``:
+        whether the mismatch monitor's pass runs (``LearnerRank.train_rollout_batch``). Returns the metrics
+        (identical on every rank)."""
         outs = self.call_sharded("train_rollout_batch", [(p.minibatches, p.num_sequences, p.num_tokens) for p in plans],
-                                 guard=guard)
+                                 guard=guard, monitor=monitor)
         return outs[0]
 
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:

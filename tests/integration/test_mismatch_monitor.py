@@ -33,9 +33,9 @@ def _rank(model_path: str, cfg: LearnerConfig):
                        seed=0, temperature=TEMPERATURE)
 
 
-def _train(learner, batch: TrainBatch) -> dict:
+def _train(learner, batch: TrainBatch, monitor: bool | None = None) -> dict:
     s, t = loss_normalisers(batch.response_mask)
-    return learner.train_rollout_batch([batch], [s], [t], guard={"max_grad_norm": 1000.0})
+    return learner.train_rollout_batch([batch], [s], [t], guard={"max_grad_norm": 1000.0}, monitor=monitor)
 
 
 def _broken_sync_log_probs(model_path: str, batch: TrainBatch) -> torch.Tensor:
@@ -74,3 +74,15 @@ def test_monitor_measures_every_nth_batch_and_sees_a_broken_sync(dense_path):
     assert off.state_digest() == digest  # the monitor's pass changes no update
     assert [o["loss/policy"] for o in offs] == [o["loss/policy"] for o in outs[:3]]
 
+
+
+def test_the_callers_decision_overrides_the_ranks_count(dense_path):
+    """The driver passes ``monitor`` (by global step): True runs the pass on a batch the rank's own count would
+    skip, False skips it on one the count would take; with mismatch_monitor_every=0 True runs nothing."""
+    cfg = LearnerConfig(zero_stage=0, micro_batch_size=4, lr=1e-9, num_minibatches=1, mismatch_monitor_every=2)
+    learner = _rank(dense_path, cfg)
+    b = make_batch(dense_path, 6, seed=1, noise=1e-3)
+    outs = [_train(learner, b, monitor=m) for m in (False, True, None, None)]  # the count: due on batches 1, 3
+    assert [KEY in o for o in outs] == [False, True, True, False]
+    off = _rank(dense_path, cfg.model_copy(update={"mismatch_monitor_every": 0}))
+    assert KEY not in _train(off, b, monitor=True)
