@@ -297,11 +297,17 @@ def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dic
     ceiling = {name: tokens / statistics.median(sec[name]) for name in PLAIN}
     best = max(ceiling.values())
     print(f"tokens/s over the batch's {tokens} real tokens (learner: one update, its passes included; ceiling: "
-          f"one plain torch forward+backward of the same tokens in this process, 1 thread):")
+          f"one plain torch forward+backward of the same tokens in this process, 1 thread; a learner rank's "
+          f"threads are the mean over its last update's micro-batches):")
     for name in [*table, *PLAIN]:
         tps = tokens / statistics.median(sec[name])
-        rows.setdefault(name, {"median_s": statistics.median(sec[name]), "all_s": sec[name]})["tokens_per_s"] = tps
-        print(f"   {name:22s} {tps:10.0f} tokens/s  = {tps / best:.2f}x the ceiling")
+        # a rank with elastic threads (learner.max_threads_per_rank) may run 2+ threads on an idle machine:
+        # the ceiling runs 1, so compare per thread (perf/learner_threads_mean of the last update)
+        threads = res["last"].get(name, {}).get("perf/learner_threads_mean", 1.0) if name in table else 1.0
+        row = rows.setdefault(name, {"median_s": statistics.median(sec[name]), "all_s": sec[name]})
+        row.update(tokens_per_s=tps, threads=threads)
+        print(f"   {name:22s} {tps:10.0f} tokens/s on {threads:.2f} thread(s) = {tps / threads / best:.2f}x the "
+              f"ceiling per thread")
     gap = res["bf16_gap"]
     print(f"bf16 autocast log-prob gap against float32 on the response tokens: mean {gap['mean']:.2e}, "
           f"max {gap['max']:.2e} nats")
