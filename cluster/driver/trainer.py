@@ -257,7 +257,7 @@ class Trainer:
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         learner_m: dict[str, Any] = {}
-        learner_s, sync_s = 0.0, 0.0
+        learner_s, sync_s, t_wait = 0.0, 0.0, None
         try:
             m: dict[str, Any] = {"step": self.step + 1, **step_metrics.staleness(
                 c, self.weight_version, self.cfg.trainer.max_staleness, self.step + 1)}
@@ -267,10 +267,11 @@ class Trainer:
                 log.warning("step %d: no informative group; no update", self.step + 1)
         finally:
             if ahead is not None:  # never leave the rollout thread running into a shutdown
+                t_wait = time.perf_counter()
                 wait_futures([ahead])
-        wait_s = time.perf_counter()
+        # the learner's step done, how long the driver still waited for the rollout collected ahead (0 on-policy)
+        wait_s = time.perf_counter() - t_wait if t_wait is not None else 0.0
         self.pending = ahead.result() if ahead is not None else None  # no request is in flight at the sync below
-        wait_s = time.perf_counter() - wait_s
         by_length = learner_m.pop(length_slices.LEARNER_KEY, {})
         if c.prompts:
             sync_s = self.after_train(learner_m)
