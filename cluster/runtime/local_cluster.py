@@ -72,6 +72,9 @@ def parse_resources(items: list[str]) -> dict[str, float]:
     return out
 
 
+# Ray's message when a node's raylet did not register with the GCS within its fixed 30 s (ray/_private/node.py)
+STARTUP_TIMEOUT = "timed out during startup"
+
 class LocalCluster:
     """A head and worker nodes on 127.0.0.1, remembered in a state file.
 
@@ -152,13 +155,29 @@ class LocalCluster:
             raise
         return self
 
-    def add_node(self, cpus: int, resources: dict[str, float] | None = None, timeout_s: float = 120.0) -> dict:
+    def add_node(self, cpus: int, resources: dict[str, float] | None = None, timeout_s: float = 120.0,
+                 attempts: int = 2) -> dict:
         """Start one more worker node with ``ray start --address`` (ports of its own, the cluster's temp dir and
-        token). Returns its record (``index``, ``pgid``, ``cpus``, ``resources``).
+        token). Returns its record (``index``, ``pgid``, ``cpus``, ``resources``). A start that fails with Ray's
+        "timed out during startup" (``ray start`` waits a fixed 30 s for the raylet to register with the GCS,
+        which a busy small machine can exceed) is cleaned up and tried again, up to ``attempts`` starts in all.
 
         Raises:
-            SubmitError: ``ray start`` failed or did not return within ``timeout_s``.
+            SubmitError: ``ray start`` failed (on the last attempt, or for another reason) or did not return
+                within ``timeout_s``.
         """
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_node(cpus, resources, timeout_s)
+            except SubmitError as err:
+                if attempt == attempts or STARTUP_TIMEOUT not in str(err):
+                    raise
+                print(f"`ray start` timed out registering the node (attempt {attempt} of {attempts}); trying again",
+                      file=sys.stderr)
+        raise AssertionError("unreachable")
+
+    def _start_node(self, cpus: int, resources: dict[str, float] | None, timeout_s: float) -> dict:
+        """One ``ray start`` of a worker node (see ``add_node``); a failed start's processes are ended."""
         index = max(n["index"] for n in self.state["nodes"]) + 1
         res = {**(resources or {}), f"gspo_node_{index}": 1}
         host = self.state["host"]
