@@ -348,6 +348,13 @@ class LearnerConfig(Section):
             )
         return self
 
+    def monitor_at(self, index: int) -> bool:
+        """Whether the mismatch monitor's pass is due on the 0-based rollout batch (or RL step) ``index``:
+        ``pre_update_pass='auto'``, ``mismatch_monitor_every`` N > 0 and ``index`` a multiple of N (the first
+        one included)."""
+        every = self.mismatch_monitor_every
+        return self.pre_update_pass == "auto" and every > 0 and index % every == 0
+
     def pre_update_pass_needs(self, guard: dict | None, is_moe: bool = True) -> list[str]:
         """The settings that need the pre-update pass, as config keys (``[]`` when nothing does).
 

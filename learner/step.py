@@ -134,9 +134,9 @@ class RolloutBatchStep:
         since it started (counted here, the same on every rank: each counts the collective calls it took part
         in)."""
         n, self.r.rollout_batches = self.r.rollout_batches, self.r.rollout_batches + 1
-        every = self.cfg.mismatch_monitor_every
-        due = n % every == 0 if self.monitor is None and every > 0 else bool(self.monitor)
-        return self.cfg.pre_update_pass == "auto" and every > 0 and due
+        if self.monitor is None:
+            return self.cfg.monitor_at(n)
+        return self.monitor and self.cfg.monitor_at(0)  # the caller's decision, where the monitor is on at all
 
     def rollout_checks(self) -> dict[str, Any]:
         """Instead of the pre-update pass: with the guard on, count the non-finite rollout log-probs on response

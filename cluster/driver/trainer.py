@@ -54,8 +54,7 @@ def monitor_step(cfg: Config, step: int) -> bool:
     so a resumed run monitors the same steps. In the overlapped mode such a step's rollout is collected after the
     previous sync (on-policy), so ``actor/train_rollout_logprob_diff`` measures the engine/learner mismatch
     alone, not one update's policy change as well."""
-    every = cfg.learner.mismatch_monitor_every
-    return cfg.learner.pre_update_pass == "auto" and every > 0 and (step - 1) % every == 0
+    return cfg.learner.monitor_at(step - 1)
 
 
 def setup_run_dir(cfg: Config) -> Path:

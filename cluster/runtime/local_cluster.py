@@ -75,6 +75,7 @@ def parse_resources(items: list[str]) -> dict[str, float]:
 # Ray's message when a node's raylet did not register with the GCS within its fixed 30 s (ray/_private/node.py)
 STARTUP_TIMEOUT = "timed out during startup"
 
+
 class LocalCluster:
     """A head and worker nodes on 127.0.0.1, remembered in a state file.
 
@@ -166,15 +167,15 @@ class LocalCluster:
             SubmitError: ``ray start`` failed (on the last attempt, or for another reason) or did not return
                 within ``timeout_s``.
         """
-        for attempt in range(1, attempts + 1):
+        for attempt in range(1, attempts):
             try:
                 return self._start_node(cpus, resources, timeout_s)
             except SubmitError as err:
-                if attempt == attempts or STARTUP_TIMEOUT not in str(err):
+                if STARTUP_TIMEOUT not in str(err):
                     raise
                 print(f"`ray start` timed out registering the node (attempt {attempt} of {attempts}); trying again",
                       file=sys.stderr)
-        raise AssertionError("unreachable")
+        return self._start_node(cpus, resources, timeout_s)
 
     def _start_node(self, cpus: int, resources: dict[str, float] | None, timeout_s: float) -> dict:
         """One ``ray start`` of a worker node (see ``add_node``); a failed start's processes are ended."""

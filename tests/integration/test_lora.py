@@ -18,7 +18,6 @@ from tests.helpers.sync import learner_logprobs, sft_batch
 TOL = 1e-5
 
 
-
 def start_learner(ray, path: str, cfg: LearnerConfig):
     from cluster.common import free_port
     from learner.service import LearnerRank

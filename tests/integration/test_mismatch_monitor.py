@@ -75,7 +75,6 @@ def test_monitor_measures_every_nth_batch_and_sees_a_broken_sync(dense_path):
     assert [o["loss/policy"] for o in offs] == [o["loss/policy"] for o in outs[:3]]
 
 
-
 def test_the_callers_decision_overrides_the_ranks_count(dense_path):
     """The driver passes ``monitor`` (by global step): True runs the pass on a batch the rank's own count would
     skip, False skips it on one the count would take; with mismatch_monitor_every=0 True runs nothing."""

@@ -60,7 +60,6 @@ class HungEngine:
         time.sleep(600)
 
 
-
 @pytest.mark.parametrize("kind,zero_stage,transport", [
     ("moe", 3, "object_store"), ("moe_tied", 2, "object_store"), ("dense_tied", 2, "object_store"),
     ("moe", 3, "collective"),

@@ -18,7 +18,6 @@ TOL = 1e-5
 MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-
 @pytest.mark.parametrize("arch,zero_stage,targets", [("qwen3_moe", 3, None), ("qwen3_moe", 0, None),
                                                      ("llama", 2, MLP)])
 def test_lora_sync_exact_across_ranks_and_stages(ray_cluster, tmp_path, arch, zero_stage, targets):

@@ -358,8 +358,10 @@ def test_collective_transport_needs_one_device_kind_and_whole_gpus():
 def test_monitor_steps_are_counted_by_global_step():
     from cluster.driver.trainer import monitor_step
 
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.mismatch_monitor_every=3"])
+    path = REPO_ROOT / "configs" / "tiny_moe.yaml"
+    cfg = load_config(path, ["learner.mismatch_monitor_every=3"])
     assert [s for s in range(1, 11) if monitor_step(cfg, s)] == [1, 4, 7, 10]
-    assert not any(monitor_step(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.mismatch_monitor_every=0"]), s) for s in range(1, 5))
-    never = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", ["learner.pre_update_pass=always"])  # the pass runs anyway: nothing to schedule
-    assert not monitor_step(never, 1)
+    off = load_config(path, ["learner.mismatch_monitor_every=0"])
+    assert not any(monitor_step(off, s) for s in range(1, 5))
+    always = load_config(path, ["learner.pre_update_pass=always"])  # the pass runs anyway: nothing to schedule
+    assert not monitor_step(always, 1)

@@ -42,66 +42,64 @@ class _Machine:
         self.own += seconds * mine
 
 
+@pytest.fixture
+def machine(monkeypatch):
+    """A scripted two-core ``_Machine`` behind the module's clock and /proc readings; torch's thread count is
+    restored afterwards."""
+    m = _Machine()
+    monkeypatch.setattr(et.time, "monotonic", lambda: m.t)
+    monkeypatch.setattr(et, "busy_seconds", lambda cores: m.busy)
+    monkeypatch.setattr(et, "own_seconds", lambda: m.own)
+    monkeypatch.setattr(et.os, "sched_getaffinity", lambda _: {0, 1})
+    before = torch.get_num_threads()
+    yield m
+    torch.set_num_threads(before)
+
+
 def _decide(e: et.ElasticThreads) -> int:
     """Close the window (the watcher's tick) and decide, as before a forward."""
     e.tick()
     return e.adjust()
 
 
-def test_elastic_threads_take_idle_cores_and_give_them_back(monkeypatch):
-    m = _Machine()
-    monkeypatch.setattr(et.time, "monotonic", lambda: m.t)
-    monkeypatch.setattr(et, "busy_seconds", lambda cores: m.busy)
-    monkeypatch.setattr(et, "own_seconds", lambda: m.own)
-    monkeypatch.setattr(et.os, "sched_getaffinity", lambda _: {0, 1})
-    before = torch.get_num_threads()
-    try:
-        e = et.ElasticThreads(1, 2, watch=False)
-        e.start()
-        assert torch.get_num_threads() == 1
-        m.run(0.5, others=1.0, mine=1.0)  # the engine generates on the other core
-        assert _decide(e) == 1
-        m.run(0.5, others=0.05, mine=1.0)  # it is done: the core is idle (the driver uses 5%)
-        assert _decide(e) == 2 and torch.get_num_threads() == 2
-        m.run(0.5, others=0.05, mine=2.0)  # our two threads busy: still the same idle core to us
-        assert _decide(e) == 2
-        m.run(0.01, others=1.0, mine=2.0)  # too short an interval to judge: no change, interval kept
-        assert _decide(e) == 2
-        m.run(0.5, others=1.0, mine=1.0)  # the engine starts again
-        assert _decide(e) == 1 and torch.get_num_threads() == 1
-        m.run(0.5, others=0.0, mine=1.0)
-        assert _decide(e) == 2
-        e.start()  # a new update starts at the floor
-        assert e.threads == 1 and torch.get_num_threads() == 1 and e.changes == 4
-    finally:
-        torch.set_num_threads(before)
+def test_elastic_threads_take_idle_cores_and_give_them_back(machine):
+    m = machine
+    e = et.ElasticThreads(1, 2, watch=False)
+    e.start()
+    assert torch.get_num_threads() == 1
+    m.run(0.5, others=1.0, mine=1.0)  # the engine generates on the other core
+    assert _decide(e) == 1
+    m.run(0.5, others=0.05, mine=1.0)  # it is done: the core is idle (the driver uses 5%)
+    assert _decide(e) == 2 and torch.get_num_threads() == 2
+    m.run(0.5, others=0.05, mine=2.0)  # our two threads busy: still the same idle core to us
+    assert _decide(e) == 2
+    m.run(0.01, others=1.0, mine=2.0)  # too short an interval to judge: no change, interval kept
+    assert _decide(e) == 2
+    m.run(0.5, others=1.0, mine=1.0)  # the engine starts again
+    assert _decide(e) == 1 and torch.get_num_threads() == 1
+    m.run(0.5, others=0.0, mine=1.0)
+    assert _decide(e) == 2
+    e.start()  # a new update starts at the floor
+    assert e.threads == 1 and torch.get_num_threads() == 1 and e.changes == 4
 
 
-def test_elastic_threads_decide_on_the_latest_window_not_the_whole_interval(monkeypatch):
+def test_elastic_threads_decide_on_the_latest_window_not_the_whole_interval(machine):
     """The engine busy for 1.5 s of a 1.7 s micro-batch, idle for the last 0.2 s: averaged over the interval the
     other core looks 88% busy (one thread), but the latest window (the watcher's tick) sees it idle: two
     threads at once."""
-    m = _Machine()
-    monkeypatch.setattr(et.time, "monotonic", lambda: m.t)
-    monkeypatch.setattr(et, "busy_seconds", lambda cores: m.busy)
-    monkeypatch.setattr(et, "own_seconds", lambda: m.own)
-    monkeypatch.setattr(et.os, "sched_getaffinity", lambda _: {0, 1})
-    before = torch.get_num_threads()
-    try:
-        e = et.ElasticThreads(1, 2, period=0.2, watch=False)
-        e.start()
-        assert e.adjust() == 1 and e.recent_idle is None  # no complete window yet: the floor
-        m.run(1.5, others=1.0, mine=1.0)
-        e.tick()
-        assert e.adjust() == 1 and e.recent_idle == pytest.approx(1.0)
-        m.run(0.2, others=0.0, mine=1.0)
-        e.tick()
-        assert e.recent_idle == pytest.approx(2.0) and e.adjust() == 2 and torch.get_num_threads() == 2
-        m.run(0.2, others=1.0, mine=2.0)  # the engine is back: the next window drops the rank to one thread
-        e.tick()
-        assert e.adjust() == 1
-    finally:
-        torch.set_num_threads(before)
+    m = machine
+    e = et.ElasticThreads(1, 2, period=0.2, watch=False)
+    e.start()
+    assert e.adjust() == 1 and e.recent_idle is None  # no complete window yet: the floor
+    m.run(1.5, others=1.0, mine=1.0)
+    e.tick()
+    assert e.adjust() == 1 and e.recent_idle == pytest.approx(1.0)
+    m.run(0.2, others=0.0, mine=1.0)
+    e.tick()
+    assert e.recent_idle == pytest.approx(2.0) and e.adjust() == 2 and torch.get_num_threads() == 2
+    m.run(0.2, others=1.0, mine=2.0)  # the engine is back: the next window drops the rank to one thread
+    e.tick()
+    assert e.adjust() == 1
 
 
 def test_elastic_threads_config_refusals():
