@@ -281,7 +281,8 @@ class TrainerConfig(Section):
         "unfinished sample continues after the next weight sync under the new weights (prompt + its tokens so far, "
         "a new request), each token keeping its weight version and behaviour log-prob; max_staleness=k >= 1 then "
         "bounds the oldest token's age in versions (a sample past it is dropped, counted and sampled again). The "
-        "rollout runs between syncs (not overlapped with the learner). Refused with R3 and dynamic_sampling")
+        "rollout runs between syncs (not overlapped with the learner). With R3 each token replays the experts of the "
+        "version that sampled it. Refused with dynamic_sampling")
     partial_segment_tokens: int | None = Field(
         None, ge=1, description="partial rollouts: tokens of a sample per round; must divide "
         "rollout.max_response_tokens; None = its smallest divisor >= max_response_tokens / (max_staleness + 1), so "
@@ -425,9 +426,6 @@ class Config(Section):
                                  "it the overlapped step keeps samples at most 1 version old: use 0 or 1)")
             return
         why = ("needs trainer.max_staleness >= 1" if t.max_staleness < 1 else
-               "is refused with learner.routing_replay='rollout' (R3): a continued sample's prefix is run again under "
-               "new weights, so the experts recorded for it are not those that sampled its tokens"
-               if lr.routing_replay == "rollout" else
                "is refused with trainer.dynamic_sampling (groups finish across rounds; not implemented)"
                if t.dynamic_sampling else "")
         if why:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from learner.contracts import SFTBatch, TrainBatch
@@ -84,7 +85,7 @@ def rollout_routes(completions: list[Completion], width: int) -> torch.Tensor | 
     shape = tuple(completions[0].routed_experts.shape[1:])
     out = torch.full((len(completions), width, *shape), -1, dtype=torch.int16)
     for i, c in enumerate(completions):
-        ids = torch.as_tensor(c.routed_experts, dtype=torch.int16)
+        ids = torch.from_numpy(np.array(c.routed_experts, dtype=np.int16))  # a copy: Ray hands read-only arrays
         t = len(c.prompt_token_ids) + len(c.response_token_ids) - 1
         if tuple(ids.shape) != (t, *shape):
             raise ValueError(f"completion {c.prompt_uid}#{c.sample_index}: routed_experts has shape "

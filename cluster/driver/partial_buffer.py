@@ -12,12 +12,23 @@ is older than ``V - k`` is dropped and sampled again from its prompt under the c
 counted in ``partial/dropped_tokens`` and the sample in ``partial/restarted_samples`` (dropped and counted, not
 corrected). A group is trained when all of its ``G`` samples have finished; groups leave in admission order.
 
+With the engines' routing capture (``rollout.return_routed_experts``, for R3) a sample also keeps, per input
+position, the experts of the version that sampled the token predicted there: a continuation piece reports the
+experts of every position it computed (its prompt = the row's prompt plus the prefix, recomputed under the new
+weights), and only its rows from the prefix's last token on (the positions that sampled the new tokens) are
+appended; the prompt's rows and the prefix's rows stay those of the versions that sampled from them. Row
+``P - 1 + j`` (which sampled response token ``j``) therefore carries ``versions[j]``, and the prompt's rows the
+first segment's version: R3 replays, for each token, the experts under which it was sampled.
+
 Nothing here knows Ray or vLLM: the driver (``cluster.driver.partial_rollout``) turns requests into engine calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from rollout.contracts import Completion, PromptRow
 
@@ -33,6 +44,8 @@ class PartialSample:
         versions: weight version that sampled each token (same length as ``token_ids``).
         text: decoded response so far (the segments' texts joined).
         finish_reason: ``""`` while in flight, then ``"stop"`` or ``"length"``.
+        routing: None (no routing capture), or int16 numpy ``[P - 1 + len(token_ids), layers, k]``: the experts
+            each input position ran under the version that sampled the token it predicted (module docstring).
     """
 
     sample_index: int
@@ -41,6 +54,7 @@ class PartialSample:
     versions: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
+    routing: Any = None
 
     @property
     def finished(self) -> bool:
@@ -56,6 +70,7 @@ class PartialSample:
         """Throw the sample's tokens away (it is sampled again from its prompt). Returns the tokens dropped."""
         n = len(self.token_ids)
         self.token_ids, self.logprobs, self.versions, self.text, self.finish_reason = [], [], [], "", ""
+        self.routing = None
         return n
 
 
@@ -152,8 +167,12 @@ class PartialBuffer:
         ``piece.weight_version``) to the request's sample. The sample finishes on ``"stop"``, at the response
         limit; a piece cut at ``segment_tokens`` (``"length"``) below the limit stays in flight.
 
+        With routing capture, ``piece.routed_experts`` (``[P + prefix + new - 1, layers, k]``) extends the sample's
+        routing by its rows from ``P + prefix - 1`` on (module docstring).
+
         Raises:
-            ValueError: the sample has already finished, or the piece would pass the response limit.
+            ValueError: the sample has already finished, the piece would pass the response limit, or its routing
+                has the wrong number of rows or is missing while the sample's earlier pieces had one.
         """
         s = request.group.samples[request.index]
         if s.finished:
@@ -162,6 +181,7 @@ class PartialBuffer:
         if len(s.token_ids) + len(new) > self.max_response_tokens:
             raise ValueError(f"prompt uid={request.group.row.uid!r}: {len(s.token_ids)} + {len(new)} tokens exceed "
                              f"rollout.max_response_tokens={self.max_response_tokens}")
+        s.routing = spliced_routing(request, piece, len(new))
         s.token_ids += new
         s.logprobs += list(piece.response_logprobs)
         s.versions += [piece.weight_version] * len(new)
@@ -195,9 +215,36 @@ class PartialBuffer:
         return rows
 
 
+def spliced_routing(request: Request, piece: Completion, new: int) -> Any:
+    """The sample's routing after ``piece`` (``new`` tokens): the rows it had, then the piece's rows of the
+    positions that sampled the new tokens; the first piece's rows in full (prompt included). None without capture.
+
+    Raises:
+        ValueError: the piece's routing does not cover ``len(request.prompt_token_ids) + new - 1`` positions, or it
+            is missing (or present) while the sample's earlier pieces had one (or had none).
+    """
+    s, uid = request.group.samples[request.index], request.group.row.uid
+    rows = piece.routed_experts
+    if s.token_ids and (rows is None) != (s.routing is None):
+        now, before = ("without", "with") if rows is None else ("with", "without")
+        raise ValueError(f"prompt uid={uid!r} sample {s.sample_index}: a piece {now} routed_experts after pieces "
+                         f"{before} (every engine must have the same rollout.return_routed_experts)")
+    if rows is None:
+        return None
+    rows = np.asarray(rows)
+    start = len(request.prompt_token_ids) - 1  # the prefix's last token (the prompt's last when no prefix yet)
+    if rows.shape[0] != start + new:
+        raise ValueError(f"prompt uid={uid!r} sample {s.sample_index}: routed_experts has {rows.shape[0]} rows, "
+                         f"expected {start + new} (the request's {start + 1} prompt tokens + {new} new - 1)")
+    if s.routing is None:
+        return rows
+    return np.concatenate([s.routing, rows[start:]])
+
+
 def to_completion(group: PartialGroup, s: PartialSample) -> Completion:
     """A finished sample as the ``Completion`` the batch is built from: ``weight_version`` is its OLDEST token's
-    version (what the staleness metric reads), ``token_versions`` every token's.
+    version (what the staleness metric reads), ``token_versions`` every token's, ``routed_experts`` its spliced
+    routing (per token version; None without capture).
 
     Raises:
         ValueError: the sample has not finished.
@@ -207,5 +254,6 @@ def to_completion(group: PartialGroup, s: PartialSample) -> Completion:
     c = Completion(prompt_uid=group.row.uid, sample_index=s.sample_index,
                    prompt_token_ids=list(group.row.prompt_token_ids), response_token_ids=list(s.token_ids),
                    response_logprobs=list(s.logprobs), response_text=s.text, finish_reason=s.finish_reason,
-                   weight_version=s.oldest_version if s.versions else 0, token_versions=list(s.versions))
+                   weight_version=s.oldest_version if s.versions else 0, token_versions=list(s.versions),
+                   routed_experts=s.routing)
     return c

@@ -81,3 +81,54 @@ def _as_completion(g, s):
 
     return Completion(g.row.uid, s.sample_index, list(g.row.prompt_token_ids), list(s.token_ids), list(s.logprobs),
                       s.text, "length", 0)
+
+
+def _engine_routing(trainer, token_ids: list[int]):
+    """The experts the engine (at its current weights) runs for positions ``0 .. len(token_ids) - 1``: the
+    routing of a one-token request whose prompt is ``token_ids``."""
+    import ray
+
+    from rollout.contracts import PromptRow
+
+    row = PromptRow(uid="probe", prompt="", prompt_token_ids=list(token_ids), answer="")
+    (c,) = ray.get(trainer.fleet.engines[0].generate.remote([row], 1, max_tokens=1, seed=0))
+    return c.routed_experts[: len(token_ids)]
+
+
+def test_r3_replays_each_token_under_the_experts_of_the_version_that_sampled_it(tmp_path, ray_session):
+    """R3 with partial rollouts: a trained sample that spans a sync carries, for the positions that sampled its
+    v0 tokens (and the prompt), the experts of the v0 engine, and for the positions that sampled its v0+1 tokens
+    those of the v0+1 engine, which differ from what v0+1 runs on the prefix; the R3 step trains on it."""
+    import numpy as np
+
+    t = _trainer(tmp_path, "partial_r3", [*PARTIAL, "learner.routing_replay=rollout",
+                                          "rollout.return_routed_experts=true"])
+    t.start()
+    try:
+        v0 = t.weight_version
+        t.collector.collect(0)
+        before = {(g.row.uid, s.sample_index): _engine_routing(t, list(g.row.prompt_token_ids) + s.token_ids)
+                  for g in t.collector.buffer.groups for s in g.samples if s.token_ids and not s.finished}
+        assert before, "no sample was cut at the segment"
+        t.warm_start()
+        assert t.weight_version == v0 + 1
+        c = t.collector.collect(1)
+        spanning = [x for x in c.completions if x.token_versions and len(set(x.token_versions)) == 2]
+        assert spanning, "no trained sample spans the sync"
+        recomputed_differs = False
+        for x in spanning:
+            k, P = x.token_versions.index(v0 + 1), len(x.prompt_token_ids)
+            seq = x.prompt_token_ids + x.response_token_ids
+            rows = x.routed_experts
+            assert rows.shape == (len(seq) - 1, 2, 2)
+            old = before[(x.prompt_uid, x.sample_index)]  # the v0 engine on prompt + prefix: P + k rows
+            now = _engine_routing(t, seq[:-1])  # the v0+1 engine on the whole sequence but its last token
+            assert np.array_equal(rows[: P + k - 1], old[: P + k - 1])  # the prompt and v0's sampling positions
+            assert np.array_equal(rows[P + k - 1 :], now[P + k - 1 :])  # v0+1's sampling positions
+            recomputed_differs |= not np.array_equal(now[: P + k - 1], old[: P + k - 1])
+        assert recomputed_differs, "the update moved no expert of any prefix: the test could not tell the splice"
+        t.pending = c
+        m = t.rl_step()
+        assert m["rollout/staleness_max"] == 1.0 and np.isfinite(m["actor/train_rollout_logprob_diff"])
+    finally:
+        t.shutdown()

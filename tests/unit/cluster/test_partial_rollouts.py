@@ -169,8 +169,6 @@ def test_slot_utilization_counts_the_tail():
     (["trainer.partial_rollouts=true", "trainer.max_staleness=0"], "needs trainer.max_staleness >= 1"),
     (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.dynamic_sampling=true"],
      "refused with trainer.dynamic_sampling"),
-    (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "learner.routing_replay=rollout",
-      "rollout.return_routed_experts=true"], "refused with learner.routing_replay='rollout'"),
     (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.partial_segment_tokens=3"],
      "partial_segment_tokens=3 must divide rollout.max_response_tokens=4"),
 ])
@@ -179,9 +177,65 @@ def test_config_refuses_bad_partial_rollout_settings(overrides, match):
         load_config(TINY, overrides)
 
 
-def test_config_accepts_partial_rollouts_with_a_staleness_window():
+def test_config_accepts_partial_rollouts_with_a_staleness_window_and_with_r3():
     cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.max_staleness=3"])
     assert cfg.trainer.max_staleness == 3 and cfg.trainer.partial_segment_tokens is None
+    cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.max_staleness=1",
+                             "learner.routing_replay=rollout", "rollout.return_routed_experts=true"])
+    assert cfg.learner.routing_replay == "rollout"
+
+
+def routed(rows: int, version: int) -> "np.ndarray":
+    """int16 [rows, 2 layers, 2]: row t ran experts (version, t) in both layers, so a row names its computation."""
+    import numpy as np
+
+    t = np.arange(rows, dtype=np.int16)[:, None, None]
+    return np.concatenate([np.full((rows, 2, 1), version, np.int16), np.broadcast_to(t, (rows, 2, 1))], axis=-1)
+
+
+def routed_piece(request, tokens: list[int], version: int, reason: str, rows: int | None = None) -> Completion:
+    """A piece as the engine reports it: experts for the request's prompt and all new tokens but the last."""
+    n = len(request.prompt_token_ids) + len(tokens) - 1 if rows is None else rows
+    c = piece(tokens, version, reason)
+    c.routed_experts = routed(n, version)
+    return c
+
+
+def test_r3_routing_of_a_sample_spanning_a_sync_is_spliced_per_token_version():
+    """Prompt of 2 tokens, 3 tokens at v3 then 3 at v4. Row ``P - 1 + j`` sampled response token ``j``: rows
+    0..3 (the prompt's row 0, rows 1..3 that sampled v3's tokens) come from the v3 piece, rows 4..6 (from the
+    prefix's last token on: they sampled v4's tokens) from the v4 piece; the v4 piece's own rows 0..3 (the prompt
+    and prefix computed again under v4) are not used."""
+    buf = PartialBuffer(group_size=1, max_response_tokens=6, max_staleness=1)
+    buf.admit([row()])
+    (r,) = buf.requests()
+    buf.extend(r, routed_piece(r, [1, 2, 3], 3, "length"), 3)
+    assert buf.groups[0].samples[0].routing.shape == (4, 2, 2)  # P - 1 + 3
+    buf.expire(4)
+    (r,) = buf.requests()
+    buf.extend(r, routed_piece(r, [4, 5, 6], 4, "length"), 3)  # the v4 request: 5 prompt tokens, 7 rows
+    (g,) = buf.take(1, version=4)
+    c = to_completion(g, g.samples[0])
+    ids = c.routed_experts
+    assert ids.shape == (2 + 6 - 1, 2, 2)  # [P + R - 1, layers, k], as an on-policy completion's
+    # row P-1+j sampled response token j: its version is token_versions[j]; the prompt's rows the first version
+    assert ids[:, 0, 0].tolist() == [3, 3, 3, 3, 4, 4, 4]
+    assert ids[:1, 0, 0].tolist() == [c.token_versions[0]]
+    assert [ids[1 + j, 0, 0] for j in range(6)] == c.token_versions
+    assert ids[:, 0, 1].tolist() == [0, 1, 2, 3, 4, 5, 6]  # each row from its own position in its piece
+
+
+def test_r3_routing_refuses_a_piece_of_the_wrong_length_or_mixed_capture():
+    buf = PartialBuffer(group_size=1, max_response_tokens=6, max_staleness=1)
+    buf.admit([row()])
+    (r,) = buf.requests()
+    with pytest.raises(ValueError, match="routed_experts has 5 rows, expected 4"):
+        buf.extend(r, routed_piece(r, [1, 2, 3], 3, "length", rows=5), 3)
+    buf.extend(r, routed_piece(r, [1, 2, 3], 3, "length"), 3)
+    (r,) = buf.requests()
+    with pytest.raises(ValueError, match="a piece without routed_experts after pieces with"):
+        buf.extend(r, piece([4, 5, 6], 4, "length"), 3)
+    assert buf.expire(5) == 1 and buf.groups[0].samples[0].routing is None  # a restart forgets the routing
 
 
 def test_the_learner_batch_carries_each_tokens_own_behaviour_logprob():
