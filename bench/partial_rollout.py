@@ -68,15 +68,16 @@ def figures(rows: list[dict], target: float) -> dict[str, float]:
 
 
 def report(results: dict[str, list[dict[str, float]]]) -> None:
-    """Per mode: means over seeds, and the ratio to on-policy."""
+    """Per mode: means over seeds, and the ratio to on-policy (when on-policy ran)."""
     keys = list(next(iter(results.values()))[0])
-    base = {k: statistics.mean(f[k] for f in results["on_policy"]) for k in keys}
+    base = {k: statistics.mean(f[k] for f in results["on_policy"]) for k in keys} if "on_policy" in results else None
     print(f"{'mode':10s} " + " ".join(f"{k:>17s}" for k in keys))
     for mode, runs in results.items():
         mean = {k: statistics.mean(f[k] for f in runs) for k in keys}
         print(f"{mode:10s} " + " ".join(f"{mean[k]:17.3f}" for k in keys))
-        print(f"{'  /on_pol':10s} " + " ".join(
-            f"{(mean[k] / base[k] if base[k] else float('nan')):17.3f}" for k in keys))
+        if base is not None:
+            print(f"{'  /on_pol':10s} " + " ".join(
+                f"{(mean[k] / base[k] if base[k] else float('nan')):17.3f}" for k in keys))
     for mode, runs in results.items():
         print(mode, "per seed final_acc:", [round(f["final_acc"], 3) for f in runs])
 
