@@ -35,6 +35,10 @@ Variants (all from the config's learner section; each on its own engine, built o
   of ``micro_batch_size`` rows, or packed (``learner.packing``). Learner and ceiling are printed as tokens/s over the
   batch's real tokens, and the log-prob gap of bf16 autocast against float32 on the response tokens.
 
+The batch line gives, under ``packing``, the positions the default variant's training forwards run (packed, and
+what padding each micro-batch to its longest row would run) and ``packed_pad_share``: the share of packed
+positions that are padding (the bins' unused tails).
+
 Rounds interleave the variants (round r runs one update of every variant, in order), so a change of machine
 load hits all of them alike; the first update of each variant is a warm-up and is not timed. Printed: per
 variant the median and the minimum seconds per update and both as ratios of ``default``'s (on a busy machine
@@ -138,6 +142,28 @@ def driver_batch(cfg, model_path: str):
     return batch, facts
 
 
+def packing_facts(plans: list, lc) -> dict[str, float]:
+    """Positions the default variant's training forwards run over the ranks' ``plans`` (``RankPlan``s): its
+    micro-batches (``learner.microbatch.micro_slices`` with ``lc``'s settings, rows longest first with
+    ``group_by_length``), each packed (``learner.packing.PackedRows``) or padded to its longest row. Returns the
+    real tokens, both position counts and the share of packed positions that are padding (bins' tails)."""
+    from learner.microbatch import length_order, micro_slices, row_widths
+    from learner.packing import PackedRows
+
+    tokens = packed = padded = 0
+    for plan in plans:
+        for mb in plan.minibatches:
+            if lc.group_by_length:
+                mb = mb.select(length_order(mb.attention_mask))
+            for lo, hi in micro_slices(mb.attention_mask, lc.micro_batch_size, lc.max_tokens_per_micro_batch):
+                w = max(row_widths(mb.attention_mask[lo:hi]))
+                am, mask = mb.attention_mask[lo:hi, :w], mb.response_mask[lo:hi, : w - 1]
+                p = PackedRows(am, mask)
+                tokens, packed, padded = tokens + p.num_tokens, packed + p.num_positions, padded + am.numel()
+    return {"real_tokens": tokens, "packed_positions": packed, "padded_positions": padded,
+            "packed_pad_share": 1 - tokens / packed if packed else 0.0}
+
+
 def plain_torch(model, batch, micro_batch_size: int, temperature: float, packed: bool) -> float:
     """Seconds of one plain-torch forward+backward over ``batch`` in this process (no DeepSpeed, no Ray, no
     optimizer): a response-token log-prob sum per micro-batch of ``micro_batch_size`` rows, padded to the micro-batch's
@@ -238,8 +264,9 @@ def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
         key = {name: (n, over.get("threads_per_rank", cfg.learner.threads_per_rank))
                for name, (n, over, _) in table.items()}
         hosts = start_hosts(ray, model_path, cfg, set(key.values()))
-        plans = {n: [ray.put(p) for p in split_for_ranks(batch, cfg.learner.num_minibatches, n, cfg.trainer.seed)]
-                 for n in {n for n, _ in hosts}}
+        split = {n: split_for_ranks(batch, cfg.learner.num_minibatches, n, cfg.trainer.seed) for n in {n for n, _ in hosts}}
+        plans = {n: [ray.put(p) for p in rank_plans] for n, rank_plans in split.items()}
+        facts["packing"] = packing_facts(split[cfg.learner.world_size], cfg.learner)
         t0 = time.perf_counter()
         for name, (n, over, _) in table.items():
             learner_cfg = {**cfg.learner.model_dump(), "world_size": n, **over}

@@ -13,6 +13,8 @@ gives advantage 0 and leaves out of its group's statistics.
 Calls run in chunks of up to ``cfg.calls_per_child`` per verifier process, each with its own timeout (see
 ``reward.runner``); calls of the verifiers in ``cfg.isolated_verifiers`` (default ``code``: a sandbox run
 costs far more than a fork, and a process of its own keeps sandbox bookkeeping per call) get a process each.
+The built-ins in ``cfg.inline_verifiers`` (default ``exact``, and only those of ``reward.config.INLINE_SAFE``:
+string comparisons linear in the response) run in the worker itself, with no process at all.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def overlong_penalty(num_tokens: int, max_len: int, buffer_len: int) -> float:
     if num_tokens <= max_len:
         return (start - num_tokens) / buffer_len
     return -1.0
+
+
+def inline_call(fn: Any, response: str, row: dict) -> CallOutcome:
+    """``fn(response, row)`` in this process, as the protected runner reports a call: ``ok`` with the value,
+    or ``error`` naming the exception (for ``reward.config.INLINE_SAFE`` verifiers only)."""
+    t = time.perf_counter()
+    try:
+        return CallOutcome("ok", fn(response, row), {}, time.perf_counter() - t)
+    except Exception as err:  # noqa: BLE001 - reported as the runner reports a raising verifier
+        return CallOutcome("error", None, {"error": type(err).__name__, "message": str(err)[:500]},
+                           time.perf_counter() - t)
 
 
 def interpret(outcome: CallOutcome, cfg: RewardConfig) -> tuple[float, bool | None, str, dict]:
@@ -140,11 +153,24 @@ class RewardWorker:
                 alone.append(term.verifier in self._isolated)
                 terms.append((len(calls) - 1, term))
             plan.append((primary, terms))
-        outcomes = self.runner.run(calls, alone)
+        outcomes = self.run_calls(calls, alone)
         for out in outcomes:  # a configuration problem, not a bad response: scoring code as 0 would train on it
             if out.status == "error" and out.detail.get("error") == "SandboxUnavailable":
                 raise SandboxUnavailable(out.detail.get("message", "bubblewrap does not work here"))
         return [self._combine(req, p, outcomes) for req, p in zip(requests, plan)]
+
+    def run_calls(self, calls: list[tuple[Any, str, dict]], alone: list[bool]) -> list[CallOutcome]:
+        """Outcomes of ``calls`` in order: those of ``cfg.inline_verifiers`` here (``inline_call``), the rest
+        through the protected runner."""
+        inline = {id(self._verifiers[n]) for n in self.cfg.inline_verifiers if n in self._verifiers}
+        here = [i for i, (fn, _, _) in enumerate(calls) if id(fn) in inline]
+        away = [i for i in range(len(calls)) if id(calls[i][0]) not in inline]
+        outcomes: list[CallOutcome | None] = [None] * len(calls)
+        for i in here:
+            outcomes[i] = inline_call(*calls[i])
+        for i, out in zip(away, self.runner.run([calls[i] for i in away], [alone[i] for i in away])):
+            outcomes[i] = out
+        return outcomes
 
     def _combine(self, req: RewardRequest, plan, outcomes: list[CallOutcome]) -> RewardResult:
         cfg = self.cfg

@@ -147,3 +147,42 @@ def test_worker_on_real_gsm8k_rows():
         w.close()
     assert [r.score for r in res] == want
     assert all(r.status == "ok" and r.correct == (s == 1.0) for r, s in zip(res, want))
+
+
+def _score_watching_the_runner(cfg: RewardConfig, reqs: list[RewardRequest]):
+    """(results, verifier names of the calls the protected runner got)."""
+    w = RewardWorker(cfg)
+    sent: list[str] = []
+    run = w.runner.run
+
+    def watched(calls, alone=None):
+        sent.extend(getattr(fn, "__name__", str(fn)) for fn, _, _ in calls)
+        return run(calls, alone)
+
+    w.runner.run = watched
+    try:
+        return w.score(reqs), sent
+    finally:
+        w.close()
+
+
+def test_exact_runs_inline_with_the_runners_outcomes_and_other_verifiers_stay_protected():
+    no_answer = PromptRow(uid="x", prompt="p", prompt_token_ids=[1], answer=None, verifier="exact")
+    reqs = [RewardRequest("#### 68", row_of("68")), RewardRequest("#### 67", row_of("68")),
+            RewardRequest("#### 1", no_answer), RewardRequest("#### 68", row_of("68", "math"))]
+    inline, sent_inline = _score_watching_the_runner(RewardConfig(timeout_s=5.0), reqs)
+    forked, sent_forked = _score_watching_the_runner(RewardConfig(timeout_s=5.0, inline_verifiers=[]), reqs)
+    assert sent_inline == ["math_verifier"]  # exact never left the worker
+    assert sent_forked == ["exact_verifier"] * 3 + ["math_verifier"]
+    for a, b in zip(inline, forked, strict=True):  # the same results either way, the raising call included
+        assert (a.score, a.correct, a.status, a.detail.get("error")) == (b.score, b.correct, b.status,
+                                                                          b.detail.get("error"))
+    assert [r.score for r in inline] == [1.0, 0.0, 0.0, 1.0]
+    assert inline[2].status == "error" and inline[2].detail["error"] == "ValueError"
+
+
+def test_only_linear_string_verifiers_may_run_inline():
+    with pytest.raises(ValueError, match=r"reward.inline_verifiers=\['exact', 'math'\]: \['math'\] may not run inline"):
+        RewardConfig(inline_verifiers=["exact", "math"])
+    with pytest.raises(ValueError, match="may not run inline"):
+        RewardConfig(inline_verifiers=[f"{U}:raises"])
