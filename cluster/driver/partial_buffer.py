@@ -161,6 +161,19 @@ class PartialBuffer:
         self.restarted_samples += n
         return n
 
+    def restart_all(self) -> int:
+        """After a health-guard rollback: restart every sample that has tokens (finished or not), since the
+        weights that sampled them were rolled over. The groups stay admitted in their order, so no prompt is
+        lost or taken twice. Returns the samples restarted (counted like ``expire``'s)."""
+        n = 0
+        for g in self.groups:
+            for s in g.samples:
+                if s.token_ids or s.finished:
+                    self.dropped_tokens += s.restart()
+                    n += 1
+        self.restarted_samples += n
+        return n
+
     # -- results -------------------------------------------------------------------------------------------
     def extend(self, request: Request, piece: Completion, segment_tokens: int) -> None:
         """Append an engine's continuation ``piece`` (``piece.response_*`` are the new tokens only, sampled by

@@ -240,6 +240,9 @@ class Trainer:
             if self.pending is not None:
                 self.stream.position = self.pending.start_position  # collected with weights rolled back over
                 self.pending = None
+            buffer = getattr(self.collector, "buffer", None)  # partial rollouts: samples of the same weights
+            if buffer is not None:
+                log.info("rollback: %d in-flight samples of partial rollouts sampled again", buffer.restart_all())
         return 0.0
 
     def rl_step(self) -> dict[str, Any]:

@@ -132,3 +132,29 @@ def test_r3_replays_each_token_under_the_experts_of_the_version_that_sampled_it(
         assert m["rollout/staleness_max"] == 1.0 and np.isfinite(m["actor/train_rollout_logprob_diff"])
     finally:
         t.shutdown()
+
+
+def test_a_rollback_samples_the_in_flight_prompts_again_without_losing_or_repeating_one(tmp_path, ray_session):
+    """Partial rollouts under the health guard: after a rollback to a checkpoint, the samples in flight (sampled
+    by the weights rolled over) are thrown away and their groups sampled again from their prompts, in order."""
+    t = _trainer(tmp_path, "partial_rollback", [*PARTIAL, "trainer.total_steps=6", "health.enabled=true",
+                                                "health.rollback_after=2", "health.max_rollbacks=1",
+                                                "health.max_grad_norm=1e6"])
+    t.start()
+    try:
+        assert t.rl_step().get("health/skipped") == 0.0
+        t.save()
+        t.cfg.health.min_entropy = 1e9  # every step now fails its check
+        assert t.rl_step()["health/skipped"] == 1.0
+        buf = t.collector.buffer
+        t.pending = t.collector.collect(t.step)  # the next step's rollout, taken here to see the buffer after it
+        before = [g.row.uid for g in buf.groups]
+        assert any(s.token_ids for g in buf.groups for s in g.samples), "nothing in flight to throw away"
+        restarted = buf.restarted_samples
+        m = t.rl_step()  # trains on t.pending; the second failure in a row: roll back
+        assert m["health/rollbacks"] == 1.0
+        assert [g.row.uid for g in buf.groups] == before  # the same groups, in order: none lost, none added
+        assert all(not s.token_ids and not s.finished for g in buf.groups for s in g.samples)
+        assert buf.restarted_samples > restarted
+    finally:
+        t.shutdown()

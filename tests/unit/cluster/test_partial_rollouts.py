@@ -258,3 +258,19 @@ def test_the_learner_batch_carries_each_tokens_own_behaviour_logprob():
     assert batch.old_log_probs[0, 1:5].tolist() == [-0.25, -0.25, -0.75, -0.75]  # targets of response tokens 0..3
     assert batch.response_mask[0].tolist() == [False, True, True, True, True]
     assert batch.weight_versions.tolist() == [3]
+
+
+def test_a_rollback_restarts_every_sample_and_keeps_the_groups_in_order():
+    """After a health-guard rollback the buffer's samples came from weights rolled over: all are sampled again
+    from their prompts (counted), and the groups stay admitted, so no prompt is lost or taken twice."""
+    buf = PartialBuffer(group_size=2, max_response_tokens=8, max_staleness=1)
+    buf.admit([row("a"), row("b"), row("c")])
+    reqs = buf.requests()
+    buf.extend(reqs[0], piece([1, 2, 3, 4], 3, "length"), 4)  # a#0 in flight
+    buf.extend(reqs[1], piece([7], 3, "stop"), 4)  # a#1 finished
+    buf.extend(reqs[2], piece([5, 5], 3, "stop"), 4)  # b#0 finished, b#1 and c untouched
+    assert buf.restart_all() == 3 and (buf.restarted_samples, buf.dropped_tokens) == (3, 7)
+    assert [g.row.uid for g in buf.groups] == ["a", "b", "c"] and buf.next_serial == 3
+    assert [(r.group.row.uid, r.index, r.prompt_token_ids) for r in buf.requests()] == [
+        (u, k, [5, 6]) for u in "abc" for k in (0, 1)]
+    assert buf.restart_all() == 0  # nothing left to restart
