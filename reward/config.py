@@ -112,8 +112,9 @@ class RewardConfig(Section):
         default_factory=lambda: ["exact"],
         description="built-in verifiers called in the worker itself, without a child process: only those whose "
         "work is a few linear passes over the response string (" + ", ".join(sorted(INLINE_SAFE)) + "), which "
-        "cannot hang or run anything; a fork per chunk of calls costs more than such a call (29-37 ms for the "
-        "default run's 256 calls). [] = every verifier in a child process",
+        "cannot hang or run anything; a fork per chunk of calls costs more than such a call (the default run's "
+        "reward phase: 25-30 ms per step forked, 9-13 ms inline; docs/benchmarks.md). A name also in "
+        "isolated_verifiers is isolated. [] = every verifier in a child process",
     )
     verifier_memory_mb: int = Field(2048, ge=0, description="RLIMIT_AS of a verifier child, MiB (0 = none)")
     preload: list[str] = Field(

@@ -4,8 +4,9 @@ A verifier returns a float score, or a dict with a ``score`` (float) and any ext
 ``correct`` bool among them). ``row`` is a ``PromptRow`` as a dict (``uid``, ``prompt``, ``answer``,
 ``verifier``, ``meta``, ...); a ``PromptRow`` itself is accepted too.
 
-Verifiers trust nothing in ``response``, but they are not themselves protected: the worker always calls them
-through ``reward.runner`` (a killed process group with a wall-clock timeout), never directly.
+Verifiers trust nothing in ``response``, but they are not themselves protected: the worker calls them through
+``reward.runner`` (a killed process group with a wall-clock timeout), except the built-ins that
+``reward.inline_verifiers`` names (only ``exact``: a few linear passes over the string), which it calls directly.
 
 Built-ins:
     ``exact``   normalised string equality (procedural tasks).

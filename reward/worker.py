@@ -1,4 +1,5 @@
-"""The reward worker: scores completions with the configured verifiers through the protected runner.
+"""The reward worker: scores completions with the configured verifiers through the protected runner (exact match
+in the worker itself, see below).
 
 A plain class; ``reward.pool.RewardPool`` wraps it as a Ray actor. The score of one completion is
 
@@ -83,7 +84,8 @@ def interpret(outcome: CallOutcome, cfg: RewardConfig) -> tuple[float, bool | No
 
 
 class RewardWorker:
-    """Scores ``RewardRequest`` lists; every verifier call is protected (timeout, killed process group).
+    """Scores ``RewardRequest`` lists; every verifier call is protected (timeout, killed process group) but those
+    of ``reward.inline_verifiers`` (exact match, run here: ``inline_call``).
 
     At construction it logs, once, what the ``plain`` sandbox backend does not stop when the config chose it,
     and checks that bubblewrap works when ``code`` is a configured verifier.
@@ -111,6 +113,7 @@ class RewardWorker:
         self.runner = ProtectedRunner(cfg.timeout_s, cfg.verifier_memory_mb, list(cfg.preload) + user_modules,
                                       cfg.parallel_calls, cfg.calls_per_child)
         self._isolated = set(cfg.isolated_verifiers)
+        self._inline = set(cfg.inline_verifiers) - self._isolated
 
     def _verifier(self, name: str):
         if name not in self._verifiers:
@@ -135,7 +138,7 @@ class RewardWorker:
             reward.sandbox.SandboxUnavailable: a ``code`` call found that bubblewrap does not work here.
         """
         cfg = self.cfg
-        calls, alone, plan = [], [], []  # plan[i] = (primary call index or error, [(term call index, term)])
+        calls, alone, here, plan = [], [], [], []  # plan[i] = (primary call index or error, [(term call index, term)])
         for req in requests:
             row = dataclasses.asdict(req.row) if dataclasses.is_dataclass(req.row) else dict(req.row)
             name = cfg.verifier or req.row.verifier
@@ -146,25 +149,26 @@ class RewardWorker:
                 continue
             calls.append((fn, req.response, row))
             alone.append(name in self._isolated)
+            here.append(name in self._inline)
             primary = len(calls) - 1
             terms = []
             for term in cfg.extra_terms:
                 calls.append((self._verifier(term.verifier), req.response, row))
                 alone.append(term.verifier in self._isolated)
+                here.append(term.verifier in self._inline)
                 terms.append((len(calls) - 1, term))
             plan.append((primary, terms))
-        outcomes = self.run_calls(calls, alone)
+        outcomes = self.run_calls(calls, alone, here)
         for out in outcomes:  # a configuration problem, not a bad response: scoring code as 0 would train on it
             if out.status == "error" and out.detail.get("error") == "SandboxUnavailable":
                 raise SandboxUnavailable(out.detail.get("message", "bubblewrap does not work here"))
         return [self._combine(req, p, outcomes) for req, p in zip(requests, plan)]
 
-    def run_calls(self, calls: list[tuple[Any, str, dict]], alone: list[bool]) -> list[CallOutcome]:
-        """Outcomes of ``calls`` in order: those of ``cfg.inline_verifiers`` here (``inline_call``), the rest
-        through the protected runner."""
-        inline = {id(self._verifiers[n]) for n in self.cfg.inline_verifiers if n in self._verifiers}
-        here = [i for i, (fn, _, _) in enumerate(calls) if id(fn) in inline]
-        away = [i for i in range(len(calls)) if id(calls[i][0]) not in inline]
+    def run_calls(self, calls: list[tuple[Any, str, dict]], alone: list[bool], inline: list[bool]) -> list[CallOutcome]:
+        """Outcomes of ``calls`` in order: those flagged ``inline`` (named in ``cfg.inline_verifiers``) here
+        (``inline_call``), the rest through the protected runner."""
+        here = [i for i in range(len(calls)) if inline[i]]
+        away = [i for i in range(len(calls)) if not inline[i]]
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         for i in here:
             outcomes[i] = inline_call(*calls[i])

@@ -96,7 +96,7 @@ RESUME_FREE = (
     "rollout.tensor_parallel_size", "rollout.threads_per_engine", "rollout.gpu_memory_utilization",
     "rollout.kv_cache_gb", "rollout.enforce_eager", "rollout.in_process", "rollout.pieces_per_engine",
     "reward.num_workers", "reward.num_cpus_per_worker", "reward.parallel_calls", "reward.calls_per_child",
-    "reward.isolated_verifiers", "reward.preload", "reward.sandbox.backend",
+    "reward.isolated_verifiers", "reward.inline_verifiers", "reward.preload", "reward.sandbox.backend",
     "reward.sandbox.tmp_root",
     "learner.num_cpus_per_rank", "learner.num_gpus_per_rank", "learner.threads_per_rank", "learner.cpu_shm_allreduce",
     "learner.dist_timeout_s", "learner.moe_diagnostics", "learner.pre_update_pass", "learner.gradient_checkpointing",

@@ -190,6 +190,12 @@ def test_optimizer_offload_is_refused_on_resume_also_from_checkpoints_older_than
                                                          ["learner.offload_optimizer=cpu"]))
 
 
+def test_where_verifiers_run_is_free_to_change_on_resume():
+    """reward.isolated_verifiers and reward.inline_verifiers decide which process runs a call, not its score."""
+    for saved in ("reward.isolated_verifiers=[]", "reward.inline_verifiers=[]"):
+        assert not [m for m in _check(_saved([saved])) if "inline_verifiers" in m and "free" not in m]
+
+
 def test_every_key_is_classified_once():
     """No key is listed both free and RL-only (free keys win over an RL-only section prefix: reward.num_workers
     is free, the rest of reward. is RL-only), and every pattern names a key (or section) of the schema."""

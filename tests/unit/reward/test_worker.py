@@ -181,6 +181,16 @@ def test_exact_runs_inline_with_the_runners_outcomes_and_other_verifiers_stay_pr
     assert inline[2].status == "error" and inline[2].detail["error"] == "ValueError"
 
 
+def test_inline_goes_by_name_and_isolation_wins():
+    """A user name that resolves to the same function still runs protected (only names in
+    reward.inline_verifiers run inline), and a verifier listed in both lists is isolated."""
+    reqs = [RewardRequest("#### 1", row_of("1")), RewardRequest("#### 1", row_of("1", "reward.verifiers:exact_verifier"))]
+    res, sent = _score_watching_the_runner(RewardConfig(timeout_s=5.0), reqs)
+    assert sent == ["exact_verifier"] and [r.score for r in res] == [1.0, 1.0]  # the second, by its user name
+    res, sent = _score_watching_the_runner(RewardConfig(timeout_s=5.0, isolated_verifiers=["exact"]), reqs[:1])
+    assert sent == ["exact_verifier"] and res[0].score == 1.0
+
+
 def test_only_linear_string_verifiers_may_run_inline():
     with pytest.raises(ValueError, match=r"reward.inline_verifiers=\['exact', 'math'\]: \['math'\] may not run inline"):
         RewardConfig(inline_verifiers=["exact", "math"])
