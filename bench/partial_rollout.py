@@ -4,8 +4,9 @@
 
 Runs ``python -m cluster.train CONFIG`` (default configs/tiny_long_tail.yaml) once per mode and seed, in this
 order per seed: ``on_policy`` (max_staleness=0), ``overlap`` (max_staleness=1: step k+1's rollout beside step
-k's update) and ``partial`` (partial_rollouts=true, max_staleness=1: rounds of at most half the response limit,
-unfinished samples continue after the sync). Then prints, per mode (means over seeds) and as a ratio to
+k's update), ``partial`` (partial_rollouts=true, max_staleness=1: rounds of at most half the response limit,
+unfinished samples continue after the sync) and ``partial_overlap`` (the same with max_staleness=2 and
+partial_rollout_overlap=true: rounds also run beside the learner's step). Then prints, per mode (means over seeds) and as a ratio to
 on-policy:
 - ``rl_wall_s``: the RL steps' wall time (sum of timing/step_s; services, warm start and evals left out),
 - ``tokens_per_s``: generated tokens over that wall time,
@@ -34,6 +35,7 @@ MODES = {
     "on_policy": ["trainer.max_staleness=0"],
     "overlap": ["trainer.max_staleness=1"],
     "partial": ["trainer.max_staleness=1", "trainer.partial_rollouts=true"],
+    "partial_overlap": ["trainer.max_staleness=2", "trainer.partial_rollouts=true", "trainer.partial_rollout_overlap=true"],
 }
 
 

@@ -283,6 +283,11 @@ class TrainerConfig(Section):
         "bounds the oldest token's age in versions (a sample past it is dropped, counted and sampled again). The "
         "rollout runs between syncs (not overlapped with the learner). With R3 each token replays the experts of the "
         "version that sampled it. Refused with dynamic_sampling")
+    partial_rollout_overlap: bool = Field(
+        False, description="partial rollouts: the engines also run rounds while the learner trains (at the weights "
+        "it started from), stopping at the round under way when it finishes, so they never idle between syncs. "
+        "Those tokens are one version old when trained, so this spends one version of the staleness bound: needs "
+        "trainer.max_staleness >= 2")
     partial_segment_tokens: int | None = Field(
         None, ge=1, description="partial rollouts: tokens of a sample per round; must divide "
         "rollout.max_response_tokens; None = its smallest divisor >= max_response_tokens / (max_staleness + 1), so "
@@ -419,7 +424,12 @@ class Config(Section):
                     raise ValueError(f"{role}.node_resources: {name}={amount!r}: amounts must be > 0")
 
     def _check_partial_rollouts(self) -> None:
-        t, lr = self.trainer, self.learner
+        t = self.trainer
+        if t.partial_rollout_overlap and not (t.partial_rollouts and t.max_staleness >= 2):
+            raise ValueError(f"trainer.partial_rollout_overlap=true needs trainer.partial_rollouts=true and "
+                             f"trainer.max_staleness >= 2 (got {t.partial_rollouts} and {t.max_staleness}): rounds "
+                             "beside the learner make every token one version old, so a sample that spans a sync "
+                             "needs a second version of the bound")
         if not t.partial_rollouts:
             if t.max_staleness > 1:
                 raise ValueError(f"trainer.max_staleness={t.max_staleness} needs trainer.partial_rollouts=true (without "

@@ -54,7 +54,7 @@ class PartialSample:
     versions: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
-    routing: Any = None
+    routing: Any = field(default=None, compare=False)  # numpy: kept out of ==
 
     @property
     def finished(self) -> bool:

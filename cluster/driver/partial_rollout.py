@@ -18,6 +18,7 @@ those of the weights that sampled them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -73,44 +74,63 @@ class PartialCollector:
         self.segment = segment_tokens(cfg.rollout.max_response_tokens, tc.max_staleness, tc.partial_segment_tokens)
         self.buffer = PartialBuffer(tc.group_size, cfg.rollout.max_response_tokens, tc.max_staleness)
         self.stats: dict[str, float] = {}  # the last collection's partial/* metrics
+        self.beside = Collected()  # rounds run beside the learner since the last collection (partial_rollout_overlap)
+        self._slots = self._used = 0  # decode slots offered / used by the rounds since the last collection
         if self.segment * (tc.max_staleness + 1) < cfg.rollout.max_response_tokens:
             log.warning("trainer.partial_segment_tokens=%d x (trainer.max_staleness=%d + 1) is below "
                         "rollout.max_response_tokens=%d: a sample that long cannot finish within the staleness "
                         "bound across syncs and is sampled again (partial/restarted_samples)", self.segment,
                         tc.max_staleness, cfg.rollout.max_response_tokens)
 
-    def _round(self, c: Collected) -> tuple[int, int]:
-        """One round: every unfinished sample gets up to one segment. Returns (requests, longest new piece)."""
+    def _admit(self) -> None:
+        """Admit new prompts so that ``P`` groups can finish, keeping at most ``2 P`` groups in the buffer."""
+        P = self.cfg.trainer.prompts_per_step
+        admit = min(P - self.buffer.num_ready(), 2 * P - len(self.buffer.groups))
+        if admit > 0:
+            self.buffer.admit(self.stream.take(admit))
+
+    def _round(self, c: Collected) -> None:
+        """One round: every unfinished sample gets up to one segment (counted in ``c`` and the slot counts)."""
         reqs = self.buffer.requests()
         rows = [request_row(r) for r in reqs]
         seed = self.cfg.rollout.seed + 1_000_003 * self.buffer.rounds + 17
-        t0, longest = time.perf_counter(), 0
+        t0, longest, tokens = time.perf_counter(), 0, 0
         for lo, piece in self.fleet.generate_stream(rows, 1, seed=seed, max_tokens=self.segment,
                                                     pieces_per_engine=self.cfg.rollout.pieces_per_engine):
             for j, comp in enumerate(piece):
                 self.buffer.extend(reqs[lo + j], comp, self.segment)
-                c.generated_tokens += len(comp.response_token_ids)
+                tokens += len(comp.response_token_ids)
                 longest = max(longest, len(comp.response_token_ids))
         c.rollout_s += time.perf_counter() - t0
-        self.buffer.rounds += 1
+        c.generated_tokens += tokens
         c.rounds += 1
-        return len(reqs), longest
+        self.buffer.rounds += 1
+        self._slots, self._used = self._slots + len(reqs) * longest, self._used + tokens
+
+    def rounds_beside(self, stop: threading.Event) -> None:
+        """``trainer.partial_rollout_overlap``: rounds at the engines' current weights while the learner trains
+        (the driver's rollout thread runs this), until ``stop`` is set (the round under way then completes) or
+        no sample is left to continue. New prompts are admitted as ``collect`` admits them; what these rounds
+        generate is counted in the next ``collect``'s step (its rollout seconds, tokens and rounds)."""
+        while not stop.is_set():
+            self._admit()
+            if not self.buffer.num_unfinished():
+                return
+            self._round(self.beside)
 
     def collect(self, step: int) -> Collected:
         """Rounds at the current weight version until ``trainer.prompts_per_step`` groups have finished; those
-        groups, scored, in admission order. ``stats`` gets the collection's ``partial/*`` metrics."""
+        groups, scored, in admission order. ``stats`` gets the collection's ``partial/*`` metrics; the rounds run
+        beside the learner since the last collection (``rounds_beside``) count in this one."""
         P, version = self.cfg.trainer.prompts_per_step, self.version()
         c = Collected(step=step, start_position=self.stream.position)
+        beside, self.beside = self.beside, Collected()
+        c.rollout_s, c.rounds, c.generated_tokens = beside.rollout_s, beside.rounds, beside.generated_tokens
+        dropped0 = self.buffer.dropped_tokens
         restarted = self.buffer.expire(version)
-        dropped0, slots, used = self.buffer.dropped_tokens, 0, 0
         while self.buffer.num_ready() < P:
-            room = 2 * P - len(self.buffer.groups)
-            admit = min(P - self.buffer.num_ready(), room)
-            if admit > 0:
-                self.buffer.admit(self.stream.take(admit))
-            tokens0 = c.generated_tokens
-            n, longest = self._round(c)
-            slots, used = slots + n * longest, used + c.generated_tokens - tokens0
+            self._admit()
+            self._round(c)
         groups = self.buffer.take(P, version)
         c.prompts = [g.row for g in groups]
         c.completions = [to_completion(g, s) for g in groups for s in g.samples]
@@ -122,12 +142,14 @@ class PartialCollector:
         c.end_position = self.stream.position
         spans = [len(set(x.token_versions or [x.weight_version])) for x in c.completions]
         self.stats = {
-            "partial/rounds": float(c.rounds), "partial/restarted_samples": float(restarted),
+            "partial/rounds": float(c.rounds), "partial/rounds_beside_learner": float(beside.rounds),
+            "partial/restarted_samples": float(restarted),
             "partial/dropped_tokens": float(self.buffer.dropped_tokens - dropped0),
             "partial/multi_version_share": sum(s > 1 for s in spans) / max(1, len(spans)),
             "partial/in_flight_groups": float(self.buffer.num_unfinished()),
-            "rollout/slot_utilization": used / slots if slots else 0.0,
+            "rollout/slot_utilization": self._used / self._slots if self._slots else 0.0,
         }
+        self._slots = self._used = 0
         return c
 
 

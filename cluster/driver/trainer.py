@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -248,15 +249,19 @@ class Trainer:
     def rl_step(self) -> dict[str, Any]:
         """One RL step: scale if asked (``control.yaml``), collect and score (or take the rollout collected
         during the previous step), train (meanwhile collecting the next step's rollout when
-        ``trainer.max_staleness=1``), sync, and the step's metrics (see README for their names)."""
+        ``trainer.max_staleness=1``, or running partial rollouts' rounds with ``trainer.partial_rollout_overlap``),
+        sync, and the step's metrics (see README for their names)."""
         t_step = time.perf_counter()
         apply_control(self.run_dir, self.fleet, self.rewards)
         restarts = self.fleet.restarts
         c, self.pending = self.pending or self.collector.collect(self.step), None
-        ahead = None
-        if (self.cfg.trainer.max_staleness and not self.cfg.trainer.partial_rollouts
-                and self.step + 1 < self.cfg.trainer.total_steps and not monitor_step(self.cfg, self.step + 2)):
+        ahead, stop, tc = None, None, self.cfg.trainer
+        if (tc.max_staleness and not tc.partial_rollouts
+                and self.step + 1 < tc.total_steps and not monitor_step(self.cfg, self.step + 2)):
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
+        elif tc.partial_rollout_overlap and self.step + 1 < tc.total_steps:
+            stop = threading.Event()  # set when the learner is done: the round under way completes, then the sync
+            ahead = self._pool.submit(self.collector.rounds_beside, stop)
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         learner_m: dict[str, Any] = {}
         learner_s, sync_s, t_wait = 0.0, 0.0, None
@@ -269,11 +274,14 @@ class Trainer:
                 log.warning("step %d: no informative group; no update", self.step + 1)
         finally:
             if ahead is not None:  # never leave the rollout thread running into a shutdown
+                if stop is not None:
+                    stop.set()
                 t_wait = time.perf_counter()
                 wait_futures([ahead])
         # the learner's step done, how long the driver still waited for the rollout collected ahead (0 on-policy)
         wait_s = time.perf_counter() - t_wait if t_wait is not None else 0.0
-        self.pending = ahead.result() if ahead is not None else None  # no request is in flight at the sync below
+        # no request is in flight at the sync below (rounds beside the learner return None: they fill the buffer)
+        self.pending = ahead.result() if ahead is not None else None
         by_length = learner_m.pop(length_slices.LEARNER_KEY, {})
         if c.prompts:
             sync_s = self.after_train(learner_m)

@@ -158,6 +158,70 @@ def test_the_collector_admits_rounds_and_carries_long_samples_across_syncs():
     assert max(fleet.calls) <= 16  # one request per unfinished sample: at most 2 P groups x G
 
 
+def _collector(*extra: str, fleet=None) -> tuple[PartialCollector, "ScriptedFleet"]:
+    cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.prompts_per_step=4", "trainer.group_size=2",
+                             "rollout.max_response_tokens=12", "rollout.max_model_len=40",
+                             "trainer.partial_segment_tokens=4", "learner.world_size=1", "learner.num_minibatches=1",
+                             "learner.micro_batch_size=8", *extra])
+    rows = [row(("long" if i % 4 == 0 else "short") + f"/{i}", (9,)) for i in range(64)]
+    fleet = fleet or ScriptedFleet()
+    return PartialCollector(cfg, PromptStream(rows, seed=0), fleet, AllCorrect(), lambda: fleet.version), fleet
+
+
+def test_the_collector_reports_the_tokens_the_staleness_bound_dropped():
+    """k=1 with 4-token segments of 12-token samples: a long sample carried over two syncs is dropped; each
+    step's partial/dropped_tokens counts the tokens its own expiry threw away."""
+    col, fleet = _collector("trainer.max_staleness=1")
+    reported = restarted = 0.0
+    for step in range(6):
+        col.collect(step)
+        reported += col.stats["partial/dropped_tokens"]
+        restarted += col.stats["partial/restarted_samples"]
+        fleet.version += 1
+    assert restarted == col.buffer.restarted_samples > 0
+    assert reported == col.buffer.dropped_tokens > 0
+
+
+class StoppingFleet(ScriptedFleet):
+    """Sets ``stop`` during its ``rounds``-th call (as the learner finishing mid-round would)."""
+
+    def __init__(self, rounds: int):
+        super().__init__()
+        self.stop, self.rounds = __import__("threading").Event(), rounds
+
+    def generate_stream(self, rows, n, **kw):
+        if len(self.calls) + 1 == self.rounds:
+            self.stop.set()
+        yield from super().generate_stream(rows, n, **kw)
+
+
+def test_rounds_beside_the_learner_run_until_stopped_and_count_in_the_next_collection():
+    col, fleet = _collector("trainer.max_staleness=2", fleet=StoppingFleet(rounds=0))
+    col.collect(0)
+    fleet.rounds = len(fleet.calls) + 2  # the learner finishes during the second round beside it
+    in_flight = col.buffer.num_unfinished()
+    col.rounds_beside(fleet.stop)
+    assert col.beside.rounds == 2 and col.beside.generated_tokens > 0  # the round under way completed, no more
+    beside_tokens = col.beside.generated_tokens
+    fleet.version += 1
+    c = col.collect(1)
+    assert col.stats["partial/rounds_beside_learner"] == 2 and c.rounds >= 2 and c.generated_tokens >= beside_tokens
+    assert col.beside.rounds == 0  # counted once
+    assert in_flight > 0 and any(x.token_versions and x.token_versions[0] == 0 for x in c.completions)
+
+
+def test_rounds_beside_the_learner_end_when_nothing_is_left_to_sample():
+    import threading
+
+    col, fleet = _collector("trainer.max_staleness=2")
+    col.collect(0)
+    worker = threading.Thread(target=col.rounds_beside, args=(threading.Event(),))  # never stopped
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and col.buffer.num_unfinished() == 0
+    assert col.buffer.num_ready() >= 4 and len(col.buffer.groups) <= 8  # admitted only what a step needs
+
+
 def test_slot_utilization_counts_the_tail():
     c = Collected(completions=[piece([1, 1], 0, "stop"), piece([1] * 8, 0, "stop")])
     assert slot_utilization(c) == pytest.approx(10 / 16)
@@ -169,6 +233,9 @@ def test_slot_utilization_counts_the_tail():
     (["trainer.partial_rollouts=true", "trainer.max_staleness=0"], "needs trainer.max_staleness >= 1"),
     (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.dynamic_sampling=true"],
      "refused with trainer.dynamic_sampling"),
+    (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.partial_rollout_overlap=true"],
+     "partial_rollout_overlap=true needs trainer.partial_rollouts=true and trainer.max_staleness >= 2"),
+    (["trainer.max_staleness=1", "trainer.partial_rollout_overlap=true"], "got False and 1"),
     (["trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.partial_segment_tokens=3"],
      "partial_segment_tokens=3 must divide rollout.max_response_tokens=4"),
 ])
