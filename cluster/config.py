@@ -281,17 +281,19 @@ class TrainerConfig(Section):
         "unfinished sample continues after the next weight sync under the new weights (prompt + its tokens so far, "
         "a new request), each token keeping its weight version and behaviour log-prob; max_staleness=k >= 1 then "
         "bounds the oldest token's age in versions (a sample past it is dropped, counted and sampled again). The "
-        "rollout runs between syncs (not overlapped with the learner). With R3 each token replays the experts of the "
+        "rollout runs between syncs (beside the learner too with partial_rollout_overlap). With R3 each token replays the experts of the "
         "version that sampled it. Refused with dynamic_sampling")
     partial_rollout_overlap: bool = Field(
         False, description="partial rollouts: the engines also run rounds while the learner trains (at the weights "
-        "it started from), stopping at the round under way when it finishes, so they never idle between syncs. "
-        "Those tokens are one version old when trained, so this spends one version of the staleness bound: needs "
-        "trainer.max_staleness >= 2")
+        "it started from) as long as there is something to sample, stopping at the round under way when it "
+        "finishes. Those tokens are at least one version old when trained, so this spends one version of the "
+        "staleness bound: needs trainer.max_staleness >= 2. No rounds beside the learner step before a monitored "
+        "step (learner.mismatch_monitor_every)")
     partial_segment_tokens: int | None = Field(
         None, ge=1, description="partial rollouts: tokens of a sample per round; must divide "
-        "rollout.max_response_tokens; None = its smallest divisor >= max_response_tokens / (max_staleness + 1), so "
-        "every sample can finish within the staleness bound")
+        "rollout.max_response_tokens; None = its smallest divisor >= max_response_tokens / (max_staleness + 1) "
+        "(/ max_staleness with partial_rollout_overlap, where a sample may get one segment per version), so every "
+        "sample can finish within the staleness bound")
     eval_every: int = Field(5, ge=0, description="held-out eval every N steps (0 = only start and end)")
     eval_samples: int = Field(
         0, ge=0, description="k samples per held-out prompt at the rollout temperature at every eval, for "

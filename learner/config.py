@@ -190,8 +190,9 @@ class LearnerConfig(Section):
         "N+1, 2N+1, ... (the driver decides by global step, so a resumed run monitors the same steps; a caller "
         "that passes no decision gets every N-th batch the rank trains), so actor/train_rollout_logprob_diff (and "
         "actor/entropy, mismatch/*) are measured at 1/N of the pass's cost and a broken weight sync shows up, on "
-        "dense and MoE models. In the overlapped step (trainer.max_staleness >= 1) a monitored step's rollout is "
-        "collected on-policy, after the previous sync, so the metric is the engine/learner gap alone; 0 = off",
+        "dense and MoE models. In the one-step overlap (trainer.max_staleness >= 1) a monitored step's rollout is "
+        "collected on-policy, after the previous sync, so the metric is the engine/learner gap alone; with partial "
+        "rollouts it is not exact (samples carried over a sync, docs/partial_rollouts.md); 0 = off",
     )
     gradient_checkpointing: bool = Field(
         False,

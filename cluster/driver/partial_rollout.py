@@ -71,12 +71,15 @@ class PartialCollector:
     def __init__(self, cfg: Config, stream: PromptStream, fleet, rewards, version: Callable[[], int]):
         tc = cfg.trainer
         self.cfg, self.stream, self.fleet, self.rewards, self.version = cfg, stream, fleet, rewards, version
-        self.segment = segment_tokens(cfg.rollout.max_response_tokens, tc.max_staleness, tc.partial_segment_tokens)
+        # with rounds beside the learner a collection may run no round (P groups already finished beside it), so
+        # a sample may get only one segment per version: the default then lets it finish within k versions
+        versions = tc.max_staleness - 1 if tc.partial_rollout_overlap else tc.max_staleness
+        self.segment = segment_tokens(cfg.rollout.max_response_tokens, versions, tc.partial_segment_tokens)
         self.buffer = PartialBuffer(tc.group_size, cfg.rollout.max_response_tokens, tc.max_staleness)
         self.stats: dict[str, float] = {}  # the last collection's partial/* metrics
         self.beside = Collected()  # rounds run beside the learner since the last collection (partial_rollout_overlap)
         self._slots = self._used = 0  # decode slots offered / used by the rounds since the last collection
-        if self.segment * (tc.max_staleness + 1) < cfg.rollout.max_response_tokens:
+        if self.segment * (versions + 1) < cfg.rollout.max_response_tokens:
             log.warning("trainer.partial_segment_tokens=%d x (trainer.max_staleness=%d + 1) is below "
                         "rollout.max_response_tokens=%d: a sample that long cannot finish within the staleness "
                         "bound across syncs and is sampled again (partial/restarted_samples)", self.segment,

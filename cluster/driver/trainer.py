@@ -255,14 +255,14 @@ class Trainer:
         apply_control(self.run_dir, self.fleet, self.rewards)
         restarts = self.fleet.restarts
         c, self.pending = self.pending or self.collector.collect(self.step), None
+        rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         ahead, stop, tc = None, None, self.cfg.trainer
-        if (tc.max_staleness and not tc.partial_rollouts
-                and self.step + 1 < tc.total_steps and not monitor_step(self.cfg, self.step + 2)):
+        beside = self.step + 1 < tc.total_steps and not monitor_step(self.cfg, self.step + 2)
+        if tc.max_staleness and not tc.partial_rollouts and beside:
             ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
-        elif tc.partial_rollout_overlap and self.step + 1 < tc.total_steps:
+        elif tc.partial_rollout_overlap and beside:
             stop = threading.Event()  # set when the learner is done: the round under way completes, then the sync
             ahead = self._pool.submit(self.collector.rounds_beside, stop)
-        rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         learner_m: dict[str, Any] = {}
         learner_s, sync_s, t_wait = 0.0, 0.0, None
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -15,15 +16,11 @@ from cluster.data.prompts import PromptStream
 from cluster.driver.collect import Collected
 from cluster.driver.partial_buffer import PartialBuffer, to_completion
 from cluster.driver.partial_rollout import PartialCollector, segment_tokens, slot_utilization
-from reward.contracts import RewardResult
-from rollout.contracts import Completion, PromptRow
+from rollout.contracts import Completion
 from tests.helpers import REPO_ROOT
+from tests.helpers.partial import AllCorrect, ScriptedFleet, collector, row
 
 TINY = REPO_ROOT / "configs" / "tiny_moe.yaml"
-
-
-def row(uid: str = "r0", ids: tuple[int, ...] = (5, 6)) -> PromptRow:
-    return PromptRow(uid=uid, prompt="p", prompt_token_ids=list(ids), answer="a")
 
 
 def piece(tokens: list[int], version: int, reason: str, lp: float = -0.5) -> Completion:
@@ -108,31 +105,7 @@ def test_a_pickled_buffer_resumes_with_nothing_lost_and_the_same_staleness_accou
     assert back.restarted_samples == 2 and back.dropped_tokens == 8
 
 
-class ScriptedFleet:
-    """Stand-in for the engines in a unit test: prompt ``uid#k`` of group ``long/..`` answers 12 tokens in all,
-    others 3; each call returns at most ``max_tokens`` of what is left (finish 'length' when cut)."""
 
-    def __init__(self):
-        self.version = 0
-        self.calls: list[int] = []
-
-    def generate_stream(self, rows, n, *, seed, max_tokens, pieces_per_engine):
-        self.calls.append(len(rows))
-        out = []
-        for r in rows:
-            want = (12 if r.uid.startswith("long") else 3) - (len(r.prompt_token_ids) - 1)
-            k = min(want, max_tokens)
-            out.append(Completion(r.uid, 0, r.prompt_token_ids, [1] * k, [-1.0] * k, "1" * k,
-                                  "length" if k < want else "stop", self.version))
-        yield 0, out
-
-
-class AllCorrect:
-    def score(self, reqs):
-        return [RewardResult(score=1.0, correct=True) for _ in reqs]
-
-    def metrics(self):
-        return {}
 
 
 def test_the_collector_admits_rounds_and_carries_long_samples_across_syncs():
@@ -158,20 +131,13 @@ def test_the_collector_admits_rounds_and_carries_long_samples_across_syncs():
     assert max(fleet.calls) <= 16  # one request per unfinished sample: at most 2 P groups x G
 
 
-def _collector(*extra: str, fleet=None) -> tuple[PartialCollector, "ScriptedFleet"]:
-    cfg = load_config(TINY, ["trainer.partial_rollouts=true", "trainer.prompts_per_step=4", "trainer.group_size=2",
-                             "rollout.max_response_tokens=12", "rollout.max_model_len=40",
-                             "trainer.partial_segment_tokens=4", "learner.world_size=1", "learner.num_minibatches=1",
-                             "learner.micro_batch_size=8", *extra])
-    rows = [row(("long" if i % 4 == 0 else "short") + f"/{i}", (9,)) for i in range(64)]
-    fleet = fleet or ScriptedFleet()
-    return PartialCollector(cfg, PromptStream(rows, seed=0), fleet, AllCorrect(), lambda: fleet.version), fleet
+
 
 
 def test_the_collector_reports_the_tokens_the_staleness_bound_dropped():
     """k=1 with 4-token segments of 12-token samples: a long sample carried over two syncs is dropped; each
     step's partial/dropped_tokens counts the tokens its own expiry threw away."""
-    col, fleet = _collector("trainer.max_staleness=1")
+    col, fleet = collector("trainer.max_staleness=1")
     reported = restarted = 0.0
     for step in range(6):
         col.collect(step)
@@ -196,7 +162,7 @@ class StoppingFleet(ScriptedFleet):
 
 
 def test_rounds_beside_the_learner_run_until_stopped_and_count_in_the_next_collection():
-    col, fleet = _collector("trainer.max_staleness=2", fleet=StoppingFleet(rounds=0))
+    col, fleet = collector("trainer.max_staleness=2", fleet=StoppingFleet(rounds=0))
     col.collect(0)
     fleet.rounds = len(fleet.calls) + 2  # the learner finishes during the second round beside it
     in_flight = col.buffer.num_unfinished()
@@ -213,7 +179,7 @@ def test_rounds_beside_the_learner_run_until_stopped_and_count_in_the_next_colle
 def test_rounds_beside_the_learner_end_when_nothing_is_left_to_sample():
     import threading
 
-    col, fleet = _collector("trainer.max_staleness=2")
+    col, fleet = collector("trainer.max_staleness=2")
     col.collect(0)
     worker = threading.Thread(target=col.rounds_beside, args=(threading.Event(),))  # never stopped
     worker.start()
@@ -252,10 +218,8 @@ def test_config_accepts_partial_rollouts_with_a_staleness_window_and_with_r3():
     assert cfg.learner.routing_replay == "rollout"
 
 
-def routed(rows: int, version: int) -> "np.ndarray":
+def routed(rows: int, version: int) -> np.ndarray:
     """int16 [rows, 2 layers, 2]: row t ran experts (version, t) in both layers, so a row names its computation."""
-    import numpy as np
-
     t = np.arange(rows, dtype=np.int16)[:, None, None]
     return np.concatenate([np.full((rows, 2, 1), version, np.int16), np.broadcast_to(t, (rows, 2, 1))], axis=-1)
 
