@@ -64,11 +64,12 @@ WORKLOADS: dict[str, list[str]] = {
     ],
 }
 # Our side's settings unless --profile config: the CPU split chosen by measurement on this 2-core machine (README,
-# "Benchmarks"): the overlapped step, one learner rank (ZeRO-0) beside a 1-thread engine, no MoE diagnostics or
-# health guard (so no pre-update pass); on the small workload also a 1280-token micro-batch budget and elastic
-# learner threads (2 once the engine is done generating). P, G, L, M, lr and temperature are untouched.
+# "Benchmarks"): the overlapped step, one learner rank (ZeRO-0) beside a 1-thread engine that loads new weights
+# while the learner trains on, no MoE diagnostics or health guard (so no pre-update pass); on the small workload
+# also an 8192-token micro-batch budget and elastic learner threads (2 once the engine is done generating). P, G,
+# L, M, lr and temperature are untouched.
 LEAN = ["trainer.max_staleness=1", "learner.moe_diagnostics=false", "health.enabled=false", "learner.world_size=1",
-        "learner.zero_stage=0", "rollout.threads_per_engine=1"]
+        "learner.zero_stage=0", "rollout.threads_per_engine=1", "sync.load_beside_learner=true"]
 PROFILES: dict[str, dict[str, list[str]]] = {
     "lean": {"tiny": LEAN, "small": [*LEAN, "learner.max_tokens_per_micro_batch=8192", "learner.max_threads_per_rank=2"]},
     "config": {"tiny": [], "small": []},

@@ -194,6 +194,12 @@ class SyncConfig(Section):
         120.0, gt=0, description="an engine that does not answer one sync call (start, a bucket, finish) within this "
         "many seconds counts as hung: it gets no more of the sync and is replaced; must stay below "
         "learner.dist_timeout_s, which the other learner ranks wait under meanwhile")
+    load_beside_learner: bool = Field(
+        False, description="the learner returns from a sync once every bucket is in the object store and trains on "
+        "while the engines load the last buckets (all of them when the model fits one sync.bucket_mb bucket) and "
+        "finish; the driver waits for that before the engines sample again, so no sample mixes versions. Takes "
+        "the engines' load off the learner's path. With sync.transport=collective the learner waits as without "
+        "it (a broadcast needs rank 0 until every engine has received it)")
 
 
 def _threshold(key: str, what: str) -> str:

@@ -7,6 +7,7 @@ flow of one step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,6 +82,23 @@ class SFTBatch:
 
 
 @dataclass
+class PendingLoad:
+    """The engines' side of a sync that learner rank 0 did not wait for (``sync.load_beside_learner``): the Ray
+    object refs of each engine's calls, in the order they run on it. The driver waits for them before the engines
+    sample again (``cluster.runtime.services.EngineFleet.settle``).
+
+    Attributes:
+        calls: engine index -> refs of ``start_weight_update``, each unanswered ``update_weights`` and
+            ``finish_weight_update``, in that order.
+        loads: engine index -> positions in ``calls[i]`` of the ``update_weights`` refs, bucket by bucket (their
+            answers are ``rollout.contracts.BucketLoad``: the seconds of that engine's load).
+    """
+
+    calls: dict[int, list[Any]] = field(default_factory=dict)
+    loads: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class SyncReport:
     """What one weight sync did (``learner.weight_sync.sync_weights``, rank 0's view).
 
@@ -93,6 +111,8 @@ class SyncReport:
         fallback: why the collective transfer stopped mid-sync ('' if it did not).
         failed_engines: index in the engine list -> error text, for engines that died, failed or did not
             answer within ``sync.engine_timeout_s``: they got no further calls and are to be replaced.
+        pending: with ``sync.load_beside_learner``, the engine calls rank 0 sent but did not wait for (``bytes``
+            then counts their buckets as loaded and ``engine_load_s`` leaves them out); None otherwise.
     """
 
     bytes: int = 0
@@ -102,6 +122,7 @@ class SyncReport:
     transport: str = "object_store"
     fallback: str = ""
     failed_engines: dict[int, str] = field(default_factory=dict)
+    pending: PendingLoad | None = None
 
     def metrics(self, wall_s: float) -> dict[str, float]:
         """The step metrics ``sync/*`` of this sync, ``wall_s`` being the driver's wall time for it (the

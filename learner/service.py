@@ -487,16 +487,19 @@ class LearnerRank:
         return out
 
     def sync_weights(self, engines: list, version: int, bucket_mb: float = 64.0, max_in_flight: int = 2,
-                     engine_timeout_s: float | None = None, transport: str = "object_store") -> SyncReport | None:
+                     engine_timeout_s: float | None = None, transport: str = "object_store",
+                     defer: bool = False) -> SyncReport | None:
         """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``) through
-        ``transport`` (``object_store`` or ``collective``). Collective; rank 0 returns the ``SyncReport``, the
+        ``transport`` (``object_store`` or ``collective``); with ``defer`` return once every bucket is put, the
+        engines' last calls in the report's ``pending``. Collective; rank 0 returns the ``SyncReport``, the
         others None.
 
         Raises:
-            ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
+            ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1, an unknown ``transport`` or ``defer`` with
+                the collective transport.
         """
         return weight_sync.sync_weights(self, engines, version, bucket_mb, max_in_flight, engine_timeout_s,
-                                        transport)
+                                        transport, defer)
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights in checkpoint names (CPU copies) on rank 0, ``{}`` on the others. Collective."""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from learner.contracts import SyncReport
+from learner.contracts import PendingLoad, SyncReport
 from learner.lora import merged_bucket
 
 if TYPE_CHECKING:
@@ -422,7 +422,8 @@ class _Sender:
 
 
 def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int = 2,
-                 engine_timeout_s: float | None = None, transport: str = "object_store") -> SyncReport | None:
+                 engine_timeout_s: float | None = None, transport: str = "object_store",
+                 defer: bool = False) -> SyncReport | None:
     """Stream the current weights to ``engines`` (Ray actor handles of ``rollout.engine.RolloutEngine``) as
     weight version ``version``. Collective over the learner ranks; only rank 0 talks to the engines.
 
@@ -441,9 +442,18 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
     away from the other ranks' gathers for ``engine_timeout_s`` at most, twice that before the first bucket
     with ``collective`` (the engines' start, then the group's build).
 
+    ``defer`` (``sync.load_beside_learner``, object store only): rank 0 does not wait for the engines' start,
+    for the last ``max_in_flight - 1`` buckets' loads (all of them when the model fits one bucket) nor for the
+    finish; it returns as soon as every bucket is put, with those calls' refs in the report's ``pending``, so
+    the learner trains on while the engines load. The buckets' objects live until the engines' calls end
+    (Ray pins a task's arguments). The caller must wait for ``pending`` before the engines sample.
+
     Raises:
-        ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1 or an unknown ``transport``.
+        ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1, an unknown ``transport``, or ``defer`` with
+            ``transport="collective"``.
     """
+    if defer and transport != "object_store":
+        raise ValueError(f"sync.load_beside_learner needs sync.transport='object_store', not {transport!r}")
     if max_in_flight < 1:
         raise ValueError(f"sync.max_buckets_in_flight={max_in_flight!r} must be >= 1")
     if transport not in ("object_store", "collective"):
@@ -453,7 +463,9 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
     sender = None
     if keep:
         fan = _Fanout(engines, engine_timeout_s)
-        fan.wait(fan.call("start_weight_update"))
+        starts = fan.call("start_weight_update")
+        if not defer:
+            fan.wait(starts)
         group = None
         if transport == "collective" and fan.live():
             # the group's build is a second phase before the first gather: the config keeps 2 x engine_timeout_s
@@ -469,12 +481,28 @@ def sync_weights(rank, engines: list[Any], version: int, bucket_mb: float, max_i
     if not keep:
         return None
     fan.start_phase()
+    if defer:
+        return _deferred_report(sender, starts, fan.call("finish_weight_update", int(version)), t0)
     sender.drain()
     fan.wait(fan.call("finish_weight_update", int(version)))
     return SyncReport(bytes=sender.sent, seconds=time.perf_counter() - t0, buckets=sender.buckets,
                       engine_load_s=sender.load_s,
                       transport="collective" if sender.group is not None else "object_store",
                       fallback=sender.fallback, failed_engines=dict(fan.failed))
+
+
+def _deferred_report(sender: _Sender, starts: dict[int, Any], finish: dict[int, Any], t0: float) -> SyncReport:
+    """The report of a sync whose last loads and finish rank 0 left to the driver (``sync_weights(defer=True)``):
+    the unanswered buckets count as loaded by every engine called, their refs in ``pending``."""
+    pending = PendingLoad()
+    for i, done in finish.items():
+        buckets = [calls[i] for calls, _ in sender.inflight if i in calls]
+        pending.calls[i] = [starts[i], *buckets, done] if i in starts else [*buckets, done]
+        first = 1 if i in starts else 0
+        pending.loads[i] = list(range(first, first + len(buckets)))
+    sent = sender.sent + sum(nbytes * len(calls) for calls, nbytes in sender.inflight)
+    return SyncReport(bytes=sent, seconds=time.perf_counter() - t0, buckets=sender.buckets,
+                      engine_load_s=sender.load_s, failed_engines=dict(sender.fan.failed), pending=pending)
 
 
 def checkpoint_state_dict(rank, bucket_mb: float = 64.0) -> dict[str, torch.Tensor]:

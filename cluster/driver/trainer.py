@@ -297,6 +297,7 @@ class Trainer:
         m.update(step_metrics.length_metrics(self.cfg, c, rewards, by_length))
         m.update(partial_rollout.step_metrics(self.collector, c))
         m["timing/wait_rollout_s"] = wait_s
+        m.update(self.fleet.take_settled())  # sync.load_beside_learner: the engines' loads waited for in this step
         m["timing/step_s"] = time.perf_counter() - t_step
         return m
 

@@ -170,10 +170,19 @@ class PlacementRecord:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / PLACEMENT_FILE
         self.rows: list[dict[str, Any]] = []
+        self.slots: list[tuple[str, int, Any, int]] = []  # the slots read last (role, index, group id, bundle)
 
     def update(self, learners, fleet, reward_groups) -> list[dict[str, Any]]:
-        """Read where every actor is now; write ``placement.json`` when it changed. Returns the rows."""
-        rows = placement_rows(actor_slots(learners, fleet, reward_groups))
+        """Read where every actor is now; write ``placement.json`` when it changed. Returns the rows. The
+        placement groups are the same as at the last call (no actor replaced, added or removed): the rows of
+        that call, without asking Ray's GCS again (a group's bundles do not move while the group lives; a
+        rescheduled bundle's actors died and were replaced in new groups)."""
+        slots = actor_slots(learners, fleet, reward_groups)
+        key = [(role, index, pg.id, bundle) for role, index, pg, bundle in slots]
+        if key == self.slots and self.path.is_file():
+            return self.rows
+        self.slots = key
+        rows = placement_rows(slots)
         if rows != self.rows or not self.path.is_file():
             tmp = self.path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(rows, indent=1))

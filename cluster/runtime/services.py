@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +25,7 @@ from cluster.runtime import console
 from cluster.common import REPO_ROOT
 from cluster.config import Config
 from cluster.runtime.weight_sync import WeightSync
-from learner.contracts import SyncReport
+from learner.contracts import PendingLoad, SyncReport
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,9 @@ class EngineFleet:
         self.weight_version = 0
         self.max_retries = 3
         self.restarts = 0  # engines replaced after dying (for fault/rollout_restarts)
+        self._pending: PendingLoad | None = None  # the engines' side of a sync the learner did not wait for
+        self._settle_lock = threading.RLock()  # the rollout thread and the driver's thread may both settle
+        self.settled: dict[str, float] = {}  # sums since take_settled(): engine load seconds, seconds waited
 
     def _start_one(self) -> tuple[Any, Any]:
         from rollout.engine import RolloutEngine
@@ -241,6 +246,7 @@ class EngineFleet:
 
     def start(self, count: int) -> None:
         """Start ``count`` more engines; once weights were synced, new engines load the current ones."""
+        self.settle()
         new = self._start_loaded(count)
         for a, pg in new:
             self.engines.append(a)
@@ -267,6 +273,7 @@ class EngineFleet:
         Raises:
             RuntimeError: the new engines could not load the current weights.
         """
+        self.settle()
         for slot in slots:
             try:
                 ray.kill(self.engines[slot])
@@ -280,10 +287,12 @@ class EngineFleet:
             log.warning("rollout engine %d died and was replaced (weight version %d)", slot, self.weight_version)
 
     def pids(self) -> list[int]:
+        self.settle()
         return ray.get([e.pid.remote() for e in self.engines])
 
     def stop(self, count: int) -> None:
         """Stop the last ``count`` engines (between steps, so no prompt is in flight)."""
+        self.settle()
         for _ in range(min(count, len(self.engines))):
             actor, pg = self.engines.pop(), self.groups.pop()
             try:
@@ -294,6 +303,7 @@ class EngineFleet:
             remove_placement_group(pg)
 
     def shutdown(self) -> None:
+        self._pending = None  # the engines go: nothing to wait for
         self.stop(len(self.engines))
 
     def __len__(self) -> int:
@@ -329,6 +339,7 @@ class EngineFleet:
         Raises:
             RuntimeError: an engine slot died more than ``max_retries`` times in one call.
         """
+        self.settle()  # engines still loading the latest weights sample nothing before they are done
         tasks: dict[Any, tuple[int, int, int, list[PromptRow]]] = {}  # ref -> (slot, offset in share, global lo, rows)
         attempts: dict[int, int] = {}
 
@@ -377,20 +388,89 @@ class EngineFleet:
         Returns:
             the learner's ``SyncReport`` of the sync (the replacements' own sync not included).
 
+        With ``sync.load_beside_learner`` it returns once the learner has put the weights: the engines' loads
+        are waited for by the next use of the fleet (``settle``).
+
         Raises:
             RuntimeError: an engine reports another version afterwards.
         """
-        report = self.weight_sync.push(list(self.engines), version)
+        self.settle()
+        sc = self.cfg.sync
+        report = self.weight_sync.push(list(self.engines), version,
+                                       defer=sc.load_beside_learner and sc.transport == "object_store")
         self.weight_version = version
         failed = report.failed_engines
         for slot, why in sorted(failed.items()):
             log.warning("rollout engine %d failed during weight sync (%s)", slot, why)
         if failed:
             self.replace_many(sorted(failed))  # one more sync of this version, for all of them
+        if report.pending is not None:
+            self._pending = report.pending  # waited for by the next use of the engines (settle)
+            return report
         versions = ray.get([e.weight_version.remote() for e in self.engines])
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")
         return report
+
+
+    def settle(self) -> float:
+        """Wait for the engines' side of the latest sync when the learner left it pending
+        (``sync.load_beside_learner``): each engine's start, last loads and finish. An engine that failed one
+        of them or did not answer within ``sync.engine_timeout_s`` is replaced (the new one loads the same
+        version). Adds the loads' seconds and the wait to ``settled``. Returns the seconds waited (0 when
+        nothing was pending).
+
+        Raises:
+            RuntimeError: a replacement engine could not load the current weights.
+        """
+        with self._settle_lock:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return 0.0
+            t = time.perf_counter()
+            failed, load_s = wait_pending(pending, self.cfg.sync.engine_timeout_s)
+            for slot, why in sorted(failed.items()):
+                log.warning("rollout engine %d failed loading weight version %d (%s)", slot, self.weight_version, why)
+            if failed:
+                self.replace_many(sorted(failed))
+            waited = time.perf_counter() - t
+            for key, value in (("sync/engine_load_s", load_s), ("timing/wait_engine_load_s", waited)):
+                self.settled[key] = self.settled.get(key, 0.0) + value
+            return waited
+
+    def take_settled(self) -> dict[str, float]:
+        """The ``settled`` sums since the last call (empty when no sync was left pending), then reset."""
+        with self._settle_lock:
+            out, self.settled = self.settled, {}
+            return out
+
+
+def wait_pending(pending: PendingLoad, timeout_s: float | None) -> tuple[dict[int, str], float]:
+    """Wait (up to ``timeout_s`` seconds in all) for every engine call of ``pending``.
+
+    Returns:
+        (engine index -> why it failed: an error, its death or no answer in time; for each bucket the seconds
+        of the slowest engine that loaded it, summed).
+    """
+    refs = [ref for calls in pending.calls.values() for ref in calls]
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    failed: dict[int, str] = {}
+    slowest: dict[int, float] = {}  # bucket -> seconds
+    for slot, calls in pending.calls.items():
+        loads = pending.loads.get(slot, [])
+        for k, ref in enumerate(calls):
+            if ref not in ready:
+                failed[slot] = f"no answer within sync.engine_timeout_s={timeout_s}"
+                break
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.RayError as err:
+                failed[slot] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                break
+            if k in loads:
+                b = loads.index(k)
+                slowest[b] = max(slowest.get(b, 0.0), float(out.seconds))
+    return failed, sum(slowest.values())
 
 
 class RewardGroups:

@@ -30,10 +30,11 @@ class WeightSync:
         self.settings = settings
         self.last: SyncReport | None = None  # the report of the latest push
 
-    def push(self, engines: list[Any], version: int) -> SyncReport:
+    def push(self, engines: list[Any], version: int, defer: bool = False) -> SyncReport:
         """Stream the current weights into ``engines`` (Ray handles of ``rollout.engine.RolloutEngine``) as
         weight version ``version``. An engine that fails is listed in the report's ``failed_engines``, not
-        raised (the fleet replaces it).
+        raised (the fleet replaces it). ``defer``: return once the learner has put every bucket; the engines'
+        remaining calls are in the report's ``pending`` (``sync.load_beside_learner``).
 
         Raises:
             RuntimeError: rank 0 returned no report (a learner rank is not rank 0 of its group).
@@ -41,7 +42,7 @@ class WeightSync:
         """
         s = self.settings
         report = self.learners.sync_weights(engines, version, s.bucket_mb, s.max_buckets_in_flight,
-                                            s.engine_timeout_s, s.transport)
+                                            s.engine_timeout_s, s.transport, defer)
         if not isinstance(report, SyncReport):
             raise RuntimeError(f"weight sync: learner rank 0 returned {type(report).__name__}, not a SyncReport")
         self.last = report

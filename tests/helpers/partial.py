@@ -35,6 +35,10 @@ class ScriptedFleet:
                                   "length" if k < want else "stop", self.version))
         yield 0, out
 
+    def take_settled(self) -> dict[str, float]:
+        """No sync is left pending here (``EngineFleet.take_settled``)."""
+        return {}
+
 
 class AllCorrect:
     def score(self, reqs):

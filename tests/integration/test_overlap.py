@@ -2,7 +2,8 @@
 trains on step k. Checks the staleness bound and metrics, that the rollout collected ahead is checkpointed,
 that a step of the mismatch monitor (``learner.mismatch_monitor_every``) is sampled on-policy so its
 train-rollout gap is the sync's alone, and that a run resumed from that checkpoint ends bit-identical to the
-uninterrupted overlapped run (exact resume holds with a rollout in flight)."""
+uninterrupted overlapped run (exact resume holds with a rollout in flight); with the engines' load beside the
+learner (``sync.load_beside_learner``) the run is the same, bit for bit."""
 
 from __future__ import annotations
 
@@ -66,3 +67,19 @@ def test_overlapped_run_bounds_staleness_and_resumes_exactly(tmp_path, ray_sessi
         assert resumed.learners.call("state_digest") == ref_digest, "resumed overlapped run diverged"
     finally:
         resumed.shutdown()
+
+    # sync.load_beside_learner: the engine loads while the learner trains on; sampling waits for the load, so the
+    # run is the same run, bit for bit, and the monitored steps stay exact
+    beside = _trainer(tmp_path, "overlap_beside", [*OVERLAP, "sync.load_beside_learner=true"])
+    beside.start()
+    try:
+        beside.run()
+        assert beside.trained_uids == ref_uids
+        assert beside.learners.call("state_digest") == ref_digest, "loading beside the learner changed the run"
+    finally:
+        beside.shutdown()
+    lines = [json.loads(line) for line in (tmp_path / "overlap_beside" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["rollout/staleness_max"] for r in lines] == [0.0, 1.0, 1.0, 0.0]
+    assert lines[0][GAP] < 1e-4 and lines[3][GAP] < 1e-4
+    # every step's rollout waited for the previous sync's load (warm start's for step 1), which it reports
+    assert all(r["sync/engine_load_s"] > 0 and r["timing/wait_engine_load_s"] >= 0 for r in lines)

@@ -179,3 +179,63 @@ def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path
     finally:
         for a in (learner, dying, *live):
             ray.kill(a)
+
+
+class DyingAtFinish(DyingEngine):
+    """A real rollout engine whose process exits when asked to finish a weight update."""
+
+    def finish_weight_update(self, version: int) -> int:
+        import os
+
+        os._exit(1)
+
+
+def test_deferred_sync_leaves_the_engines_last_calls_to_the_driver(ray_cluster, tmp_path):
+    """``sync.load_beside_learner``: the learner returns once the buckets are put, with the engines' start, last
+    load and finish pending; it trains on meanwhile, and the engine still ends with the weights it was sent (the
+    put bytes, not the learner's later ones). The driver's wait (``EngineFleet.settle``) finds the engine that
+    died finishing and replaces it."""
+    from cluster.common import REPO_ROOT, free_port
+    from cluster.config import load_config
+    from cluster.runtime.services import EngineFleet
+    from learner.service import LearnerRank
+    from rollout.engine import RolloutEngine
+
+    ray = ray_cluster
+    path = build_model(tmp_path / "moe", "moe")
+    learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
+        path, LearnerConfig(zero_stage=0, micro_batch_size=4, lr=1e-2), rank=0, world_size=1,
+        master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
+    env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
+    rc = RolloutConfig(max_model_len=64, max_response_tokens=4)
+    engine = ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(path, rc, cache_dir=str(tmp_path / "c0"))
+    dying = ray.remote(DyingAtFinish).options(num_cpus=0, runtime_env=env, max_restarts=0).remote(
+        path, rc, die_at=-1, cache_dir=str(tmp_path / "c1"))
+    seq, start = [1] + [5 + (i * 7) % 50 for i in range(30)], 6
+    try:
+        ray.get([learner.pid.remote(), engine.pid.remote(), dying.pid.remote()])
+        ray.get(learner.sft_step.remote(sft_batch(1), 8 * 11))
+        report = ray.get(learner.sync_weights.remote([engine, dying], 1, 0.01, 2, 60.0, "object_store", True))
+        assert report.failed_engines == {} and sorted(report.pending.calls) == [0, 1]
+        # start, the last bucket (2 in flight at most: the one put last was not waited for), finish
+        assert [len(c) for c in report.pending.calls.values()] == [3, 3] and report.pending.loads[0] == [1]
+        sent = learner_logprobs(ray, learner, seq, start)
+        ray.get(learner.sft_step.remote(sft_batch(2), 8 * 11))  # trains on while the engines may still load
+        fleet = EngineFleet(load_config(REPO_ROOT / "configs" / "tiny_moe.yaml"), path, tmp_path, weight_sync=None)
+        fleet.engines, fleet._pending, replaced = [engine, dying], report.pending, []
+        fleet.replace_many = replaced.extend  # starting real replacements is the fleet's own tests' business
+        waited = fleet.settle()
+        assert replaced == [1]  # died finishing: replaced, the live engine not
+        assert ray.get(engine.weight_version.remote()) == 1
+        settled = fleet.take_settled()
+        assert settled["sync/engine_load_s"] > 0 and settled["timing/wait_engine_load_s"] == pytest.approx(waited)
+        assert fleet.settle() == 0.0 and fleet.take_settled() == {}
+        engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
+        assert (engine_lp - sent).abs().max().item() < TOL  # the weights put, exactly
+        now = learner_logprobs(ray, learner, seq, start)
+        assert (engine_lp - now).abs().max().item() > 1e-3  # not the learner's newer ones: the check can fail
+        with pytest.raises(ray.exceptions.RayTaskError, match="load_beside_learner needs sync.transport='object_store'"):
+            ray.get(learner.sync_weights.remote([engine], 2, 0.01, 2, 60.0, "collective", True))
+    finally:
+        for a in (learner, engine, dying):
+            ray.kill(a)

@@ -40,7 +40,9 @@ def test_default_config_runs_the_fast_cpu_layout_with_the_guard_and_the_monitor_
     assert default.learner.pre_update_pass_needs(default.health.guard()) == []
     assert (zero2.learner.world_size, zero2.learner.zero_stage, zero2.trainer.max_staleness) == (2, 2, 0)
     assert "health.max_logprob_diff" in zero2.learner.pre_update_pass_needs(zero2.health.guard())
-    same = {k: v for k, v in zero2.model_dump().items() if k not in ("learner", "rollout", "health", "trainer")}
+    assert default.sync.load_beside_learner and not zero2.sync.load_beside_learner
+    same = {k: v for k, v in zero2.model_dump().items() if k not in ("learner", "rollout", "health", "trainer", "sync")}
+    assert zero2.sync.model_dump() == {**default.sync.model_dump(), "load_beside_learner": False}
     assert same == {k: v for k, v in default.model_dump().items() if k in same}
 
 
