@@ -28,7 +28,8 @@ Variants (all from the config's learner section; each on its own engine, built o
 - ``lora``: the default with ``learner.lora`` rank 8, alpha 16 (the attention projections; switched on as the
   driver does after the warm start).
 - ``grpo``, ``ppo``: the default with ``learner.algorithm`` grpo, or ppo (its critic: a second engine per rank).
-- ``padded``: the default without sequence packing (``learner.pack_sequences=false``); ``bf16_autocast``: with
+- ``padded``: the default without sequence packing (``learner.pack_sequences=false``); ``packed_bins`` (or
+  ``packed_flat``): the default with the other ``learner.packing_layout``; ``bf16_autocast``: with
   ``learner.autocast=bfloat16`` (float32 configs);
 - the ceiling, ``plain_torch_padded`` / ``plain_torch_packed``: one plain torch forward+backward of the same
   batch in the bench's own process (transformers, 1 thread, no DeepSpeed, Ray or optimizer), padded micro-batches
@@ -88,6 +89,8 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
                 "micro_batch_size": lc.micro_batch_size * ws}, base_guard)
     out["checkpointing"] = (ws, {"gradient_checkpointing": True}, base_guard)
     out["padded"] = (ws, {"pack_sequences": False}, base_guard)  # no sequence packing: the padded forward
+    other_layout = "flat" if lc.packing_layout == "bins" else "bins"
+    out[f"packed_{other_layout}"] = (ws, {"packing_layout": other_layout}, base_guard)  # learner.packing_layout
     if lc.dtype == "float32":
         out["bf16_autocast"] = (ws, {"autocast": "bfloat16"}, base_guard)
     out["token_budget"] = (ws, {"max_tokens_per_micro_batch": max(shard_tokens // 4, 1)}, base_guard)

@@ -177,6 +177,15 @@ class LearnerConfig(Section):
         "padded forward's within float32 rounding. Forwards under the MoE router tap (moe_diagnostics, "
         "routing_replay) stay padded. false = the padded forward",
     )
+    packing_layout: Literal["bins", "flat"] = Field(
+        "flat",
+        description="with pack_sequences: 'bins' runs the packed rows as [bins, longest row] (a bin's unused tail "
+        "is padding that every layer runs on); 'flat' runs one row of the real tokens through every token-wise "
+        "layer (projections, experts, norms, head) and lays it into the bins for attention alone, so only "
+        "attention sees the tails (learner/packing.py, BinLayout). 'flat' needs SDPA attention and no "
+        "sliding-window layer and is not used with gradient_checkpointing; where it does not apply, 'bins' runs. "
+        "Both equal the padded forward within float32 rounding",
+    )
     autocast: Literal["off", "bfloat16"] = Field(
         "off",
         description="'bfloat16': the learner's forwards (and so their backwards) under torch.autocast in bf16 "

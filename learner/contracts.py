@@ -104,7 +104,8 @@ class SyncReport:
 
     Attributes:
         bytes: weight bytes loaded, summed over the engines that acknowledged each bucket.
-        seconds: the sync's wall time on rank 0 (gather, conversion, sending, loads, start and finish).
+        seconds: the sync's wall time on rank 0 (gather, conversion, sending, loads, start and finish; with
+            ``pending``, up to the last bucket's put).
         buckets: buckets sent.
         engine_load_s: for each bucket the seconds the slowest acknowledging engine spent loading it, summed.
         transport: what carried the last bucket: ``"object_store"`` or ``"collective"``.

@@ -147,6 +147,19 @@ class Replica:
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits[:, :-1]
 
+    def flat_packing(self, model) -> bool:
+        """Whether a packed forward of ``model`` runs flat (``learner.packing_layout='flat'``): only with SDPA
+        attention, no sliding-window layer (a module whose ``sliding_window`` is set) and no gradient
+        checkpointing (its recompute in the backward would run outside the flat forward's attention)."""
+        if self.cfg.packing_layout != "flat" or self.cfg.gradient_checkpointing:
+            return False
+        module = getattr(model, "module", model)
+        cache = self.__dict__.setdefault("_flat_ok", {})
+        if id(module) not in cache:
+            cache[id(module)] = (getattr(module.config, "_attn_implementation", None) == "sdpa"
+                                 and not any(getattr(m, "sliding_window", None) for m in module.modules()))
+        return cache[id(module)]
+
     def lora_dropout(self, model) -> None:
         """With ``learner.lora.dropout``: the adapters' dropout on when this pass builds a gradient, else off."""
         if self.cfg.lora.dropout:
@@ -172,7 +185,7 @@ class Replica:
             packed = PackedRows(mb.attention_mask, mb.mask)
             self.lora_dropout(model)
             with self.autocast():
-                logits = packed.wanted_logits(model, mb.input_ids)  # [1, M, V]
+                logits = packed.wanted_logits(model, mb.input_ids, flat=self.flat_packing(model))  # [1, M, V]
             lp = packed.unpack(token_log_probs(logits, packed.target_ids(mb.input_ids), temp))
             mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
         else:
