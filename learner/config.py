@@ -171,20 +171,22 @@ class LearnerConfig(Section):
     )
     pack_sequences: bool = Field(
         True,
-        description="sequence packing (learner/packing.py): each micro-batch's rows run as one row of their real "
-        "tokens (position ids restart per sequence, attention confined to each; transformers' packed path) and the "
-        "head only where a log-prob is used, so no forward/backward FLOP goes to padding; the log-probs equal the "
-        "padded forward's within float32 rounding. Forwards under the MoE router tap (moe_diagnostics, "
+        description="sequence packing (learner/packing.py): each micro-batch's sequences run end to end in rows no "
+        "longer than its longest (position ids restart per sequence, attention confined to each; transformers' "
+        "packed path), so only the rows' unused tails are padding (none with packing_layout=flat); the log-probs "
+        "equal the padded forward's within float32 rounding. Forwards under the MoE router tap (moe_diagnostics, "
         "routing_replay) stay padded. false = the padded forward",
     )
     packing_layout: Literal["bins", "flat"] = Field(
-        "flat",
+        "bins",
         description="with pack_sequences: 'bins' runs the packed rows as [bins, longest row] (a bin's unused tail "
         "is padding that every layer runs on); 'flat' runs one row of the real tokens through every token-wise "
         "layer (projections, experts, norms, head) and lays it into the bins for attention alone, so only "
-        "attention sees the tails (learner/packing.py, BinLayout). 'flat' needs SDPA attention and no "
-        "sliding-window layer and is not used with gradient_checkpointing; where it does not apply, 'bins' runs. "
-        "Both equal the padded forward within float32 rounding",
+        "attention sees the tails (learner/packing.py, BinLayout). Measured on a 2-core CPU, 'flat' was 2-3% "
+        "slower at 4.9% tails (small bench workload) and 1-13% slower at 0.4% (tiny): its gathers cost more "
+        "than the tails (docs/benchmarks.md). 'flat' needs SDPA attention and no sliding-window layer and is not "
+        "used with gradient_checkpointing; where it does not apply, 'bins' runs. Both equal the padded forward "
+        "within float32 rounding",
     )
     autocast: Literal["off", "bfloat16"] = Field(
         "off",

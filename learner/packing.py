@@ -16,13 +16,14 @@ losses read (0 elsewhere). With a single bin the head runs only at the wanted po
 The same scheme as verl's ``use_remove_padding`` (unpad, ``position_ids`` per sequence, flash-attention varlen,
 pad the log-probs back) and TRL's ``padding_free`` (concatenated rows, restarting ``position_ids``).
 
-The flat layout (``learner.packing_layout='flat'``, the default; ``BinLayout``) removes the tails from every
-token-wise layer too: the model runs one row ``[1, N]`` of exactly the real tokens, bin after bin, and a
-registered transformers attention function (``bins_attention``) lays the row's queries, keys and values into
-the bins, runs SDPA there with the bins' block-diagonal causal mask, and takes the real tokens' outputs back.
+The flat layout (``learner.packing_layout='flat'``; ``BinLayout``) removes the tails from every token-wise
+layer too: the model runs one row ``[1, N]`` of exactly the real tokens, bin after bin, and a registered
+transformers attention function (``bins_attention``) lays the row's queries, keys and values into the bins,
+runs SDPA there with the bins' block-diagonal causal mask, and takes the real tokens' outputs back.
 Projections, experts, norms and the head see no padding; attention still runs over whole bins (as over the
-masked-out pairs of a bin), the CPU's SDPA having no varlen form. On the small bench workload the tails were
-4.9% of the bins' positions and the flat layout trained 1-2% faster (docs/benchmarks.md).
+masked-out pairs of a bin), the CPU's SDPA having no varlen form. On a 2-core CPU its gathers cost more than
+the tails (2-3% slower at 4.9% tails on the small bench workload, docs/benchmarks.md), so bins stay the
+default.
 
 What stays padded: forwards whose per-token side results are laid out by padded position (the MoE router tap
 of diagnostics and Routing Replay, ``learner.moe``); the caller chooses (``learner.replica.Replica.log_probs``).

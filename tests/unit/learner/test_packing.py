@@ -160,3 +160,4 @@ def test_flat_forward_runs_only_the_real_tokens_through_the_layers(model_path):
         _replica(True, "flat").log_probs(model, mb)
     assert tuple(seen["hidden"][:2]) == (1, p.num_tokens)
     assert not _replica(True, "flat", gradient_checkpointing=True).flat_packing(model)
+
