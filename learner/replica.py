@@ -295,7 +295,9 @@ class Replica:
     def snapshot(self) -> dict[str, Any]:
         """A CPU copy of everything an optimizer step changes on this rank (``learner.state.snapshot``),
         plus the optimizer-step count and the number of captured gradients."""
-        snap = state.snapshot(self.engine)
+        # the last step's snapshot is done with (restored from or dropped): its buffers take this one
+        snap = state.snapshot(self.engine, into=self.__dict__.pop("_last_snapshot", None))
+        self._last_snapshot = snap
         snap["optimizer_steps"] = self.optimizer_steps
         snap["captured"] = len((self.capture or {}).get("steps", []))
         return snap
