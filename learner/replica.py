@@ -60,6 +60,8 @@ class Replica:
         self.elastic = (ElasticThreads(cfg.threads_per_rank, cfg.max_threads_per_rank)
                         if cfg.max_threads_per_rank is not None and device.type == "cpu" else None)
         self.thread_counts: list[int] = []  # threads of each micro-batch of the current update (elastic only)
+        self._last_snapshot: dict[str, Any] | None = None  # the last guarded step's snapshot: its buffers are reused
+        self._flat_ok: dict[int, bool] = {}  # flat_packing's verdict per model (by id)
 
     def start_update(self) -> None:
         """At the start of an update: elastic threads back to ``threads_per_rank`` and a fresh interval."""
@@ -154,7 +156,7 @@ class Replica:
         if self.cfg.packing_layout != "flat" or self.cfg.gradient_checkpointing:
             return False
         module = getattr(model, "module", model)
-        cache = self.__dict__.setdefault("_flat_ok", {})
+        cache = self._flat_ok
         if id(module) not in cache:
             cache[id(module)] = (getattr(module.config, "_attn_implementation", None) == "sdpa"
                                  and not any(getattr(m, "sliding_window", None) for m in module.modules()))
@@ -296,7 +298,7 @@ class Replica:
         """A CPU copy of everything an optimizer step changes on this rank (``learner.state.snapshot``),
         plus the optimizer-step count and the number of captured gradients."""
         # the last step's snapshot is done with (restored from or dropped): its buffers take this one
-        snap = state.snapshot(self.engine, into=self.__dict__.pop("_last_snapshot", None))
+        snap = state.snapshot(self.engine, into=self._last_snapshot)
         self._last_snapshot = snap
         snap["optimizer_steps"] = self.optimizer_steps
         snap["captured"] = len((self.capture or {}).get("steps", []))
