@@ -412,7 +412,6 @@ class EngineFleet:
             raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")
         return report
 
-
     def settle(self) -> float:
         """Wait for the engines' side of the latest sync when the learner left it pending
         (``sync.load_beside_learner``): each engine's start, last loads and finish. An engine that failed one
