@@ -243,7 +243,8 @@ class LearnerRank:
         model_path: Hugging Face model folder (weights, config, tokenizer).
         cfg: the ``learner`` config section.
         rank, world_size: this rank and the number of data-parallel ranks.
-        master_addr, master_port: rendezvous of the process group (bind address of rank 0).
+        master_addr, master_port: rendezvous of the process group (bind address of rank 0); ``master_port=0``
+            lets a single rank's store bind any free port itself (nothing can take it between probe and bind).
         seed: seeds Python, NumPy and torch on this rank.
         temperature: the rollout sampling temperature (> 0); log-probs are computed from
             ``logits / temperature``, the distribution the engines sampled from.

@@ -7,6 +7,7 @@ one dead rank stops the driver at once instead of after a peer's timeout.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -19,6 +20,10 @@ from cluster.common import free_port
 from cluster.config import Config
 from cluster.runtime.services import actor_env, get_fail_fast, wait_ready
 from learner.contracts import SFTBatch, SyncReport
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_ATTEMPTS = 3  # starts of the ranks when their rendezvous port is taken before rank 0 binds it
 
 
 def _node_address() -> tuple[str, int]:
@@ -43,8 +48,6 @@ class LearnerGroup:
     """
 
     def __init__(self, cfg: Config, model_path: str):
-        from learner.service import LearnerRank
-
         lc = cfg.learner
         # The driver may call from two threads (the overlapped rollout replaces a dead engine, which syncs it):
         # submissions to the ranks are serialised so that no rank sees two collective calls in another order.
@@ -61,9 +64,18 @@ class LearnerGroup:
             pg = placement_group(bundles, strategy="STRICT_PACK" if lc.num_gpus_per_rank else "PACK")
             wait_ready(pg, "learner", bundles, cfg.cluster.placement_timeout_s)
             self.groups.append(pg)
+        self._cfg, self._model_path, self._per_group = cfg, model_path, per_group
+        self.rendezvous_retries = 0  # rank 0's rendezvous port taken between the probe and its bind (logged)
+        self.actors: list[Any] = self._spawn()
+
+    def _spawn(self) -> list[Any]:
+        """The rank actors (they start building at once), rendezvousing at a fresh address."""
+        from learner.service import LearnerRank
+
+        cfg, lc, per_group = self._cfg, self._cfg.learner, self._per_group
         master_addr, port = self._rendezvous(cfg)
         cls = ray.remote(LearnerRank)
-        self.actors: list[Any] = [
+        return [
             cls.options(
                 num_cpus=lc.num_cpus_per_rank,
                 num_gpus=lc.num_gpus_per_rank,
@@ -72,19 +84,23 @@ class LearnerGroup:
                 ),
                 runtime_env={"env_vars": actor_env(lc.threads_per_rank, "cuda" if lc.num_gpus_per_rank else "cpu")},
             ).remote(
-                model_path, lc, rank=rank, world_size=lc.world_size, master_addr=master_addr, master_port=port,
-                seed=cfg.trainer.seed, temperature=cfg.rollout.temperature, warm_start=cfg.warm_start,
+                self._model_path, lc, rank=rank, world_size=lc.world_size, master_addr=master_addr,
+                master_port=port, seed=cfg.trainer.seed, temperature=cfg.rollout.temperature,
+                warm_start=cfg.warm_start,
             )
             for rank in range(lc.world_size)
         ]
 
     def _rendezvous(self, cfg: Config) -> tuple[str, int]:
-        """Rank 0's node address and a free port there (a probe task in rank 0's bundle), or the bind host
-        when the run is local."""
+        """Rank 0's node address and its rendezvous port: 0 for a single rank (its store binds any free port
+        itself, so nothing can take it first), else a port free there now (a probe task in rank 0's bundle
+        when the run may span nodes; the bind host when it is local)."""
         if len(self.groups) > 1 or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
             strategy = PlacementGroupSchedulingStrategy(self.groups[0], placement_group_bundle_index=0)
-            return ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
-        return cfg.trainer.bind_host, free_port(cfg.trainer.bind_host)
+            addr, port = ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
+        else:
+            addr, port = cfg.trainer.bind_host, free_port("0.0.0.0")
+        return addr, 0 if cfg.learner.world_size == 1 else port
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -105,8 +121,30 @@ class LearnerGroup:
         return get_fail_fast(refs)
 
     def wait_ready(self) -> None:
-        """Block until every rank finished its constructor (raises the rank's error if one failed)."""
-        self.call("pid")
+        """Block until every rank finished its constructor (raises the rank's error if one failed).
+
+        Between the driver's probe and rank 0's bind, another process on the node can take a multi-rank
+        learner's rendezvous port (EADDRINUSE: seen once in CI): the ranks are then started again at a fresh
+        port, at most ``RENDEZVOUS_ATTEMPTS`` times in all, each retry logged and counted in
+        ``rendezvous_retries``.
+
+        Raises:
+            ray.exceptions.RayActorError: a rank's constructor failed (for another reason, or every attempt).
+        """
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            try:
+                self.call("pid")
+                return
+            except ray.exceptions.RayActorError as e:
+                if "EADDRINUSE" not in str(e) or attempt == RENDEZVOUS_ATTEMPTS:
+                    raise
+            log.warning("learner rendezvous port taken before rank 0 bound it (EADDRINUSE); starting the %d "
+                        "ranks again at a fresh port (attempt %d of %d)", len(self.actors), attempt + 1,
+                        RENDEZVOUS_ATTEMPTS)
+            for a in self.actors:
+                ray.kill(a)
+            self.rendezvous_retries += 1
+            self.actors = self._spawn()
 
     def train(self, plans: list[Any], guard: dict[str, float] | None, monitor: bool | None = None) -> dict[str, Any]:
         """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``); ``monitor``:

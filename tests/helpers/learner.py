@@ -23,7 +23,7 @@ GRAD_RTOL = 1e-5
 
 
 def _free_port() -> int:
-    return free_port("127.0.0.1")
+    return free_port("0.0.0.0")  # torch's TCPStore listens on every address
 
 
 def _ref_model(path: str):

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from learner.objectives import loss_normalisers
-from tests.helpers.learner import TEMPERATURE, _free_port, _ref_model
+from tests.helpers.learner import TEMPERATURE, _ref_model
 
 
 def _rank(model_path, cfg):
     from learner.service import LearnerRank
 
-    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                        seed=0, temperature=TEMPERATURE)
 
 

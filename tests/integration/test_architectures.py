@@ -75,7 +75,6 @@ def _rollout_batch(ray, engine, step: int):
 
 @pytest.mark.parametrize("arch", [_params(a) for a in ZERO_STAGE])
 def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arch):
-    from cluster.common import free_port
     from cluster.models.tiny_archs import build_tiny_arch
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
@@ -85,7 +84,7 @@ def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arc
     cfg = LearnerConfig(zero_stage=ZERO_STAGE[arch], micro_batch_size=8, lr=1e-2, zero3_param_persistence_threshold=0,
                         pre_update_pass="always")
     learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
-        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
+        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0, temperature=1.0)
     engine = ray.remote(RolloutEngine).options(
         num_cpus=1, runtime_env={"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}).remote(
         path, RolloutConfig(max_model_len=64, max_response_tokens=8), cache_dir=str(tmp_path / "cache"))

@@ -17,7 +17,7 @@ import torch
 from learner.config import LearnerConfig
 from learner.contracts import TrainBatch
 from learner.objectives import loss_normalisers
-from tests.helpers.learner import TEMPERATURE, _free_port, _start_ranks, _stop, make_batch
+from tests.helpers.learner import TEMPERATURE, _start_ranks, _stop, make_batch
 from tests.helpers.moe import reference_expert_load
 
 LOOSE = {"max_grad_norm": 1e3, "max_clip_fraction": 1.0, "max_logprob_diff": 1.0, "min_entropy": 0.0,
@@ -27,7 +27,7 @@ LOOSE = {"max_grad_norm": 1e3, "max_clip_fraction": 1.0, "max_logprob_diff": 1.0
 def _rank(model_path, cfg):
     from learner.service import LearnerRank
 
-    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                        seed=0, temperature=TEMPERATURE)
 
 

@@ -18,7 +18,6 @@ from learner.microbatch import micro_slices, row_widths
 from learner.objectives import loss_normalisers
 from tests.helpers.learner import (
     TEMPERATURE,
-    _free_port,
     _start_ranks,
     _stop,
     _train,
@@ -30,15 +29,10 @@ from tests.helpers.learner import (
 RTOL = 1e-6  # gradients of two cuts of the same minibatch: the same up to float32 summation order
 
 
-@pytest.fixture(scope="module")
-def port() -> int:
-    return _free_port()
-
-
-def _rank(model_path: str, cfg: LearnerConfig, port: int):
+def _rank(model_path: str, cfg: LearnerConfig):
     from learner.service import LearnerRank
 
-    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, seed=0,
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0,
                        temperature=TEMPERATURE)
 
 
@@ -89,7 +83,7 @@ def assert_same_update(got: dict, want: dict, grads: dict, lr: float, rtol: floa
 
 
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
-def test_token_budget_gives_the_gradient_and_update_of_the_fixed_split(model_path, port, algorithm):
+def test_token_budget_gives_the_gradient_and_update_of_the_fixed_split(model_path, algorithm):
     """Fixed micro-batches of 2 rows vs a 30-token budget (other cuts, each padded to its own longest row) vs
     a 1-token budget (smaller than any row: every row alone): the same gradient (1e-6 relative), the same
     update and the same metrics; and the gradient of plain torch's full minibatch."""
@@ -98,7 +92,7 @@ def test_token_budget_gives_the_gradient_and_update_of_the_fixed_split(model_pat
     for name, budget in (("fixed", None), ("budget", 30), ("tiny", 1)):
         cfg = LearnerConfig(algorithm=algorithm, zero_stage=2, micro_batch_size=2, lr=1e-3, num_minibatches=1,
                             max_tokens_per_micro_batch=budget)
-        learner = _rank(model_path, cfg, port)
+        learner = _rank(model_path, cfg)
         out, grads = _train_captured(learner, [batch])
         runs[name] = (out, grads, learner.replica.slices(batch), learner.full_state_dict())
     fixed_out, fixed_grads, fixed_slices, fixed_params = runs["fixed"]
@@ -118,7 +112,7 @@ def test_token_budget_gives_the_gradient_and_update_of_the_fixed_split(model_pat
     assert_grads_close(runs["budget"][1][0], ref_grads, rtol=1e-5)  # and equal plain torch's full minibatch
 
 
-def test_group_by_length_gives_the_gradient_and_metrics_of_the_order_sent(model_path, port):
+def test_group_by_length_gives_the_gradient_and_metrics_of_the_order_sent(model_path):
     """``learner.group_by_length`` on (longest rows first) and off, 2-row micro-batches of a batch whose rows
     differ in length: other micro-batches (fewer padded tokens), the same gradient, update and metrics."""
     batch = make_batch(model_path, 7, seed=62)
@@ -126,7 +120,7 @@ def test_group_by_length_gives_the_gradient_and_metrics_of_the_order_sent(model_
     runs = {}
     for grouped in (False, True):
         cfg = LearnerConfig(zero_stage=2, micro_batch_size=2, lr=1e-3, num_minibatches=1, group_by_length=grouped)
-        learner = _rank(model_path, cfg, port)
+        learner = _rank(model_path, cfg)
         forwards = _count_forwards(learner)
         out, grads = _train_captured(learner, [batch])
         runs[grouped] = (out, grads, learner.full_state_dict(), forwards[0])
@@ -141,7 +135,7 @@ def test_group_by_length_gives_the_gradient_and_metrics_of_the_order_sent(model_
     assert on["actor/by_response_length"].keys() == off["actor/by_response_length"].keys()
 
 
-def test_token_budget_in_compute_log_probs_and_sft(model_path, port):
+def test_token_budget_in_compute_log_probs_and_sft(model_path):
     from learner.contracts import SFTBatch
 
     batch = make_batch(model_path, 6, seed=63)
@@ -149,7 +143,7 @@ def test_token_budget_in_compute_log_probs_and_sft(model_path, port):
     got = {}
     for budget in (None, 20):
         learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=4, lr=1e-3,
-                                                  max_tokens_per_micro_batch=budget), port)
+                                                  max_tokens_per_micro_batch=budget))
         lps = learner.compute_log_probs(batch)
         learner.capture_gradients(True)
         out = learner.sft_step(sft, int(sft.loss_mask.sum()))
@@ -161,7 +155,7 @@ def test_token_budget_in_compute_log_probs_and_sft(model_path, port):
     assert_same_gradient(got[20][2], got[None][2])
 
 
-def test_pre_update_pass_skipped_when_nothing_needs_it(model_path, port):
+def test_pre_update_pass_skipped_when_nothing_needs_it(model_path):
     """rollout log-probs, no MoE diagnostics, no guard pre-check: 'auto' runs no pre-update forward (the
     forwards are the training passes alone), its metrics are absent, the update is that of 'always'."""
     batches = [make_batch(model_path, 5, seed=71), make_batch(model_path, 5, seed=72)]
@@ -169,7 +163,7 @@ def test_pre_update_pass_skipped_when_nothing_needs_it(model_path, port):
     for mode in ("always", "auto"):
         cfg = LearnerConfig(zero_stage=2, micro_batch_size=2, lr=1e-3, num_minibatches=2, moe_diagnostics=False,
                             pre_update_pass=mode, mismatch_monitor_every=0)
-        learner = _rank(model_path, cfg, port)
+        learner = _rank(model_path, cfg)
         calls = _count_forwards(learner)
         out, grads = _train_captured(learner, batches, guard={"max_grad_norm": 1e6})
         runs[mode] = (out, grads, calls[0], learner.state_digest())
@@ -185,21 +179,21 @@ def test_pre_update_pass_skipped_when_nothing_needs_it(model_path, port):
         assert lean[key] == full[key], key
 
 
-def test_pre_update_pass_runs_when_a_setting_needs_it(model_path, port):
+def test_pre_update_pass_runs_when_a_setting_needs_it(model_path):
     """auto: MoE diagnostics (default on) or a guard pre-check bring the pass (and its metrics) back; 'never'
     refuses a guard pre-check naming it; without the pass a non-finite rollout log-prob is still refused
     before any update."""
     batch = make_batch(model_path, 4, seed=73)
-    learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1), port)
+    learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1))
     out = learner.train_rollout_batch([batch], *_norms([batch]))
     assert "actor/entropy" in out and "moe/expert_load" in out  # moe_diagnostics needs it
     learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1,
-                                              moe_diagnostics=False), port)
+                                              moe_diagnostics=False))
     out = learner.train_rollout_batch([batch], *_norms([batch]), guard={"min_entropy": 0.0})
     assert "actor/entropy" in out and "moe/expert_load" not in out  # the guard's pre-check needs it
 
     never = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1,
-                                            moe_diagnostics=False, pre_update_pass="never"), port)
+                                            moe_diagnostics=False, pre_update_pass="never"))
     with pytest.raises(ValueError, match=r"health.max_logprob_diff need\(s\) the pre-update pass"):
         never.train_rollout_batch([batch], *_norms([batch]), guard={"max_logprob_diff": 1.0})
     before = never.state_digest()
@@ -213,7 +207,7 @@ def test_pre_update_pass_runs_when_a_setting_needs_it(model_path, port):
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_gradient_checkpointing_same_gradient_and_routing_metrics(model_path, port, zero_stage):
+def test_gradient_checkpointing_same_gradient_and_routing_metrics(model_path, zero_stage):
     """Checkpointing on: the decoder layers alone are in training mode (attention and the rest stay in eval:
     no dropout), the training forwards really recompute (the routers run twice per training pass: forward
     and backward), and the gradients (two minibatches, 1e-6 relative), the MoE routing metrics taken with the
@@ -226,7 +220,7 @@ def test_gradient_checkpointing_same_gradient_and_routing_metrics(model_path, po
     for ckpt in (False, True):
         cfg = LearnerConfig(zero_stage=zero_stage, micro_batch_size=3, lr=1e-3, num_minibatches=2,
                             gradient_checkpointing=ckpt, zero3_param_persistence_threshold=0 if zero_stage == 3 else None)
-        learner = _rank(model_path, cfg, port)
+        learner = _rank(model_path, cfg)
         model = learner.engine.module
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         assert len(layers) == 2 and all(m.training == ckpt for m in layers)

@@ -14,7 +14,7 @@ import torch
 from learner.config import LearnerConfig
 from learner.contracts import TrainBatch
 from learner.objectives import loss_normalisers
-from tests.helpers.learner import TEMPERATURE, _free_port, _ref_log_probs, _ref_model, make_batch
+from tests.helpers.learner import TEMPERATURE, _ref_log_probs, _ref_model, make_batch
 
 KEY = "actor/train_rollout_logprob_diff"
 
@@ -29,7 +29,7 @@ def dense_path(tmp_path_factory) -> str:
 def _rank(model_path: str, cfg: LearnerConfig):
     from learner.service import LearnerRank
 
-    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                        seed=0, temperature=TEMPERATURE)
 
 

@@ -15,13 +15,13 @@ import torch
 
 from learner.config import LearnerConfig
 from learner.objectives import loss_normalisers
-from tests.helpers.learner import TEMPERATURE, _free_port, make_batch
+from tests.helpers.learner import TEMPERATURE, make_batch
 
 
 def _rank(model_path: str, cfg: LearnerConfig):
     from learner.service import LearnerRank
 
-    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    return LearnerRank(model_path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
                        seed=0, temperature=TEMPERATURE)
 
 

@@ -66,7 +66,6 @@ class HungEngine:
     # the tied model over the collective: in `make test-matrix` (keeps `make test` under 40 minutes)
     pytest.param("moe_tied", 2, "collective", marks=pytest.mark.matrix)])
 def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero_stage, transport):
-    from cluster.common import free_port
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
 
@@ -74,7 +73,7 @@ def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero
     path = build_model(tmp_path / kind, kind)
     cfg = LearnerConfig(zero_stage=zero_stage, micro_batch_size=4, lr=1e-2, zero3_param_persistence_threshold=0)
     learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
-        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
+        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0, temperature=1.0)
     # the engine's environment as the fleet gives it (eager mode without torch.compile: vLLM's CPU GEMM packing)
     engine_env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
     engine = ray.remote(RolloutEngine).options(num_cpus=1, runtime_env=engine_env).remote(
@@ -143,7 +142,6 @@ def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path
     relays to rank 3, so a healthy engine fails its receive too. The object store carries the bucket to the
     engines that did not load it and the rest of the sync; both live engines end exact, only the dead one is
     reported. The next sync builds a new group without it."""
-    from cluster.common import free_port
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
 
@@ -151,7 +149,7 @@ def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path
     path = build_model(tmp_path / "moe", "moe")
     cfg = LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-2)
     learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
-        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
+        path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0, temperature=1.0)
     env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
     rc = RolloutConfig(max_model_len=64, max_response_tokens=4)
     live = [ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(
@@ -195,7 +193,7 @@ def test_deferred_sync_leaves_the_engines_last_calls_to_the_driver(ray_cluster, 
     load and finish pending; it trains on meanwhile, and the engine still ends with the weights it was sent (the
     put bytes, not the learner's later ones). The driver's wait (``EngineFleet.settle``) finds the engine that
     died finishing and replaces it."""
-    from cluster.common import REPO_ROOT, free_port
+    from cluster.common import REPO_ROOT
     from cluster.config import load_config
     from cluster.runtime.services import EngineFleet
     from learner.service import LearnerRank
@@ -205,7 +203,7 @@ def test_deferred_sync_leaves_the_engines_last_calls_to_the_driver(ray_cluster, 
     path = build_model(tmp_path / "moe", "moe")
     learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
         path, LearnerConfig(zero_stage=0, micro_batch_size=4, lr=1e-2), rank=0, world_size=1,
-        master_addr="127.0.0.1", master_port=free_port(), seed=0, temperature=1.0)
+        master_addr="127.0.0.1", master_port=0, seed=0, temperature=1.0)
     env = {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}}
     rc = RolloutConfig(max_model_len=64, max_response_tokens=4)
     engine = ray.remote(RolloutEngine).options(num_cpus=0, runtime_env=env).remote(path, rc, cache_dir=str(tmp_path / "c0"))

@@ -112,7 +112,6 @@ def save_learner_weights(ray, learner, out: Path) -> None:
 def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
     from transformers import AutoTokenizer
 
-    from cluster.common import free_port
     from learner.service import LearnerRank
     from rollout.contracts import PromptRow
     from rollout.engine import RolloutEngine
@@ -126,7 +125,7 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
              for q, a in [(QUESTIONS[0], "37 + 48 = \\boxed{85}"), (QUESTIONS[2], "23 x 4 = 92.")]]
     cfg = LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-4, pre_update_pass="always")
     learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
-        str(MODEL), cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=0,
+        str(MODEL), cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0,
         temperature=1.0)
     rollout_cfg = RolloutConfig(max_model_len=256, max_response_tokens=24, kv_cache_gb=0.5)
     engine = ray.remote(RolloutEngine).options(num_cpus=1).remote(str(MODEL), rollout_cfg,
