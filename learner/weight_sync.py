@@ -122,6 +122,39 @@ def pack_bucket(bucket: dict[str, torch.Tensor]) -> tuple[dict[str, list], list[
     return meta, buffers, sum(b.nbytes for b in buffers)
 
 
+def wait_calls(ray: Any, calls: dict[Any, Any], timeout_s: float | None) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """Wait for Ray calls under one deadline.
+
+    Args:
+        ray: the ``ray`` module (imported by the caller: this module loads without Ray).
+        calls: key -> object ref.
+        timeout_s: seconds for all of them together; None waits without a deadline.
+
+    Returns:
+        (key -> result, for the calls that succeeded; key -> the ``RayError`` a call raised, or None for one that
+        gave no answer in time), both in the order of ``calls``.
+    """
+    refs = list(calls.values())
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    done: dict[Any, Any] = {}
+    errors: dict[Any, Any] = {}
+    for key, ref in calls.items():
+        if ref not in ready:
+            errors[key] = None
+            continue
+        try:
+            done[key] = ray.get(ref)
+        except ray.exceptions.RayError as err:
+            errors[key] = err
+    return done, errors
+
+
+def error_text(err: BaseException) -> str:
+    """An engine call's error in one line for logs and metrics: its type and the first line of its text (300
+    characters at most)."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+
+
 class _Fanout:
     """Rank 0's side of one sync: calls on the engines, failures recorded per engine instead of raised.
 
@@ -163,23 +196,16 @@ class _Fanout:
         """Wait for each call. Returns ``(results of those that succeeded, errors tolerated)`` by engine index:
         with ``tolerate`` an error raised inside a live engine is returned, not recorded; a dead engine, a
         timeout and (without ``tolerate``) any error are recorded in ``failed``."""
-        done: dict[int, Any] = {}
+        done, errors = wait_calls(self.ray, calls, self.remaining())
         tolerated: dict[int, str] = {}
-        refs = list(calls.values())
-        ready = set(self.ray.wait(refs, num_returns=len(refs), timeout=self.remaining())[0]) if refs else set()
-        for i, ref in calls.items():
-            if ref not in ready:
+        for i, err in errors.items():
+            if err is None:
                 self.failed.setdefault(i, f"no answer within sync.engine_timeout_s={self.timeout_s:g} (one deadline "
                                           "for the engines' calls between two learner collectives)")
-                continue
-            try:
-                done[i] = self.ray.get(ref)
-            except self.ray.exceptions.RayError as err:  # dead engine or an error inside it: replaced by the driver
-                text = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                if tolerate and not isinstance(err, self.ray.exceptions.RayActorError):
-                    tolerated[i] = text
-                else:
-                    self.failed.setdefault(i, text)
+            elif tolerate and not isinstance(err, self.ray.exceptions.RayActorError):
+                tolerated[i] = error_text(err)
+            else:  # dead engine or an error inside it: replaced by the driver
+                self.failed.setdefault(i, error_text(err))
         return done, tolerated
 
 

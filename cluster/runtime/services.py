@@ -26,6 +26,7 @@ from cluster.common import REPO_ROOT
 from cluster.config import Config
 from cluster.runtime.weight_sync import WeightSync
 from learner.contracts import PendingLoad, SyncReport
+from learner.weight_sync import error_text, wait_calls
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
@@ -451,24 +452,18 @@ def wait_pending(pending: PendingLoad, timeout_s: float | None) -> tuple[dict[in
         (engine index -> why it failed: an error, its death or no answer in time; for each bucket the seconds
         of the slowest engine that loaded it, summed).
     """
-    refs = [ref for calls in pending.calls.values() for ref in calls]
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    calls = {(slot, k): ref for slot, refs in pending.calls.items() for k, ref in enumerate(refs)}
+    done, errors = wait_calls(ray, calls, timeout_s)
     failed: dict[int, str] = {}
+    for (slot, _), err in errors.items():  # an engine's first failed call, in call order
+        failed.setdefault(slot, f"no answer within sync.engine_timeout_s={timeout_s}" if err is None
+                          else error_text(err))
     slowest: dict[int, float] = {}  # bucket -> seconds
-    for slot, calls in pending.calls.items():
+    for (slot, k), out in done.items():
         loads = pending.loads.get(slot, [])
-        for k, ref in enumerate(calls):
-            if ref not in ready:
-                failed[slot] = f"no answer within sync.engine_timeout_s={timeout_s}"
-                break
-            try:
-                out = ray.get(ref)
-            except ray.exceptions.RayError as err:
-                failed[slot] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                break
-            if k in loads:
-                b = loads.index(k)
-                slowest[b] = max(slowest.get(b, 0.0), float(out.seconds))
+        if k in loads:
+            b = loads.index(k)
+            slowest[b] = max(slowest.get(b, 0.0), float(out.seconds))
     return failed, sum(slowest.values())
 
 
