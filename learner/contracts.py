@@ -114,6 +114,8 @@ class SyncReport:
             answer within ``sync.engine_timeout_s``: they got no further calls and are to be replaced.
         pending: with ``sync.load_beside_learner``, the engine calls rank 0 sent but did not wait for (``bytes``
             then counts their buckets as loaded and ``engine_load_s`` leaves them out); None otherwise.
+        version: the weight version the engines were told (``LearnerRank.sync_weights``: the caller's, or the
+            learner's own count when the caller passed None); -1 where unknown.
     """
 
     bytes: int = 0
@@ -124,6 +126,7 @@ class SyncReport:
     fallback: str = ""
     failed_engines: dict[int, str] = field(default_factory=dict)
     pending: PendingLoad | None = None
+    version: int = -1
 
     def metrics(self, wall_s: float) -> dict[str, float]:
         """The step metrics ``sync/*`` of this sync, ``wall_s`` being the driver's wall time for it (the

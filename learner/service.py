@@ -299,6 +299,7 @@ class LearnerRank:
         self.zero3 = cfg.zero_stage == 3
         # rank 0's collective weight-transfer group with the engines (sync.transport=collective), kept across syncs
         self.transfer_group: weight_sync.TransferGroup | None = None
+        self.synced_version, self.weights_changed = 0, False  # the weights' version for the engines: current_version
         self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg, cfg.loss_options)
         _init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
@@ -415,8 +416,10 @@ class LearnerRank:
         """
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
-        return RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
-                                self.critic, monitor).run()
+        out = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
+                               self.critic, monitor).run()
+        self.weights_changed |= not out.get("health/skipped")  # a refused update put the weights back
+        return out
 
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on ``batch`` (this rank's shard).
@@ -431,7 +434,9 @@ class LearnerRank:
         Raises:
             ValueError: ``num_tokens`` differs from the loss tokens over all ranks, or a loss mask on padding.
         """
-        return sft_step(self.replica, batch, num_tokens)
+        out = sft_step(self.replica, batch, num_tokens)
+        self.weights_changed = True
+        return out
 
     def set_lr(self, lr: float, scaled: bool = True) -> None:
         """Set the learning rate of every parameter group, times the group's ``lr_scale`` (the routers'
@@ -487,20 +492,30 @@ class LearnerRank:
             out[lo:hi, : mb.width - 1] = lp.float().cpu()
         return out
 
-    def sync_weights(self, engines: list, version: int, bucket_mb: float = 64.0, max_in_flight: int = 2,
+    def sync_weights(self, engines: list, version: int | None, bucket_mb: float = 64.0, max_in_flight: int = 2,
                      engine_timeout_s: float | None = None, transport: str = "object_store",
                      defer: bool = False) -> SyncReport | None:
         """Stream the current weights to the rollout engines (``learner.weight_sync.sync_weights``) through
         ``transport`` (``object_store`` or ``collective``); with ``defer`` return once every bucket is put, the
-        engines' last calls in the report's ``pending``. Collective; rank 0 returns the ``SyncReport``, the
-        others None.
+        engines' last calls in the report's ``pending``. ``version`` None: this rank's ``current_version`` (a
+        sync queued behind a training step sends its result). Collective; rank 0 returns the ``SyncReport``.
 
         Raises:
             ValueError: ``bucket_mb`` not > 0, ``max_in_flight`` < 1, an unknown ``transport`` or ``defer`` with
                 the collective transport.
         """
-        return weight_sync.sync_weights(self, engines, version, bucket_mb, max_in_flight, engine_timeout_s,
-                                        transport, defer)
+        version = self.current_version() if version is None else int(version)
+        report = weight_sync.sync_weights(self, engines, version, bucket_mb, max_in_flight, engine_timeout_s,
+                                          transport, defer)
+        self.synced_version, self.weights_changed = version, False
+        if report is not None:
+            report.version = version
+        return report
+
+    def current_version(self) -> int:
+        """The last synced version, plus 1 when an applied update, a warm-start step or a checkpoint load changed
+        the weights since (the driver syncs each change as the next version: ``cluster.driver.trainer``)."""
+        return self.synced_version + int(self.weights_changed)
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights in checkpoint names (CPU copies) on rank 0, ``{}`` on the others. Collective."""
@@ -546,6 +561,7 @@ class LearnerRank:
             FileNotFoundError: ``path`` holds no learner checkpoint.
         """
         checkpoint.load(self, path)
+        self.weights_changed = True
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
             self.critic.load(path)

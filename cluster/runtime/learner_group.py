@@ -162,11 +162,12 @@ class LearnerGroup:
                   for lo in range(0, per * len(self.actors), per)]
         return self.call_sharded("sft_step", shards)[0]
 
-    def sync_weights(self, engines: list[Any], version: int, bucket_mb: float, max_in_flight: int,
+    def sync_weights(self, engines: list[Any], version: int | None, bucket_mb: float, max_in_flight: int,
                      engine_timeout_s: float | None = None, transport: str = "object_store",
                      defer: bool = False) -> SyncReport | None:
         """Stream the weights to ``engines`` as ``version`` (every rank takes part: ZeRO-3 gathers); rank 0's
-        ``SyncReport`` (``learner.weight_sync.sync_weights``; ``defer``: the engines' last calls left pending)."""
+        ``SyncReport`` (``learner.weight_sync.sync_weights``; ``defer``: the engines' last calls left pending;
+        ``version`` None: the learner's own count, ``LearnerRank.current_version``)."""
         return self.call("sync_weights", engines, version, bucket_mb, max_in_flight, engine_timeout_s, transport,
                          defer)[0]
 

@@ -213,17 +213,23 @@ class EngineFleet:
         return env
 
     def _load_current(self, engines: list[Any]) -> None:
-        """Give new engines the current weights (they start with the model folder's, version 0).
+        """Give new engines the current weights (they start with the model folder's, version 0), labelled by
+        the learner when its sync runs (``LearnerRank.current_version``): a replacement started while the
+        learner trains (the overlapped rollout) queues behind that step and so loads its result, one version
+        past ``weight_version``.
 
         Raises:
             RuntimeError: an engine failed to load them.
         """
         if self.weight_version == 0 or not engines:
             return
-        report = self.weight_sync.push(engines, self.weight_version)
+        report = self.weight_sync.push(engines, None)
         if report.failed_engines:
-            raise RuntimeError(f"new rollout engines could not load weight version {self.weight_version}: "
-                               f"{report.failed_engines}")
+            raise RuntimeError(f"new rollout engines could not load the learner's weights (version "
+                               f"{report.version}): {report.failed_engines}")
+        if report.version != self.weight_version:
+            log.info("new rollout engines loaded weight version %d (the learner's step ran before their load; "
+                     "the others hold %d until the next sync)", report.version, self.weight_version)
 
     def _start_loaded(self, count: int) -> list[tuple[Any, Any]]:
         """``count`` new engines holding the current weights (one sync for all), as (actor, placement group).

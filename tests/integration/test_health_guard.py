@@ -79,6 +79,7 @@ def test_nonfinite_rollout_log_prob_is_refused_before_any_update(model_path, val
     assert out["health/nonfinite_log_probs"] == 1.0 and out["health/steps_undone"] == 0.0
     assert out["actor/num_optimizer_steps"] == 0.0
     assert _digests(learner) == before
+    assert learner.current_version() == 0  # the weights are unchanged, so is their version for the engines
     assert len(learner.replica.base_optimizer().state) == 0  # no optimizer step ever ran
     assert "moe/expert_load" in out and not math.isfinite(out["actor/train_rollout_logprob_diff"])
 
@@ -107,6 +108,8 @@ def test_refused_step_is_undone_exactly_and_training_continues_as_if_never_seen(
     learner = _rank(model_path, cfg)
     seen = _spy_restore(learner)
     assert _train(learner, good1, guard=LOOSE)["health/skipped"] == 0.0
+    assert learner.current_version() == 1  # an applied update: the next version for the engines
+    learner.synced_version, learner.weights_changed = 1, False  # as a sync of version 1 leaves it (no engine here)
     after_good1 = _digests(learner)
     out = _train(learner, bad, guard={**LOOSE, "max_clip_fraction": 0.0})
     assert out["health/skipped"] == 1.0 and out["health/failed_checks"] == "max_clip_fraction"
@@ -115,8 +118,10 @@ def test_refused_step_is_undone_exactly_and_training_continues_as_if_never_seen(
     assert len(seen) == 1 and seen[0] != after_good1[0]  # the refused steps had moved the weights
     assert _digests(learner) == after_good1
     assert learner.optimizer_steps == 2
+    assert learner.current_version() == 1  # refused: still version 1
     ok = _train(learner, good2, guard=LOOSE)
     assert ok["health/skipped"] == 0.0 and ok["health/failed_checks"] == "" and ok["actor/num_optimizer_steps"] == 2.0
+    assert learner.current_version() == 2
     with_bad = _digests(learner)
 
     clean = _rank(model_path, cfg)

@@ -232,6 +232,14 @@ def test_deferred_sync_leaves_the_engines_last_calls_to_the_driver(ray_cluster, 
         assert (engine_lp - sent).abs().max().item() < TOL  # the weights put, exactly
         now = learner_logprobs(ray, learner, seq, start)
         assert (engine_lp - now).abs().max().item() > 1e-3  # not the learner's newer ones: the check can fail
+        # version None: the learner labels the weights itself (synced 1, trained since: 2), as a replacement
+        # engine's load queued behind a training step needs (EngineFleet._load_current)
+        assert ray.get(learner.current_version.remote()) == 2
+        labelled = ray.get(learner.sync_weights.remote([engine], None, 0.01, 2, 60.0))
+        assert labelled.version == 2 and labelled.failed_engines == {}
+        assert ray.get(engine.weight_version.remote()) == 2 and ray.get(learner.current_version.remote()) == 2
+        engine_lp = torch.tensor(ray.get(engine.sequence_logprobs.remote(seq, start)))
+        assert (engine_lp - now).abs().max().item() < TOL
         with pytest.raises(ray.exceptions.RayTaskError, match="load_beside_learner needs sync.transport='object_store'"):
             ray.get(learner.sync_weights.remote([engine], 2, 0.01, 2, 60.0, "collective", True))
     finally:
