@@ -13,7 +13,14 @@ from typing import Any
 from learner.config import LearnerConfig
 
 
-def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False) -> dict[str, Any]:
+def policy_clips_itself(cfg: LearnerConfig) -> bool:
+    """Whether the policy's gradient clip runs in the learner (``learner.replica.Replica._clip_stage0``), not in
+    DeepSpeed: at ZeRO-0 in float32, where DeepSpeed keeps no norm and multiplies every gradient even when the
+    clip does not bite."""
+    return cfg.zero_stage == 0 and cfg.dtype == "float32"
+
+
+def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False, policy: bool = False) -> dict[str, Any]:
     """DeepSpeed config for one rank of a ``world_size``-rank data-parallel learner.
 
     Args:
@@ -21,6 +28,8 @@ def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False) -
         world_size: number of data-parallel ranks (>= 1).
         on_gpu: the ranks train on GPUs (NCCL): ZeRO's reductions and gathers overlap the backward on side
             streams (``overlap_comm``, DeepSpeed's default for ZeRO-3 on GPU); on the CPU they run in line.
+        policy: the config is the policy's (not PPO's critic): where ``policy_clips_itself``, DeepSpeed's
+            ``gradient_clipping`` is 0 (off) and the learner clips.
 
     Returns:
         A dict for ``deepspeed.initialize(config=...)``: ``train_batch_size = micro_batch_size x 1 x world_size``
@@ -51,7 +60,7 @@ def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False) -
         "train_micro_batch_size_per_gpu": int(cfg.micro_batch_size),
         "gradient_accumulation_steps": 1,
         "train_batch_size": int(cfg.micro_batch_size) * int(world_size),
-        "gradient_clipping": float(cfg.grad_clip),
+        "gradient_clipping": 0.0 if policy and policy_clips_itself(cfg) else float(cfg.grad_clip),
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
         "fp16": {"enabled": False},

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from learner import state
 from learner.contracts import SFTBatch, TrainBatch
+from learner.ds_config import policy_clips_itself
 from learner.elastic_threads import ElasticThreads
 from learner.lora import set_dropout
 from learner.logprobs import entropy_from_logits, token_log_probs
@@ -265,13 +266,7 @@ class Replica:
         """Apply the accumulated gradients (one DeepSpeed step) and return the pre-clip global grad norm."""
         if self.capture is not None:
             self._record_gradients()
-        norm = None
-        if self.cfg.zero_stage == 0 and self.cfg.dtype == "float32":
-            # Stage 0 without bf16 clips with torch's clip_grad_norm_ and does not keep the norm: compute it
-            # here, after the boundary all-reduce and before the clip, with torch's fused per-tensor norms (a
-            # float64 copy of every gradient took a sixth of the small workload's learner time).
-            grads = [p.grad.detach() for p in self.engine.module.parameters() if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else 0.0
+        norm = self._clip_stage0() if policy_clips_itself(self.cfg) else None
         state.reset_cpu_adam_cache(self.engine)  # CPU Adam (offload): no step history outside optimizer.state
         self.engine.step()
         self.optimizer_steps += 1
@@ -279,6 +274,22 @@ class Replica:
             value = self.engine.get_global_grad_norm()
             norm = float(value) if value is not None else float("nan")
         return norm
+
+    def _clip_stage0(self) -> float:
+        """ZeRO-0 in float32 (``learner.ds_config.policy_clips_itself``): the global gradient norm and the clip,
+        here, after the boundary all-reduce. torch's fused per-tensor norms give the norm once (DeepSpeed's stage 0
+        keeps none, and a float64 copy of every gradient took a sixth of the small workload's learner time); the
+        gradients are scaled only when the clip bites, by torch's ``clip_grads_with_norm_``
+        (``learner.grad_clip / (norm + 1e-6)``), where DeepSpeed took the norm again and multiplied every
+        gradient, by 1 when the clip did not bite (2.5% of a small-workload update on one thread). Returns the
+        pre-clip norm."""
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        total = torch.nn.utils.get_total_norm([p.grad.detach() for p in params], foreach=True)
+        if float(self.cfg.grad_clip / (total + 1e-6)) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total, foreach=True)
+        return float(total)
 
     def _record_gradients(self) -> None:
         from deepspeed.utils import safe_get_full_grad

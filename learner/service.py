@@ -190,7 +190,7 @@ def _build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: i
 
     device = torch.device(get_accelerator().current_device_name())
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    ds_config = build_ds_config(cfg, world_size, on_gpu=learner_device(cfg) == "cuda")
+    ds_config = build_ds_config(cfg, world_size, on_gpu=learner_device(cfg) == "cuda", policy=True)
     # ZeRO-3 on GPUs: the model is built partitioned (HfDeepSpeedConfig makes from_pretrained run under
     # deepspeed.zero.Init and load the checkpoint shard by shard), not one full copy per rank in host RAM.
     if partitioned:

@@ -50,6 +50,30 @@ def _module_params(rank) -> dict[str, torch.Tensor]:
     return rank.full_state_dict()
 
 
+@pytest.mark.parametrize("grad_clip", [1e-3, 1e3], ids=["clip_bites", "clip_idle"])
+def test_zero0_clips_in_the_learner_as_torch_does(model_path, port, grad_clip):  # noqa: F811
+    """ZeRO-0 in float32: DeepSpeed's clip is off and the learner clips with the norm it reports
+    (``Replica._clip_stage0``). AdamW's first moment after one step is ``(1 - beta1) x`` the clipped gradient,
+    whose scale Adam's update hides: it equals plain torch's full-batch gradient times ``min(1, clip / (norm +
+    1e-6))``, whether the clip bites or not."""
+    cfg = LearnerConfig(algorithm="gspo", zero_stage=0, micro_batch_size=2, lr=1e-3, grad_clip=grad_clip,
+                        num_minibatches=1)
+    batch = make_batch(model_path, 5, seed=4)
+    learner = _rank(model_path, cfg, port)
+    assert learner.engine.gradient_clipping() == 0.0
+    s, t = loss_normalisers(batch.response_mask)
+    out = learner.train_rollout_batch([batch], [s], [t])
+    ref_grads, _ = reference_step(model_path, [batch], cfg)
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    assert out["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    coef = min(1.0, grad_clip / (ref_norm + 1e-6))
+    assert (coef < 1.0) == (grad_clip < 1.0)  # the two cases are what their names say
+    opt = learner.replica.base_optimizer()
+    for name, p in learner.engine.module.named_parameters():
+        want = (1 - cfg.adam_betas[0]) * coef * ref_grads[name]
+        torch.testing.assert_close(opt.state[p]["exp_avg"], want, rtol=1e-4, atol=1e-6 * coef)
+
+
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
 def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm):
     """3 micro-batches (2, 2, 1 rows) with gradient accumulation = one full-minibatch step in plain torch."""

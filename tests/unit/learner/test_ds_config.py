@@ -98,3 +98,15 @@ def test_deepspeed_reads_the_offload_section():
     ds = build_ds_config(LearnerConfig(zero_stage=3, offload_optimizer="cpu"), world_size=2, on_gpu=True)
     zero = DeepSpeedZeroConfig(**ds["zero_optimization"])
     assert zero.offload_optimizer.device == OffloadDeviceEnum.cpu and zero.offload_optimizer.pin_memory is True
+
+
+def test_the_policy_clips_itself_at_zero0_in_float32_only():
+    """DeepSpeed's clip is off where the learner clips (``Replica._clip_stage0``): the policy at ZeRO-0 in float32;
+    PPO's critic (``policy=False``) and the other stages and dtypes keep ``learner.grad_clip`` in DeepSpeed."""
+    def clip(policy: bool, **kw) -> float:
+        return build_ds_config(LearnerConfig(grad_clip=0.5, **kw), world_size=1, policy=policy)["gradient_clipping"]
+
+    assert clip(True, zero_stage=0) == 0.0
+    assert clip(False, zero_stage=0) == 0.5
+    assert clip(True, zero_stage=1) == 0.5
+    assert clip(True, zero_stage=1, dtype="bfloat16") == 0.5
