@@ -192,7 +192,9 @@ class LearnerConfig(Section):
         "off",
         description="'bfloat16': the learner's forwards (and so their backwards) under torch.autocast in bf16 "
         "with float32 weights, optimizer and log-prob math; faster on CPUs with bf16 units (avx512_bf16, AMX) "
-        "and GPUs, at a learner/engine log-prob gap against an fp32 engine (docs/benchmarks.md). 'off' = float32",
+        "and GPUs, at a learner/engine log-prob gap against an fp32 engine (docs/benchmarks.md). An MoE's expert "
+        "GEMMs stay float32: torch has no autocast rule for grouped_mm (pytorch issue 174763) and transformers "
+        "casts their input to the weights' dtype. 'off' = float32",
     )
     mismatch_monitor_every: int = Field(
         10,
