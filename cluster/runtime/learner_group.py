@@ -24,6 +24,7 @@ from learner.contracts import SFTBatch, SyncReport
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_ATTEMPTS = 3  # starts of the ranks when their rendezvous port is taken before rank 0 binds it
+RANK0_ERROR_WAIT_S = 30.0  # how long a failed start waits for rank 0's own error before giving up on a retry
 
 
 def _node_address() -> tuple[str, int]:
@@ -136,7 +137,7 @@ class LearnerGroup:
                 self.call("pid")
                 return
             except ray.exceptions.RayActorError as e:
-                if "EADDRINUSE" not in str(e) or attempt == RENDEZVOUS_ATTEMPTS:
+                if not self._port_taken(e) or attempt == RENDEZVOUS_ATTEMPTS:
                     raise
             log.warning("learner rendezvous port taken before rank 0 bound it (EADDRINUSE); starting the %d "
                         "ranks again at a fresh port (attempt %d of %d)", len(self.actors), attempt + 1,
@@ -145,6 +146,17 @@ class LearnerGroup:
                 ray.kill(a)
             self.rendezvous_retries += 1
             self.actors = self._spawn()
+
+    def _port_taken(self, err: Exception) -> bool:
+        """Whether a failed start is rank 0's bind on a taken port: in ``err``, or in rank 0's own error when
+        another rank failed first (a peer that connected to the other process's port)."""
+        if "EADDRINUSE" in str(err):
+            return True
+        try:
+            ray.get(self.actors[0].pid.remote(), timeout=RANK0_ERROR_WAIT_S)
+        except ray.exceptions.RayError as rank0:
+            return "EADDRINUSE" in str(rank0)
+        return False
 
     def train(self, plans: list[Any], guard: dict[str, float] | None, monitor: bool | None = None) -> dict[str, Any]:
         """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``); ``monitor``:

@@ -466,6 +466,8 @@ def wait_pending(pending: PendingLoad, timeout_s: float | None) -> tuple[dict[in
                           else error_text(err))
     slowest: dict[int, float] = {}  # bucket -> seconds
     for (slot, k), out in done.items():
+        if slot in failed:  # replaced: its loads are not the sync's
+            continue
         loads = pending.loads.get(slot, [])
         if k in loads:
             b = loads.index(k)
