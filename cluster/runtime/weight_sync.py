@@ -32,9 +32,10 @@ class WeightSync:
 
     def push(self, engines: list[Any], version: int | None, defer: bool = False) -> SyncReport:
         """Stream the current weights into ``engines`` (Ray handles of ``rollout.engine.RolloutEngine``) as
-        weight version ``version`` (None: the learner's own count when the sync runs, ``report.version``). An engine that fails is listed in the report's ``failed_engines``, not
-        raised (the fleet replaces it). ``defer``: return once the learner has put every bucket; the engines'
-        remaining calls are in the report's ``pending`` (``sync.load_beside_learner``).
+        weight version ``version`` (None: the learner's own count when the sync runs, ``report.version``). An
+        engine that fails is listed in the report's ``failed_engines``, not raised (the fleet replaces it).
+        ``defer``: return once the learner has put every bucket; the engines' remaining calls are in the report's
+        ``pending`` (``sync.load_beside_learner``).
 
         Raises:
             RuntimeError: rank 0 returned no report (a learner rank is not rank 0 of its group).
