@@ -277,16 +277,17 @@ class Replica:
 
     def _clip_stage0(self) -> float:
         """ZeRO-0 in float32 (``learner.ds_config.policy_clips_itself``): the global gradient norm and the clip,
-        here, after the boundary all-reduce. torch's fused per-tensor norms give the norm once (DeepSpeed's stage 0
-        keeps none, and a float64 copy of every gradient took a sixth of the small workload's learner time); the
-        gradients are scaled only when the clip bites, by torch's ``clip_grads_with_norm_``
+        here, after the boundary all-reduce. The norm is taken once, in DeepSpeed's own arithmetic (its
+        ``clip_grad_norm_``: per-tensor 2-norms, squared, summed, square root), so the clip coefficient and the
+        run stay bit for bit what they were with DeepSpeed's clip (rounding alone moved ``make train``'s
+        digits); the gradients are scaled only when the clip bites, by torch's ``clip_grads_with_norm_``
         (``learner.grad_clip / (norm + 1e-6)``), where DeepSpeed took the norm again and multiplied every
         gradient, by 1 when the clip did not bite (2.5% of a small-workload update on one thread). Returns the
         pre-clip norm."""
         params = [p for p in self.engine.module.parameters() if p.grad is not None]
         if not params:
             return 0.0
-        total = torch.nn.utils.get_total_norm([p.grad.detach() for p in params], foreach=True)
+        total = torch.stack([p.grad.detach().float().norm(2) for p in params]).pow(2).sum().float().pow(0.5)
         if float(self.cfg.grad_clip / (total + 1e-6)) < 1.0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total, foreach=True)
         return float(total)
