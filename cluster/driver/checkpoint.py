@@ -10,8 +10,12 @@ import logging
 import os
 import re
 import shutil
+import types
+import typing
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 from cluster.config import Config, ConfigError
 
@@ -100,6 +104,7 @@ RESUME_FREE = (
     "reward.sandbox.tmp_root",
     "learner.num_cpus_per_rank", "learner.num_gpus_per_rank", "learner.threads_per_rank", "learner.cpu_shm_allreduce",
     "learner.dist_timeout_s", "learner.moe_diagnostics", "learner.pre_update_pass", "learner.gradient_checkpointing",
+    "rollout.node_resources", "reward.node_resources", "learner.node_resources",
     "trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
     "trainer.audit_steps", "trainer.output_dir", "trainer.run_name", "trainer.resume", "trainer.ray_address",
     "trainer.bind_host", "trainer.plots",
@@ -109,8 +114,8 @@ RESUME_FREE = (
 # free to change on a checkpoint written before any RL step (a warm start: cluster/compare.py resumes every
 # algorithm from one), refused on a later one.
 RESUME_RL_ONLY = (
-    "learner.algorithm", "learner.clip_low", "learner.clip_high", "learner.loss_agg", "learner.num_minibatches",
-    "learner.ppo_epochs", "learner.lr", "learner.kl_coef", "learner.kl_estimator", "learner.normalize_adv_std",
+    "learner.algorithm", "learner.clip_low", "learner.clip_high", "learner.loss_agg", "learner.loss_options",
+    "learner.num_minibatches", "learner.ppo_epochs", "learner.lr", "learner.kl_coef", "learner.kl_estimator", "learner.normalize_adv_std",
     "learner.old_logprob_source", "learner.routing_replay", "learner.rollout_correction",
     "learner.rollout_correction_low", "learner.rollout_correction_high", "rollout.return_routed_experts",
     "trainer.prompts_per_step", "trainer.group_size", "trainer.dynamic_sampling", "trainer.max_sampling_rounds",
@@ -131,11 +136,30 @@ def _matches(key: str, patterns: tuple[str, ...]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def mapping_fields(model: type[BaseModel] = Config, prefix: str = "") -> frozenset[str]:
+    """Dotted paths of the config's free-form mapping fields (``dict[...]``, e.g. ``learner.loss_options``),
+    which the resume check compares as whole values: an entry added to or removed from one is a change, not a
+    key that one side lacks."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        members = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union \
+            else (ann,)
+        for member in members:
+            if typing.get_origin(member) is dict or member is dict:
+                out.add(f"{prefix}{name}")
+            elif isinstance(member, type) and issubclass(member, BaseModel):
+                out |= mapping_fields(member, f"{prefix}{name}.")
+    return frozenset(out)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "", whole: frozenset[str] | None = None) -> dict[str, Any]:
+    """``tree``'s leaves by dotted key; the paths in ``whole`` (default ``mapping_fields()``) stay one value."""
+    whole = mapping_fields() if whole is None else whole
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+        if isinstance(v, dict) and f"{prefix}{k}" not in whole:
+            out.update(_flatten(v, f"{prefix}{k}.", whole))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -180,7 +204,8 @@ def check_resume(saved: dict[str, Any], cfg: Config, fingerprint: dict[str, Any]
     has no fingerprint), model, learner dtype, micro-batch size or optimizer settings (a checkpoint from before
     ``learner.offload_optimizer`` counts as 'none'); after the first RL step
     also the algorithm and its objective, the rollout batch, sampling and reward (``RESUME_RL_ONLY``). Free,
-    with a log line: resources, logging, schedule length, health guard (``RESUME_FREE``).
+    with a log line: resources, logging, schedule length, health guard (``RESUME_FREE``). Mapping fields
+    (``learner.loss_options``, ``*.node_resources``: ``mapping_fields``) are compared as whole values.
 
     Args:
         saved: ``read_state`` of the checkpoint (``step``, ``config``, ``data_fingerprint``).

@@ -196,6 +196,22 @@ def test_where_verifiers_run_is_free_to_change_on_resume():
         assert not [m for m in _check(_saved([saved])) if "inline_verifiers" in m and "free" not in m]
 
 
+def test_loss_options_are_compared_whole_and_placement_resources_are_free(caplog):
+    """``learner.loss_options`` is one value: an option set on one side only is a change (refused after RL steps,
+    free on a warm-start checkpoint), not a key one side lacks; the services' node_resources are placement."""
+    with pytest.raises(ResumeMismatch, match=r"learner.loss_options: checkpoint \{\}, config \{'tau_neg': 2.0\}"):
+        _check(_saved(["learner.algorithm=sapo"], step=3), ["learner.algorithm=sapo", "learner.loss_options.tau_neg=2.0"])
+    with pytest.raises(ResumeMismatch, match="learner.loss_options: checkpoint .'tau_pos': 0.5., config ."):
+        _check(_saved(["learner.algorithm=sapo", "learner.loss_options.tau_pos=0.5"], step=3),
+               ["learner.algorithm=sapo", "learner.loss_options.tau_pos=0.7"])
+    notes = _check(_saved(["learner.algorithm=sapo"], step=0), ["learner.algorithm=sapo",
+                                                                 "learner.loss_options.tau_neg=2.0"])
+    assert "learner.loss_options: {} -> {'tau_neg': 2.0} (the checkpoint is from before the first RL step)" in notes
+    notes = _check(_saved(step=3), ["rollout.node_resources.gspo_node_1=1"])
+    assert "rollout.node_resources: {} -> {'gspo_node_1': 1.0} (free to change on resume)" in notes
+    assert not [n for n in notes if "only in the" in n]
+
+
 def test_every_key_is_classified_once():
     """No key is listed both free and RL-only (free keys win over an RL-only section prefix: reward.num_workers
     is free, the rest of reward. is RL-only), and every pattern names a key (or section) of the schema."""
