@@ -6,7 +6,8 @@
 
 Our side runs the ``lean`` profile unless ``--profile config``: the CPU split chosen by measurement (``LEAN``
 below: overlapped step, one ZeRO-0 learner rank beside a 1-thread engine, no diagnostics or guard; on the
-small workload a token budget and elastic threads), printed before each run; ``--ours`` settings go on top.
+small workload a token budget, elastic threads and all of the model's weight buckets in flight), printed before
+each run; ``--ours`` settings go on top.
 
 Both sides get the same model folder (built once here with ``cluster.models.tiny_model``), the same prompts in the
 same order (our ``PromptStream``), the same P (prompts per step), G (group size), L (max response tokens),
@@ -66,12 +67,14 @@ WORKLOADS: dict[str, list[str]] = {
 # Our side's settings unless --profile config: the CPU split chosen by measurement on this 2-core machine (README,
 # "Benchmarks"): the overlapped step, one learner rank (ZeRO-0) beside a 1-thread engine that loads new weights
 # while the learner trains on, no MoE diagnostics or health guard (so no pre-update pass); on the small workload
-# also an 8192-token micro-batch budget and elastic learner threads (2 once the engine is done generating). P, G,
+# also an 8192-token micro-batch budget, elastic learner threads (2 once the engine is done generating) and all 4
+# of the model's 64 MiB weight buckets in flight (the learner returns from a sync once they are put). P, G,
 # L, M, lr and temperature are untouched.
 LEAN = ["trainer.max_staleness=1", "learner.moe_diagnostics=false", "health.enabled=false", "learner.world_size=1",
         "learner.zero_stage=0", "rollout.threads_per_engine=1", "sync.load_beside_learner=true"]
 PROFILES: dict[str, dict[str, list[str]]] = {
-    "lean": {"tiny": LEAN, "small": [*LEAN, "learner.max_tokens_per_micro_batch=8192", "learner.max_threads_per_rank=2"]},
+    "lean": {"tiny": LEAN, "small": [*LEAN, "learner.max_tokens_per_micro_batch=8192", "learner.max_threads_per_rank=2",
+                                     "sync.max_buckets_in_flight=4"]},
     "config": {"tiny": [], "small": []},
 }
 CONFIG = "configs/tiny_moe.yaml"

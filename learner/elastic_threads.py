@@ -7,7 +7,9 @@ a rank take them: a watcher thread measures, every ``period`` seconds, how many 
 mask other processes kept busy over that last window (``/proc/stat`` busy time of those cores minus this
 process's own CPU time, ``os.times``), and before each micro-batch's forward and before its backward the rank
 sets ``torch.set_num_threads`` to the idle cores of the latest window, between ``learner.threads_per_rank`` and
-``learner.max_threads_per_rank``. A short recent window, not the whole interval since the last decision: a
+``learner.max_threads_per_rank``; ``attach_layer_hooks`` decides again before every decoder layer's forward
+and backward, so the rank takes a core freed in the middle of a micro-batch (on the small workload a backward
+lasts over a second) within one layer. A short recent window, not the whole interval since the last decision: a
 micro-batch lasts seconds on the CPU, and an interval in which the engine was busy for most of the time would
 keep the rank at one thread long after the engine finished. When the engine starts generating again, the next
 window sees its core busy and the rank drops back. Never more threads than idle cores: two thread
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -131,3 +134,39 @@ class ElasticThreads:
             torch.set_num_threads(n)
             self.threads = n
             self.changes += 1
+
+
+def attach_layer_hooks(model: torch.nn.Module, elastic: ElasticThreads) -> list[Any]:
+    """Hooks that call ``elastic.adjust()`` before each decoder layer's forward and before its backward.
+
+    The decoder layers are the modules whose class name ends in ``DecoderLayer`` (transformers' naming). The
+    backward's decision is a gradient hook on the layer's output hidden states (the first tensor it returns),
+    registered by a forward hook when that output requires grad: it fires when the layer's backward is about
+    to run. No change to the autograd graph or to the layers' outputs.
+
+    Args:
+        model: the rank's model (a transformers model or a module holding one).
+        elastic: the rank's ``ElasticThreads``.
+
+    Returns:
+        The hook handles (``handle.remove()`` detaches them); empty when ``model`` has no decoder layers.
+    """
+
+    def before_forward(_module, _args) -> None:
+        elastic.adjust()
+
+    def before_backward(_grad: torch.Tensor) -> None:  # returns None: the gradient stays as it is
+        elastic.adjust()
+
+    def on_output(_module, _args, output) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        hidden = next((o for o in outputs if isinstance(o, torch.Tensor)), None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(before_backward)
+
+    handles = []
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            handles.append(module.register_forward_pre_hook(before_forward))
+            handles.append(module.register_forward_hook(on_output))
+    return handles

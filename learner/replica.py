@@ -21,7 +21,7 @@ import torch.distributed as dist
 from learner import state
 from learner.contracts import SFTBatch, TrainBatch
 from learner.ds_config import policy_clips_itself
-from learner.elastic_threads import ElasticThreads
+from learner.elastic_threads import ElasticThreads, attach_layer_hooks
 from learner.lora import set_dropout
 from learner.logprobs import entropy_from_logits, token_log_probs
 from learner.microbatch import MicroBatch, batch_problem, micro_slices
@@ -61,6 +61,8 @@ class Replica:
         self.elastic = (ElasticThreads(cfg.threads_per_rank, cfg.max_threads_per_rank)
                         if cfg.max_threads_per_rank is not None and device.type == "cpu" else None)
         self.thread_counts: list[int] = []  # threads of each micro-batch of the current update (elastic only)
+        self._layer_hooks = (attach_layer_hooks(getattr(engine, "module", engine), self.elastic)
+                             if self.elastic is not None else [])
         self._last_snapshot: dict[str, Any] | None = None  # the last guarded step's snapshot: its buffers are reused
         self._flat_ok: dict[int, bool] = {}  # flat_packing's verdict per model (by id)
 

@@ -110,3 +110,90 @@ def test_elastic_threads_config_refusals():
         LearnerConfig(max_threads_per_rank=2, num_gpus_per_rank=1)
     with pytest.raises(ValueError, match="threads_per_rank"):
         et.ElasticThreads(2, 1)
+
+
+class _Seen(torch.autograd.Function):
+    """Identity that records torch's thread count in its forward and in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        log.append(("forward", torch.get_num_threads()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("backward", torch.get_num_threads()))
+        return grad, None
+
+
+class ToyDecoderLayer(torch.nn.Module):
+    """A decoder layer by transformers' naming, logging the thread count it runs its forward and backward on."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.lin, self.log = torch.nn.Linear(4, 4), log
+
+    def forward(self, x):
+        return _Seen.apply(self.lin(x), self.log)
+
+
+def test_layer_hooks_decide_before_every_decoder_layer_forward_and_backward(machine):
+    """A core freed while the first layer runs is taken by the second layer's forward; one taken back while the
+    forward ends is given back before the last layer's backward, not at the next micro-batch. Without the
+    hooks the whole micro-batch stays at the count decided before it."""
+    m = machine
+    for hooked in (True, False):
+        log: list = []
+        model = torch.nn.Sequential(ToyDecoderLayer(log), ToyDecoderLayer(log))
+        e = et.ElasticThreads(1, 2, watch=False)
+        handles = et.attach_layer_hooks(model, e) if hooked else []
+        assert len(handles) == (4 if hooked else 0)
+        e.start()
+        m.run(0.5, others=1.0, mine=1.0)
+        e.tick()
+        e.adjust()  # before the micro-batch: the engine busy, one thread
+
+        def engine_done(*_):  # the engine finishes while layer 0 runs: the watcher's window sees its core idle
+            m.run(0.2, others=0.0, mine=1.0)
+            e.tick()
+
+        model[0].register_forward_hook(engine_done)
+        out = model(torch.ones(2, 4, requires_grad=True))
+        m.run(0.2, others=1.0, mine=2.0)  # the engine starts again before the backward
+        e.tick()
+        out.sum().backward()
+        want = ([("forward", 1), ("forward", 2), ("backward", 1), ("backward", 1)] if hooked
+                else [("forward", 1), ("forward", 1), ("backward", 1), ("backward", 1)])
+        assert log == want, (hooked, log)
+        for h in handles:
+            h.remove()
+
+
+def test_layer_hooks_find_a_transformers_models_decoder_layers(tmp_path, monkeypatch):
+    """On the embedded Qwen3-MoE (2 decoder layers): a forward pre-hook and an output hook per layer, and a
+    forward+backward asks for a decision before each layer's forward and each layer's backward."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.models.tiny_model import build_tiny_moe
+
+    model = AutoModelForCausalLM.from_pretrained(str(build_tiny_moe(tmp_path / "m")), dtype=torch.float32)
+    e = et.ElasticThreads(1, 1, watch=False)
+    calls: list[int] = []
+    monkeypatch.setattr(e, "adjust", lambda: calls.append(1) or 1)
+    handles = et.attach_layer_hooks(model, e)
+    assert len(handles) == 2 * model.config.num_hidden_layers == 4
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert len(calls) == 2  # no grad: forward decisions only
+    calls.clear()
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    assert len(calls) == 4
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    calls.clear()
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()  # the recomputed forwards decide too
+    assert len(calls) >= 4 and all(p.grad is not None for p in model.model.layers[0].parameters())
+    for h in handles:
+        h.remove()
+    assert et.attach_layer_hooks(torch.nn.Linear(2, 2), e) == []
