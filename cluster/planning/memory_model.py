@@ -79,6 +79,34 @@ def param_count(shape: Any) -> int:
     return v * h * (1 if shape.tie_word_embeddings else 2) + h + shape.num_layers * layer
 
 
+def lora_trainable_params(shape: Any | None, rank: int | None, targets: str | list[str]) -> int | None:
+    """Parameters of a LoRA adapter (Hu et al., arXiv 2106.09685, Eq. 3: ``A [r, in]`` and ``B [out, r]`` per
+    adapted linear layer, so ``r (in + out)``) over the decoder layers of ``shape``.
+
+    Args:
+        shape: a ``cluster.config.ModelShape``, or None.
+        rank: ``learner.lora.rank`` r (0 or None: LoRA off).
+        targets: ``learner.lora.target_modules``: names among ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and, on
+            a dense model, ``gate_proj``, ``up_proj``, ``down_proj``; or ``'all-linear'`` (all seven, dense only).
+
+    Returns:
+        The count, or None where the shape does not give it: no shape, LoRA off, another name, or an MLP
+        target (``'all-linear'`` included) on an MoE, which the learner refuses anyway (learner/lora.py).
+    """
+    if shape is None or not rank:
+        return None
+    h, hd = shape.hidden_size, shape.head_dim
+    a, k = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    sizes = {"q_proj": h + a, "k_proj": h + k, "v_proj": h + k, "o_proj": a + h}
+    if not _get(shape, "num_experts"):
+        i = shape.intermediate_size
+        sizes.update(gate_proj=h + i, up_proj=h + i, down_proj=i + h)
+    names = list(sizes) if targets == "all-linear" and len(sizes) == 7 else targets
+    if isinstance(names, str) or any(t not in sizes for t in names):
+        return None
+    return shape.num_layers * rank * sum(sizes[t] for t in set(names))
+
+
 def largest_layer_params(shape: Any) -> int:
     """Parameters of the largest single module ZeRO-3 gathers at once: a decoder layer or the embedding."""
     per_layer = (param_count(shape) - shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
@@ -167,7 +195,8 @@ def _check_learner_args(num_params: float, zero_stage: int, dtype: str, world_si
 
 
 def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_size: int,
-                       reference_model: bool = False, offload_optimizer: bool = False) -> dict[str, float]:
+                       reference_model: bool = False, offload_optimizer: bool = False,
+                       trainable_params: float | None = None) -> dict[str, float]:
     """Static memory of one learner rank (see the module docstring for the formula and its source).
 
     Args:
@@ -178,6 +207,8 @@ def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_
         reference_model: a frozen reference copy is held (``kl_coef > 0``).
         offload_optimizer: ZeRO-Offload of the optimizer to the host (``learner.offload_optimizer='cpu'``): the
             optimizer term, and at stage 3 the gradient term, are 0 here (``learner_host_offload_gib`` has them).
+        trainable_params: LoRA's adapter parameters T (``lora_trainable_params``), or None (all P train): with T
+            the weights are ``b (P + T)`` and the gradients and optimizer count T instead of P.
 
     Returns:
         GiB per rank on its device: ``weights``, ``gradients``, ``optimizer``, ``reference``, ``overhead`` and
@@ -193,10 +224,11 @@ def learner_memory_gib(num_params: float, *, zero_stage: int, dtype: str, world_
     b = BYTES[dtype]
     k = 12 if dtype == "bfloat16" else 8
     n = world_size
+    t = num_params if trainable_params is None else trainable_params
     parts = {
-        "weights": b * num_params / (n if zero_stage >= 3 else 1),
-        "gradients": 4 * num_params / (n if zero_stage >= 2 else 1),  # accumulated in fp32 (ds_config.py)
-        "optimizer": k * num_params / (n if zero_stage >= 1 else 1),
+        "weights": b * (num_params + (trainable_params or 0)) / (n if zero_stage >= 3 else 1),
+        "gradients": 4 * t / (n if zero_stage >= 2 else 1),  # accumulated in fp32 (ds_config.py)
+        "optimizer": k * t / (n if zero_stage >= 1 else 1),
         "reference": b * num_params if reference_model else 0.0,
     }
     if offload_optimizer:

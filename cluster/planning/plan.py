@@ -22,6 +22,10 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
                   second engine in the rank; its P bounded by the policy's; doubled offloaded host partitions)
       total     = weights + gradients + optimizer + reference + critic + LEARNER_OVERHEAD_GIB
 
+  With LoRA (``learner.lora.rank`` r > 0, learner/lora.py) the gradients and optimizer count the adapter's
+  T = r x sum(in + out) of the adapted projections instead of P, and the weights are b (P + T)
+  (``memory_model.lora_trainable_params``; where the shape does not give T, P is counted: a bound).
+
   b = 2 bytes (bfloat16) or 4 (float32); K = 12 for bfloat16 (fp32 master weights + Adam's two moments) and
   8 for float32 (the weights are the master copy; the two moments). ``LEARNER_OVERHEAD_GIB`` covers the CUDA
   context, NCCL and DeepSpeed's communication buckets. When ``model.shape`` is known (or the model is
@@ -374,10 +378,11 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
     lc, rc = cfg.learner, cfg.rollout
     shape, p = model_shape(cfg), num_params(cfg)
     offload = lc.offload_optimizer == "cpu"
+    lora_t = mm.lora_trainable_params(shape, lc.lora.rank, lc.lora.target_modules)  # None: all P train (bound)
     lm = learner_memory_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
-                            reference_model=lc.kl_coef > 0, offload_optimizer=offload)
-    host_off = (learner_host_offload_gib(p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size)
-                if offload else {"total": 0.0})
+                            reference_model=lc.kl_coef > 0, offload_optimizer=offload, trainable_params=lora_t)
+    host_off = (learner_host_offload_gib(lora_t or p, zero_stage=lc.zero_stage, dtype=lc.dtype,
+                                         world_size=lc.world_size) if offload else {"total": 0.0})
     ppo = lc.algorithm == "ppo"  # PPO's critic: a second engine and optimizer on every rank (learner/critic.py)
     if ppo:
         lm = mm.add_critic_gib(lm, p, zero_stage=lc.zero_stage, dtype=lc.dtype, world_size=lc.world_size,
@@ -395,7 +400,10 @@ def _memory(cfg: Config, nodes: list[_Node], gpu_memory_gib: float | None) -> di
         + (", + reference model" if lc.kl_coef > 0 else "")
         + (", + PPO critic (its P bounded by the policy's)" if ppo else "")
         + (f", gradient checkpointing {'on' if lc.gradient_checkpointing else 'off'}" if work else "")
-        + (", optimizer offloaded to host RAM (CPU Adam)" if offload else ""),
+        + (", optimizer offloaded to host RAM (CPU Adam)" if offload else "")
+        + (f", LoRA r={lc.lora.rank}: {lora_t} trainable parameters" if lora_t else
+           ", LoRA: trainable count unknown here, the full model's gradients and optimizer counted (a bound)"
+           if lc.lora.rank else ""),
     }
     if offload:
         mem["learner_host_offload_per_rank_gib"] = {k: round(v, 2) for k, v in host_off.items()}
