@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cluster.models.hub_model import is_hub_id
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.health import GUARD_CHECKS
+from learner.loss_settings import AUDITED_ALGORITHMS
 from reward.config import RewardConfig
 from rollout.config import RolloutConfig
 
@@ -375,6 +376,10 @@ class Config(Section):
                 "learner.pre_update_pass='never' is refused: "
                 + ", ".join(lr.pre_update_pass_needs(self.health.guard())) + " need(s) the pre-update pass"
             )
+        if t.audit_steps and lr.algorithm not in AUDITED_ALGORITHMS:
+            raise ValueError(
+                f"trainer.audit_steps={t.audit_steps} is refused with learner.algorithm={lr.algorithm!r}: the offline "
+                f"ratio audit recomputes {', '.join(AUDITED_ALGORITHMS)} only (learner/audit_checks.py)")
         if t.max_staleness and t.audit_steps:
             raise ValueError(
                 f"trainer.audit_steps={t.audit_steps} is refused with trainer.max_staleness={t.max_staleness}: the "

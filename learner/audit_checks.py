@@ -118,6 +118,7 @@ def policy_objective(
     loss_agg: str,
     num_sequences: float,
     num_tokens: float,
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """The clipped policy loss of one whole minibatch, written out independently of ``learner.objectives``.
 
@@ -126,11 +127,13 @@ def policy_objective(
     ``loss = -(1/S) sum_i term_i`` over sequences with a response token (with sequence advantages GSPO-token
     has the same value and gradient). GRPO: the same per token with ``r = exp(clamp(lp - old, +-20))``,
     aggregated by ``loss_agg`` (``token_mean``: ``/N``; ``seq_mean_token_mean``: per-sequence means ``/S``;
-    ``seq_mean_token_sum``: ``/S``).
+    ``seq_mean_token_sum``: ``/S``). Dr. GRPO (Liu et al., arXiv 2503.20783): GRPO's loss divided by the constant
+    ``norm_length`` (with ``seq_mean_token_sum``: ``-(1/S) sum_i (1/L) sum_t term``).
 
     Args:
         lp: float ``[B, T]`` current log-probs (differentiable); old: behaviour log-probs; advantages: ``[B]``;
-        mask: bool ``[B, T]``; num_sequences ``S`` and num_tokens ``N``: the minibatch's normalisers.
+        mask: bool ``[B, T]``; num_sequences ``S`` and num_tokens ``N``: the minibatch's normalisers;
+        norm_length: Dr. GRPO's ``L`` (``learner.loss_options.norm_length``), for ``dr_grpo`` only.
 
     Returns:
         ``(loss, stats)``: 0-dim float64 loss; stats with ``clip_fraction``, ``ratio_mean|min|max`` (of the
@@ -138,8 +141,15 @@ def policy_objective(
         ``s_i`` whatever the algorithm) and ``num_units``.
 
     Raises:
-        ValueError: unknown algorithm or loss_agg.
+        ValueError: unknown algorithm or loss_agg, or ``dr_grpo`` without a ``norm_length`` >= 1.
     """
+    if algorithm == "dr_grpo":
+        if not norm_length or norm_length < 1:
+            raise ValueError(f"algorithm='dr_grpo' needs norm_length >= 1, got {norm_length!r}")
+        loss, stats = policy_objective(lp, old, advantages, mask, algorithm="grpo", clip_low=clip_low,
+                                       clip_high=clip_high, loss_agg=loss_agg, num_sequences=num_sequences,
+                                       num_tokens=num_tokens)
+        return loss / float(norm_length), stats
     mask = mask.bool()
     f64 = torch.float64
     zero = torch.zeros((), dtype=f64)
@@ -424,6 +434,7 @@ def first_minibatch_objective(minibatch: dict[str, Any], objective: dict[str, An
             lp, old_sub, batch.advantages[rows], sub_mask, algorithm=objective["algorithm"],
             clip_low=float(objective["clip_low"]), clip_high=float(objective["clip_high"]),
             loss_agg=objective["loss_agg"], num_sequences=seqs, num_tokens=toks,
+            norm_length=objective.get("norm_length"),
         )
         if with_grad:
             loss.backward()

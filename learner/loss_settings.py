@@ -124,6 +124,10 @@ class LossInfo:
 
 
 _SEQ = (GSPO_LOSS_AGG,)
+#: the algorithms the offline ratio audit (learner/audit_checks.py, ``policy_objective``) recomputes; the config
+#: refuses ``trainer.audit_steps`` with another (PPO's per-token GAE advantages are not in the saved batch)
+AUDITED_ALGORITHMS = ("gspo", "gspo_token", "grpo", "dr_grpo")
+
 BUILTIN_LOSSES: dict[str, LossInfo] = {
     "gspo": LossInfo(GspoSettings, _SEQ, token_weights=False, unit="sequence"),
     "gspo_token": LossInfo(GspoSettings, _SEQ, token_weights=False, unit="sequence"),

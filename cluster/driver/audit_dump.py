@@ -92,6 +92,7 @@ def _objective_settings(cfg: Any) -> dict[str, Any]:
         "clip_low": obj.clip_low,
         "clip_high": obj.clip_high,
         "loss_agg": obj.loss_agg,
+        "norm_length": lc.loss_options.get("norm_length"),  # Dr. GRPO's constant (the config sets it)
         "temperature": float(cfg.rollout.temperature),
         "micro_batch_size": int(lc.micro_batch_size),
         "world_size": int(lc.world_size),

@@ -19,7 +19,9 @@ from learner import audit
 from tests.helpers import REPO_ROOT
 
 
-def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
+@pytest.mark.parametrize("algorithm", ["gspo", pytest.param("dr_grpo", marks=pytest.mark.matrix)])
+def test_real_run_audits_clean_and_catches_mask_shift(tmp_path, algorithm):
+    """gspo in the suite; Dr. GRPO (GRPO's token loss over a constant length) in ``make test-matrix``."""
     from safetensors.torch import load_file, save_file
 
     from cluster.config import load_config
@@ -29,6 +31,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path):
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit", "trainer.total_steps=1",
         "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0",
         "trainer.plots=false", "trainer.audit_steps=[1]", "learner.micro_batch_size=2", "learner.num_minibatches=2",
+        f"learner.algorithm={algorithm}",
         "warm_start.steps=2", "warm_start.batch_size=16", "data.num_eval=8", "wandb.mode=disabled",
         # After 2 warm-start steps no sum is right; a format term (a digit anywhere) makes rewards differ within
         # groups, so advantages and the first minibatch's gradient are not all zero.

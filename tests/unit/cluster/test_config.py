@@ -307,6 +307,17 @@ def test_audit_steps_refused_in_the_overlapped_mode():
     assert "learner.old_logprob_source='recompute'" in cfg.learner.pre_update_pass_needs(None)
 
 
+def test_audit_steps_refused_for_an_algorithm_the_audit_does_not_recompute():
+    """The offline audit recomputes gspo, gspo_token, grpo and dr_grpo; another algorithm is refused at load, not
+    by the audit after the run."""
+    zero2 = REPO_ROOT / "configs" / "tiny_moe_zero2.yaml"
+    for algorithm in ("gspo_token", "grpo", "dr_grpo"):
+        assert load_config(zero2, [f"learner.algorithm={algorithm}", "trainer.audit_steps=[2]"]).trainer.audit_steps
+    for algorithm in ("cispo", "ppo"):
+        with pytest.raises(ConfigError, match=f"trainer.audit_steps=.2. is refused with learner.algorithm='{algorithm}'"):
+            load_config(zero2, [f"learner.algorithm={algorithm}", "trainer.audit_steps=[2]"])
+
+
 def test_linear_warmup_hand_values():
     from cluster.driver.warm_start import linear_warmup
 

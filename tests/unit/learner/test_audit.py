@@ -76,6 +76,11 @@ def test_grpo_objective_aggregations_hand_values():
     assert float(loss) == pytest.approx(-((1.27 + 1.0) / 2 + -1.0) / 2)
     loss, _ = audit.policy_objective(lp, old, adv, mask, loss_agg="seq_mean_token_sum", **kw)
     assert float(loss) == pytest.approx(-sum(terms) / 2)
+    loss, _ = audit.policy_objective(lp, old, adv, mask, loss_agg="seq_mean_token_sum", norm_length=8,
+                                     **{**kw, "algorithm": "dr_grpo"})
+    assert float(loss) == pytest.approx(-sum(terms) / 2 / 8)  # Dr. GRPO: the token sums over S, then over L
+    with pytest.raises(ValueError, match="norm_length"):
+        audit.policy_objective(lp, old, adv, mask, loss_agg="seq_mean_token_sum", **{**kw, "algorithm": "dr_grpo"})
     with pytest.raises(ValueError, match="loss_agg"):
         audit.policy_objective(lp, old, adv, mask, loss_agg="nope", **kw)
     with pytest.raises(ValueError, match="algorithm"):
@@ -83,7 +88,8 @@ def test_grpo_objective_aggregations_hand_values():
 
 
 @pytest.mark.parametrize("algorithm,loss_agg", [("gspo", "seq_mean_token_mean"), ("gspo_token", "seq_mean_token_mean"),
-                                                ("grpo", "token_mean"), ("grpo", "seq_mean_token_mean")])
+                                                ("grpo", "token_mean"), ("grpo", "seq_mean_token_mean"),
+                                                ("dr_grpo", "seq_mean_token_sum")])
 def test_objective_agrees_with_training_code(algorithm, loss_agg):
     """Cross-check against learner.objectives (the code under audit) on random data, value and gradient,
     with the training side split into two micro-batches with global normalisers."""
@@ -96,16 +102,18 @@ def test_objective_agrees_with_training_code(algorithm, loss_agg):
     old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     lp = (old + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.05).requires_grad_(True)
     adv = torch.randn(b, generator=g, dtype=torch.float64)
-    clip = (3e-3, 4e-3) if algorithm != "grpo" else (0.02, 0.03)
+    clip = (3e-3, 4e-3) if algorithm.startswith("gspo") else (0.02, 0.03)
+    options = {"norm_length": 7} if algorithm == "dr_grpo" else {}
     s, n = loss_normalisers(mask)
     ours, stats = audit.policy_objective(lp, old, adv, mask, algorithm=algorithm, clip_low=clip[0], clip_high=clip[1],
-                                         loss_agg=loss_agg, num_sequences=s, num_tokens=n)
+                                         loss_agg=loss_agg, num_sequences=s, num_tokens=n, **options)
     (g_ours,) = torch.autograd.grad(ours, lp)
     theirs = 0.0
     parts = []
     for lo, hi in ((0, 4), (4, 6)):
         result = policy_loss(lp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi],
-            resolve_objective(algorithm, clip_low=clip[0], clip_high=clip[1], loss_agg=loss_agg), num_sequences=s, num_tokens=n)
+            resolve_objective(algorithm, clip_low=clip[0], clip_high=clip[1], loss_agg=loss_agg, options=options),
+            num_sequences=s, num_tokens=n)
         part, m = result.loss, result.metrics
         theirs = theirs + part
         parts.append(m)
