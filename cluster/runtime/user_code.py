@@ -121,18 +121,27 @@ def check_user_verifiers(named: dict[str, str], cwd: Path | None = None) -> list
     cwd = with_working_dir_on_path(cwd)
     ship: list[str] = []
     for name, key in named.items():
-        module_name = name.partition(":")[0]
         try:
             get_verifier(name)
         except ValueError as err:
-            raise ConfigError(
-                f"{key}={name!r}: {err}. A user verifier's module (here {module_name!r}) must be in the working "
-                f"directory ({cwd}), on PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'}) or installed"
-            ) from None
-        src = module_source(sys.modules[module_name.split(".")[0]])
-        if src is not None and str(src) not in ship:
-            ship.append(str(src))
+            raise ConfigError(_not_found(f"{key}={name!r}", err, "verifier", name, cwd)) from None
+        src = _shipped_source(name)
+        if src is not None and src not in ship:
+            ship.append(src)
     return ship
+
+
+def _not_found(what: str, err: ValueError, kind: str, name: str, cwd: Path) -> str:
+    """The message of a user ``kind``'s (``module:function``) import failure, with where its module was looked for."""
+    module_name = name.partition(":")[0]
+    return (f"{what}: {err}. A user {kind}'s module (here {module_name!r}) must be in the working directory "
+            f"({cwd}), on PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'}) or installed")
+
+
+def _shipped_source(name: str) -> str | None:
+    """``module_source`` of the top-level package of an imported ``module:function``, as a string."""
+    src = module_source(sys.modules[name.partition(":")[0].split(".")[0]])
+    return None if src is None else str(src)
 
 
 def check_user_loss(cfg: Config, cwd: Path | None = None) -> list[str]:
@@ -155,14 +164,10 @@ def check_user_loss(cfg: Config, cwd: Path | None = None) -> list[str]:
     if not is_user_loss(lc.algorithm):
         return []
     cwd = with_working_dir_on_path(cwd)
-    module_name = lc.algorithm.partition(":")[0]
     try:
         get_policy_loss(lc.algorithm)
         resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
     except ValueError as err:
-        raise ConfigError(
-            f"learner.algorithm={lc.algorithm!r}: {err}. A user loss's module (here {module_name!r}) must be in the "
-            f"working directory ({cwd}), on PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'}) or installed"
-        ) from None
-    src = module_source(sys.modules[module_name.split(".")[0]])
-    return [] if src is None else [str(src)]
+        raise ConfigError(_not_found(f"learner.algorithm={lc.algorithm!r}", err, "loss", lc.algorithm, cwd)) from None
+    src = _shipped_source(lc.algorithm)
+    return [] if src is None else [src]
