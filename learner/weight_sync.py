@@ -42,6 +42,7 @@ import torch
 
 from learner.contracts import PendingLoad, SyncReport
 from learner.lora import merged_bucket
+from rollout.contracts import error_text
 
 if TYPE_CHECKING:
     from rollout.contracts import BucketLoad
@@ -147,12 +148,6 @@ def wait_calls(ray: Any, calls: dict[Any, Any], timeout_s: float | None) -> tupl
         except ray.exceptions.RayError as err:
             errors[key] = err
     return done, errors
-
-
-def error_text(err: BaseException) -> str:
-    """An engine call's error in one line for logs and metrics: its type and the first line of its text (300
-    characters at most)."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
 
 
 class _Fanout:
@@ -337,8 +332,7 @@ def transfer_group(rank, fan: _Fanout, timeout_s: float) -> TransferGroup | None
     try:
         rank.transfer_group = TransferGroup(fan, key, device, timeout_s)
     except Exception as err:  # noqa: BLE001 - any rendezvous failure: this sync uses the object store
-        log.warning("weight sync: no transfer group (%s); this sync goes through the object store",
-                    str(err).splitlines()[0][:300])
+        log.warning("weight sync: no transfer group (%s); this sync goes through the object store", error_text(err))
         return None
     return rank.transfer_group
 
@@ -414,7 +408,7 @@ class _Sender:
         try:
             self.group.broadcast(flat, self.fan.remaining())
         except Exception as err:  # noqa: BLE001 - a dead or hung member: the rest of this sync via the object store
-            error = str(err).splitlines()[0][:300]
+            error = error_text(err)  # never empty: an error without text still falls back
         del flat
         answers, _ = self.fan.wait(calls)
         aborted = {i: v.error for i, v in answers.items() if not v.loaded}

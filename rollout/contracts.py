@@ -88,3 +88,10 @@ class BucketLoad:
     def loaded(self) -> bool:
         """True when the bucket was loaded."""
         return not self.error
+
+
+def error_text(err: BaseException) -> str:
+    """An error in one line for logs, metrics and sync reports: its type and the first line of its text (300
+    characters at most; ``(no message)`` for an error without text, e.g. ``TimeoutError()``)."""
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0][:300] if lines else '(no message)'}"

@@ -42,6 +42,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rollout.contracts import error_text
+
 BACKEND = "ray_object"
 
 
@@ -249,7 +251,7 @@ class ObjectRefTransfer(WeightTransferEngine[ObjectRefInitInfo, ObjectRefUpdateI
             _receive(group, flat, self.group_timeout_s)
         except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses with the cause; OOM
             self.shutdown(broken=True)
-            self.aborted = f"bucket {info.bucket}: {str(err).splitlines()[0][:300]}"
+            self.aborted = f"bucket {info.bucket}: {error_text(err)}"
             return None
         return flat_views(info, flat)
 

@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from learner.weight_sync import _bounded, _Fanout
+from learner.weight_sync import _bounded, _Fanout, _Sender
+from rollout.contracts import error_text
 
 
 def test_no_timeout_means_no_deadline():
@@ -40,3 +41,31 @@ def test_config_keeps_the_collective_syncs_two_start_phases_inside_the_dist_time
     with pytest.raises(ValueError, match=r"sync.engine_timeout_s=200 x 2 \(sync.transport=collective"):
         load_config(tiny, ["sync.engine_timeout_s=200", "sync.transport=collective"])
     assert load_config(tiny, ["sync.engine_timeout_s=140", "sync.transport=collective"]).sync.transport == "collective"
+
+
+def test_error_text_is_one_line_with_the_type_even_without_a_message():
+    assert error_text(RuntimeError("gloo: connection closed\nat ...")) == "RuntimeError: gloo: connection closed"
+    assert error_text(TimeoutError()) == "TimeoutError: (no message)"
+    assert error_text(ValueError("x" * 400)) == "ValueError: " + "x" * 300
+
+
+def test_a_broadcast_failing_without_a_message_falls_back_to_the_object_store():
+    """Before, the first line of an empty error text was an IndexError raised inside the except clause: the
+    sync crashed instead of handing the rest to the object store."""
+    import torch
+
+    class Group:
+        members: list[int] = []
+        closed = False
+
+        def broadcast(self, flat, timeout_s):
+            raise TimeoutError()
+
+        def close(self):
+            self.closed = True
+
+    group = Group()
+    sender = _Sender(_Fanout([], None), 2, group)
+    sender.send(0, {"w": torch.ones(2)})
+    assert sender.fallback == "bucket 0: TimeoutError: (no message)"
+    assert sender.group is None and group.closed
