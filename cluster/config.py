@@ -380,6 +380,11 @@ class Config(Section):
             raise ValueError(
                 f"trainer.audit_steps={t.audit_steps} is refused with learner.algorithm={lr.algorithm!r}: the offline "
                 f"ratio audit recomputes {', '.join(AUDITED_ALGORITHMS)} only (learner/audit_checks.py)")
+        if t.audit_steps and lr.rollout_correction != "off":
+            raise ValueError(
+                f"trainer.audit_steps={t.audit_steps} is refused with learner.rollout_correction="
+                f"{lr.rollout_correction!r}: the offline ratio audit recomputes the loss without the correction's "
+                "weights and masks")
         if t.max_staleness and t.audit_steps:
             raise ValueError(
                 f"trainer.audit_steps={t.audit_steps} is refused with trainer.max_staleness={t.max_staleness}: the "

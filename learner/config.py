@@ -101,10 +101,11 @@ class LearnerConfig(Section):
     max_threads_per_rank: int | None = Field(
         None,
         ge=1,
-        description="elastic threads on CPU: before each micro-batch a rank takes the cores of its affinity mask "
-        "that other processes left idle since the last micro-batch (e.g. a colocated engine done generating in "
-        "the overlapped step), up to this many torch threads, and drops back to threads_per_rank when they are "
-        "busy again (learner.elastic_threads); None = always threads_per_rank. For one rank per machine",
+        description="elastic threads on CPU: before each micro-batch and each decoder layer's forward and backward a "
+        "rank takes the cores of its affinity mask that other processes left idle over the latest 0.2 s (e.g. a "
+        "colocated engine done generating in the overlapped step), up to this many torch threads, and drops back "
+        "to threads_per_rank when they are busy again (learner.elastic_threads); None = always threads_per_rank. "
+        "For one rank per machine",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
     dtype: Literal["float32", "bfloat16"] = Field(

@@ -83,6 +83,8 @@ class ElasticThreads:
         self.cores = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self.threads = low
         self.changes = 0
+        self._since = self._last = time.monotonic()  # the update's start; the last change of the thread count
+        self._thread_seconds = 0.0  # threads x seconds since the update's start, up to the last change
         self.recent_idle: float | None = None  # idle cores over the latest complete window
         self._mark: tuple[float, float, float] | None = None
         self._lock = threading.Lock()
@@ -92,6 +94,8 @@ class ElasticThreads:
         """At the start of an update: back to ``low`` threads (a colocated engine may have started generating
         since the last update) and a fresh window (no decision until it is complete)."""
         self._set(self.low)
+        self._since = self._last = time.monotonic()
+        self._thread_seconds = 0.0
         with self._lock:
             self._mark, self.recent_idle = self._sample(), None
         if self.watch and self._thread is None:
@@ -129,8 +133,19 @@ class ElasticThreads:
     def _sample(self) -> tuple[float, float, float]:
         return time.monotonic(), busy_seconds(self.cores), own_seconds()
 
+    def mean_threads(self) -> float:
+        """Torch threads over the time since ``start``, weighted by how long each count held
+        (``perf/learner_threads_mean``); the current count when no time has passed."""
+        now = time.monotonic()
+        if now <= self._since:
+            return float(self.threads)
+        return (self._thread_seconds + self.threads * (now - self._last)) / (now - self._since)
+
     def _set(self, n: int) -> None:
         if n != self.threads:
+            now = time.monotonic()
+            self._thread_seconds += self.threads * (now - self._last)
+            self._last = now
             torch.set_num_threads(n)
             self.threads = n
             self.changes += 1

@@ -60,7 +60,6 @@ class Replica:
         self._dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
         self.elastic = (ElasticThreads(cfg.threads_per_rank, cfg.max_threads_per_rank)
                         if cfg.max_threads_per_rank is not None and device.type == "cpu" else None)
-        self.thread_counts: list[int] = []  # threads of each micro-batch of the current update (elastic only)
         self._layer_hooks = (attach_layer_hooks(getattr(engine, "module", engine), self.elastic)
                              if self.elastic is not None else [])
         self._last_snapshot: dict[str, Any] | None = None  # the last guarded step's snapshot: its buffers are reused
@@ -68,18 +67,17 @@ class Replica:
 
     def start_update(self) -> None:
         """At the start of an update: elastic threads back to ``threads_per_rank`` and a fresh interval."""
-        self.thread_counts = []
         if self.elastic is not None:
             self.elastic.start()
 
     def before_micro_batch(self) -> None:
         """Before a forward/backward: let the elastic threads take the cores other processes left idle."""
         if self.elastic is not None:
-            self.thread_counts.append(self.elastic.adjust())
+            self.elastic.adjust()
 
     def before_backward(self) -> None:
         """Between a micro-batch's forward and its backward: the elastic threads decide again (a backward
-        lasts about twice its forward; not counted in ``thread_counts``)."""
+        lasts about twice its forward; the decoder layers' hooks decide within it too)."""
         if self.elastic is not None:
             self.elastic.adjust()
 

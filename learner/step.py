@@ -348,9 +348,9 @@ class RolloutBatchStep:
         }
         if r.ref_model is not None:
             out["loss/kl"] = kl_sum / max(steps, 1)
-        if r.elastic is not None:  # mean torch threads per micro-batch, over the ranks
-            n, total = r.all_reduce([len(r.thread_counts), sum(r.thread_counts)])
-            out["perf/learner_threads_mean"] = total / n if n else float(cfg.threads_per_rank)
+        if r.elastic is not None:  # torch threads over the update's time, the mean over the ranks
+            n, total = r.all_reduce([1.0, r.elastic.mean_threads()])
+            out["perf/learner_threads_mean"] = total / n
         if self.moe_diag:
             out.update(volatility_metrics(vol_tot, t.vol_updates))
         return out

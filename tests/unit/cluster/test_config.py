@@ -316,6 +316,8 @@ def test_audit_steps_refused_for_an_algorithm_the_audit_does_not_recompute():
     for algorithm in ("cispo", "ppo"):
         with pytest.raises(ConfigError, match=f"trainer.audit_steps=.2. is refused with learner.algorithm='{algorithm}'"):
             load_config(zero2, [f"learner.algorithm={algorithm}", "trainer.audit_steps=[2]"])
+    with pytest.raises(ConfigError, match="is refused with learner.rollout_correction='seq_mis'"):
+        load_config(zero2, ["learner.rollout_correction=seq_mis", "trainer.audit_steps=[2]"])
 
 
 def test_linear_warmup_hand_values():

@@ -102,6 +102,22 @@ def test_elastic_threads_decide_on_the_latest_window_not_the_whole_interval(mach
     assert e.adjust() == 1
 
 
+def test_mean_threads_weighs_each_count_by_its_time(machine):
+    """perf/learner_threads_mean: 1 thread for 1.5 s, then 2 threads for 0.5 s: (1.5 + 1.0) / 2.0 = 1.25; a new
+    update starts the account again."""
+    m = machine
+    e = et.ElasticThreads(1, 2, watch=False)
+    e.start()
+    assert e.mean_threads() == 1.0  # no time yet
+    m.run(1.5, others=0.0, mine=1.0)
+    assert _decide(e) == 2
+    m.run(0.5, others=0.0, mine=2.0)
+    assert e.mean_threads() == pytest.approx(1.25)
+    e.start()
+    m.run(1.0, others=1.0, mine=1.0)
+    assert e.mean_threads() == pytest.approx(1.0)
+
+
 def test_elastic_threads_config_refusals():
     assert LearnerConfig(max_threads_per_rank=2).max_threads_per_rank == 2
     with pytest.raises(ValueError, match="max_threads_per_rank=1 is below learner.threads_per_rank=2"):
@@ -193,7 +209,8 @@ def test_layer_hooks_find_a_transformers_models_decoder_layers(tmp_path, monkeyp
     model.train()
     calls.clear()
     model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()  # the recomputed forwards decide too
-    assert len(calls) >= 4 and all(p.grad is not None for p in model.model.layers[0].parameters())
+    # 2 forwards, 2 recomputed forwards, 2 backwards (without the backward hooks: 4)
+    assert len(calls) == 6 and all(p.grad is not None for p in model.model.layers[0].parameters())
     for h in handles:
         h.remove()
     assert et.attach_layer_hooks(torch.nn.Linear(2, 2), e) == []
