@@ -42,7 +42,6 @@ import torch
 
 from learner.contracts import PendingLoad, SyncReport
 from learner.lora import merged_bucket
-from rollout.contracts import error_text
 
 if TYPE_CHECKING:
     from rollout.contracts import BucketLoad
@@ -148,6 +147,14 @@ def wait_calls(ray: Any, calls: dict[Any, Any], timeout_s: float | None) -> tupl
         except ray.exceptions.RayError as err:
             errors[key] = err
     return done, errors
+
+
+def error_text(err: BaseException) -> str:
+    """An engine call's error in one line for logs, metrics and the sync report: its type and the first line of its
+    text (300 characters at most; ``(no message)`` for an error without text, e.g. ``TimeoutError()``). The
+    engine side has its own (``rollout.contracts.error_text``): services do not import each other at run time."""
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0][:300] if lines else '(no message)'}"
 
 
 class _Fanout:

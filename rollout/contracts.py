@@ -92,6 +92,7 @@ class BucketLoad:
 
 def error_text(err: BaseException) -> str:
     """An error in one line for logs, metrics and sync reports: its type and the first line of its text (300
-    characters at most; ``(no message)`` for an error without text, e.g. ``TimeoutError()``)."""
+    characters at most; ``(no message)`` for an error without text, e.g. ``TimeoutError()``). The learner's twin is
+    ``learner.weight_sync.error_text`` (services do not import each other at run time)."""
     lines = str(err).splitlines()
     return f"{type(err).__name__}: {lines[0][:300] if lines else '(no message)'}"

@@ -26,8 +26,7 @@ from cluster.common import REPO_ROOT
 from cluster.config import Config
 from cluster.runtime.weight_sync import WeightSync
 from learner.contracts import PendingLoad, SyncReport
-from learner.weight_sync import wait_calls
-from rollout.contracts import error_text
+from learner.weight_sync import error_text, wait_calls
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)

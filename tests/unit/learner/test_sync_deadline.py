@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from learner.weight_sync import _bounded, _Fanout, _Sender
-from rollout.contracts import error_text
+from learner.weight_sync import _bounded, _Fanout, _Sender, error_text
+from rollout import contracts
 
 
 def test_no_timeout_means_no_deadline():
@@ -47,6 +47,8 @@ def test_error_text_is_one_line_with_the_type_even_without_a_message():
     assert error_text(RuntimeError("gloo: connection closed\nat ...")) == "RuntimeError: gloo: connection closed"
     assert error_text(TimeoutError()) == "TimeoutError: (no message)"
     assert error_text(ValueError("x" * 400)) == "ValueError: " + "x" * 300
+    for err in (RuntimeError("a\nb"), TimeoutError(), ValueError("x" * 400)):  # the engine side's twin
+        assert contracts.error_text(err) == error_text(err)
 
 
 def test_a_broadcast_failing_without_a_message_falls_back_to_the_object_store():
