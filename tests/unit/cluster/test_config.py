@@ -314,7 +314,8 @@ def test_audit_steps_refused_for_an_algorithm_the_audit_does_not_recompute():
     for algorithm in ("gspo_token", "grpo", "dr_grpo"):
         assert load_config(zero2, [f"learner.algorithm={algorithm}", "trainer.audit_steps=[2]"]).trainer.audit_steps
     for algorithm in ("cispo", "ppo"):
-        with pytest.raises(ConfigError, match=f"trainer.audit_steps=.2. is refused with learner.algorithm='{algorithm}'"):
+        want = f"trainer.audit_steps=.2. is refused with learner.algorithm='{algorithm}'"
+        with pytest.raises(ConfigError, match=want):
             load_config(zero2, [f"learner.algorithm={algorithm}", "trainer.audit_steps=[2]"])
     with pytest.raises(ConfigError, match="is refused with learner.rollout_correction='seq_mis'"):
         load_config(zero2, ["learner.rollout_correction=seq_mis", "trainer.audit_steps=[2]"])

@@ -200,7 +200,8 @@ def test_loss_options_are_compared_whole_and_placement_resources_are_free(caplog
     """``learner.loss_options`` is one value: an option set on one side only is a change (refused after RL steps,
     free on a warm-start checkpoint), not a key one side lacks; the services' node_resources are placement."""
     with pytest.raises(ResumeMismatch, match=r"learner.loss_options: checkpoint \{\}, config \{'tau_neg': 2.0\}"):
-        _check(_saved(["learner.algorithm=sapo"], step=3), ["learner.algorithm=sapo", "learner.loss_options.tau_neg=2.0"])
+        _check(_saved(["learner.algorithm=sapo"], step=3),
+               ["learner.algorithm=sapo", "learner.loss_options.tau_neg=2.0"])
     with pytest.raises(ResumeMismatch, match="learner.loss_options: checkpoint .'tau_pos': 0.5., config ."):
         _check(_saved(["learner.algorithm=sapo", "learner.loss_options.tau_pos=0.5"], step=3),
                ["learner.algorithm=sapo", "learner.loss_options.tau_pos=0.7"])
