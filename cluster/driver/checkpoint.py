@@ -4,6 +4,8 @@ the latest and is removed on the next save."""
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster.config import Config, ConfigError
+from learner.loss_settings import BUILTIN_LOSSES, GENERIC_KEYS, build_settings
 
 log = logging.getLogger(__name__)
 
@@ -138,16 +141,17 @@ def _matches(key: str, patterns: tuple[str, ...]) -> bool:
 
 
 def mapping_fields(model: type[BaseModel] = Config, prefix: str = "") -> frozenset[str]:
-    """Dotted paths of the config's free-form mapping fields (``dict[...]``, e.g. ``learner.loss_options``),
-    which the resume check compares as whole values: an entry added to or removed from one is a change, not a
-    key that one side lacks."""
+    """Dotted paths of the config's free-form mapping fields (``dict[...]``, ``Mapping[...]``, e.g.
+    ``learner.loss_options``), which the resume check compares as whole values: an entry added to or removed
+    from one is a change, not a key that one side lacks."""
     out: set[str] = set()
     for name, field in model.model_fields.items():
         ann = field.annotation
         members = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union \
             else (ann,)
         for member in members:
-            if typing.get_origin(member) is dict or member is dict:
+            origin = typing.get_origin(member) or member
+            if isinstance(origin, type) and issubclass(origin, collections.abc.Mapping):
                 out.add(f"{prefix}{name}")
             elif isinstance(member, type) and issubclass(member, BaseModel):
                 out |= mapping_fields(member, f"{prefix}{name}.")
@@ -163,6 +167,27 @@ def _flatten(tree: dict[str, Any], prefix: str = "", whole: frozenset[str] | Non
             out.update(_flatten(v, f"{prefix}{k}.", whole))
         else:
             out[f"{prefix}{k}"] = v
+    return out
+
+
+def effective_loss_settings(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` (a flattened config) with a built-in loss's settings as the loss will use them: ``learner.clip_low``,
+    ``clip_high`` and ``loss_agg`` with null replaced by the loss's default, and ``learner.loss_options`` holding
+    every other field of its settings (``learner.loss_settings.build_settings``). So a setting written out at its
+    default is the same setting as one left out. A user's loss (``module:function``), or settings that do not
+    build (a checkpoint from older code), stay as written."""
+    algorithm = flat.get("learner.algorithm")
+    if algorithm not in BUILTIN_LOSSES:
+        return flat
+    generic = {k: flat.get(f"learner.{k}") for k in GENERIC_KEYS}
+    try:
+        built = dataclasses.asdict(build_settings(algorithm, BUILTIN_LOSSES[algorithm], generic,
+                                                  flat.get("learner.loss_options") or {}))
+    except (ValueError, TypeError):
+        return flat
+    out = dict(flat)
+    out.update({f"learner.{k}": built[k] for k in GENERIC_KEYS if k in built})
+    out["learner.loss_options"] = {k: v for k, v in built.items() if k not in GENERIC_KEYS}
     return out
 
 
@@ -206,7 +231,9 @@ def check_resume(saved: dict[str, Any], cfg: Config, fingerprint: dict[str, Any]
     ``learner.offload_optimizer`` counts as 'none'); after the first RL step
     also the algorithm and its objective, the rollout batch, sampling and reward (``RESUME_RL_ONLY``). Free,
     with a log line: resources, logging, schedule length, health guard (``RESUME_FREE``). Mapping fields
-    (``learner.loss_options``, ``*.node_resources``: ``mapping_fields``) are compared as whole values.
+    (``learner.loss_options``, ``*.node_resources``: ``mapping_fields``) are compared as whole values, and a
+    built-in loss's settings as the loss uses them (``effective_loss_settings``: a default written out is no
+    change).
 
     Args:
         saved: ``read_state`` of the checkpoint (``step``, ``config``, ``data_fingerprint``).
@@ -221,8 +248,8 @@ def check_resume(saved: dict[str, Any], cfg: Config, fingerprint: dict[str, Any]
         ResumeMismatch: names every refused key with the checkpoint's and the config's value.
     """
     step = int(saved.get("step", 0))
-    old = _flatten(saved.get("config") or {})
-    new = _flatten(cfg.model_dump(mode="json"))
+    old = effective_loss_settings(_flatten(saved.get("config") or {}))
+    new = effective_loss_settings(_flatten(cfg.model_dump(mode="json")))
     if old.get("reward.max_response_tokens") is None and "rollout.max_response_tokens" in old:
         old["reward.max_response_tokens"] = old["rollout.max_response_tokens"]  # unset meant the rollout's
     if old and "learner.offload_optimizer" not in old:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
+import typing
+from collections.abc import Mapping
 
 import pytest
+from pydantic import BaseModel
 
 from cluster.config import Config, ConfigError, load_config
 from cluster.data.files import gsm8k_rows
@@ -23,6 +27,7 @@ from cluster.driver.checkpoint import (
     _matches,
     check_resume,
     data_fingerprint,
+    mapping_fields,
     read_learner_state,
 )
 from tests.helpers import REPO_ROOT
@@ -126,8 +131,8 @@ def test_algorithm_is_refused_after_rl_steps_and_free_on_a_warm_start_checkpoint
         _check(_saved(step=2), dapo)
     msg = str(err.value)
     for needle in ("learner.algorithm: checkpoint 'gspo', config 'grpo'",
-                   "learner.clip_low: checkpoint None, config 0.2",
-                   "learner.loss_agg: checkpoint None, config 'token_mean'",
+                   "learner.clip_low: checkpoint 0.0003, config 0.2",  # the settings each loss uses
+                   "learner.loss_agg: checkpoint 'seq_mean_token_mean', config 'token_mean'",
                    "trainer.dynamic_sampling: checkpoint False, config True", "step-2 checkpoint"):
         assert needle in msg
     with caplog.at_level(logging.INFO, logger="cluster.driver.checkpoint"):
@@ -199,18 +204,51 @@ def test_where_verifiers_run_is_free_to_change_on_resume():
 def test_loss_options_are_compared_whole_and_placement_resources_are_free(caplog):
     """``learner.loss_options`` is one value: an option set on one side only is a change (refused after RL steps,
     free on a warm-start checkpoint), not a key one side lacks; the services' node_resources are placement."""
-    with pytest.raises(ResumeMismatch, match=r"learner.loss_options: checkpoint \{\}, config \{'tau_neg': 2.0\}"):
+    sapo_default = "{'tau_pos': 1.0, 'tau_neg': 1.05}"
+    with pytest.raises(ResumeMismatch, match=re.escape(f"learner.loss_options: checkpoint {sapo_default}, config "
+                                                       "{'tau_pos': 1.0, 'tau_neg': 2.0}")):
         _check(_saved(["learner.algorithm=sapo"], step=3),
                ["learner.algorithm=sapo", "learner.loss_options.tau_neg=2.0"])
-    with pytest.raises(ResumeMismatch, match="learner.loss_options: checkpoint .'tau_pos': 0.5., config ."):
+    with pytest.raises(ResumeMismatch, match="learner.loss_options: checkpoint .'tau_pos': 0.5, 'tau_neg': 1.05., "
+                                             "config .'tau_pos': 0.7"):
         _check(_saved(["learner.algorithm=sapo", "learner.loss_options.tau_pos=0.5"], step=3),
                ["learner.algorithm=sapo", "learner.loss_options.tau_pos=0.7"])
     notes = _check(_saved(["learner.algorithm=sapo"], step=0), ["learner.algorithm=sapo",
                                                                  "learner.loss_options.tau_neg=2.0"])
-    assert "learner.loss_options: {} -> {'tau_neg': 2.0} (the checkpoint is from before the first RL step)" in notes
+    assert (f"learner.loss_options: {sapo_default} -> {{'tau_pos': 1.0, 'tau_neg': 2.0}} (the checkpoint is from "
+            "before the first RL step)") in notes
     notes = _check(_saved(step=3), ["rollout.node_resources.gspo_node_1=1"])
     assert "rollout.node_resources: {} -> {'gspo_node_1': 1.0} (free to change on resume)" in notes
     assert not [n for n in notes if "only in the" in n]
+
+
+def test_a_loss_setting_written_out_at_its_default_is_no_change():
+    """A built-in loss's settings are compared as the loss uses them: ``tau_neg=1.05`` (SAPO's default) or GSPO's
+    clip range and aggregation written out equal the same settings left null, after RL steps too."""
+    _check(_saved(["learner.algorithm=sapo"], step=3), ["learner.algorithm=sapo", "learner.loss_options.tau_neg=1.05"])
+    gspo = ["learner.clip_low=0.0003", "learner.clip_high=0.0004", "learner.loss_agg=seq_mean_token_mean"]
+    assert _check(_saved(step=3), gspo) == ["trainer.resume: False -> True (free to change on resume)"]
+    assert _check(_saved(gspo, step=3)) == ["trainer.resume: False -> True (free to change on resume)"]
+    with pytest.raises(ResumeMismatch, match="learner.clip_high: checkpoint 0.0004, config 0.0005"):
+        _check(_saved(step=3), ["learner.clip_high=0.0005"])
+
+
+def test_mapping_fields_reads_dict_and_mapping_annotations():
+    """``dict[...]``, ``typing.Dict``, ``Mapping[...]`` and their optional forms are mapping fields, found inside
+    nested sections too; a plain value or a list is not."""
+
+    class Inner(BaseModel):
+        weights: Mapping[str, float] = {}
+        names: list[str] = []
+
+    class Outer(BaseModel):
+        a: dict[str, int] = {}
+        b: typing.Dict[str, int] | None = None  # noqa: UP006 (the old spelling is what is tested)
+        c: typing.Optional[Mapping[str, int]] = None  # noqa: UP045
+        d: int = 0
+        inner: Inner = Inner()
+
+    assert mapping_fields(Outer) == {"a", "b", "c", "inner.weights"}
 
 
 def test_every_key_is_classified_once():
