@@ -346,7 +346,7 @@ class LearnerConfig(Section):
         if self.lora.rank and self.zero_stage == 3 and self.num_gpus_per_rank > 0:
             raise ValueError(f"learner.lora.rank={self.lora.rank} with learner.zero_stage=3 on GPUs: the switch to "
                              "LoRA rebuilds the model from full weights, which the partitioned GPU build does not "
-                             "take yet (learner.service.build_partitioned); use learner.zero_stage <= 2")
+                             "take yet (learner.rank_setup.build_partitioned); use learner.zero_stage <= 2")
         if self.lora.rank and self.router_lr_scale != 1.0:
             raise ValueError(f"learner.router_lr_scale={self.router_lr_scale} with learner.lora.rank={self.lora.rank}: "
                              "under LoRA the routers are frozen (only the adapter trains); leave router_lr_scale at 1")

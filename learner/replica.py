@@ -38,7 +38,7 @@ class Replica:
     Args:
         engine: the DeepSpeed engine (``deepspeed.initialize``'s first result), in eval mode (no dropout; with
             ``learner.gradient_checkpointing`` its checkpointed decoder layers alone are in training mode, which
-            is what turns checkpointing on, see ``learner.service._keep_checkpointing_on``).
+            is what turns checkpointing on, see ``learner.rank_setup.keep_checkpointing_on``).
         cfg: the ``learner`` config section.
         rank, world_size: this rank and the number of data-parallel ranks.
         device: this rank's torch device.

@@ -51,7 +51,7 @@ def test_engine_env_of_a_gpu_engine_has_no_cpu_settings(monkeypatch, tmp_path):
 
 
 def test_learner_device_comes_from_the_config_not_the_environment(monkeypatch):
-    from learner.service import learner_device
+    from learner.rank_setup import learner_device
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert learner_device(LearnerConfig(num_gpus_per_rank=1)) == "cuda"

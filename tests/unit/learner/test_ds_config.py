@@ -59,7 +59,7 @@ def test_partitioned_build_and_reference_refusal():
     """ZeRO-3 on GPUs builds the model under zero.Init; a KL reference there is refused, naming the keys."""
     import pytest
 
-    from learner.service import build_partitioned
+    from learner.rank_setup import build_partitioned
 
     assert build_partitioned(LearnerConfig(zero_stage=3), on_gpu=True) is True
     assert build_partitioned(LearnerConfig(zero_stage=3), on_gpu=False) is False
@@ -72,7 +72,7 @@ def test_partitioned_build_and_reference_refusal():
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_optimizer_offload_to_cpu(zero_stage):
     """learner.offload_optimizer='cpu': ZeRO's offload_optimizer section, host memory pinned on GPUs only; the
-    CPU Adam that DeepSpeed insists on is built by learner.service.build_optimizer, so DeepSpeed's check
+    CPU Adam that DeepSpeed insists on is built by learner.rank_setup.build_optimizer, so DeepSpeed's check
     (zero_force_ds_cpu_optimizer) stays at its default; everything else is the config without offload."""
     cfg = LearnerConfig(zero_stage=zero_stage, dtype="bfloat16", offload_optimizer="cpu")
     on_cpu, on_gpu = build_ds_config(cfg, world_size=8), build_ds_config(cfg, world_size=8, on_gpu=True)

@@ -155,7 +155,7 @@ def test_tap_refuses_misuse(model_path):
 
 
 def test_router_lr_scale_puts_the_routers_in_their_own_group(model_path):
-    from learner.service import param_groups
+    from learner.rank_setup import param_groups
 
     model = _ref_model(model_path)
     one = param_groups(model, LearnerConfig(lr=1e-4))
