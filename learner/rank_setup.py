@@ -46,7 +46,7 @@ def select_accelerator(device: str) -> None:
 
 
 def init_distributed(cfg: LearnerConfig, rank: int, world_size: int, local_rank: int, master_addr: str,
-                      master_port: int) -> None:
+                     master_port: int) -> None:
     """Environment for torch.distributed, the DeepSpeed accelerator, and the process group (gloo on the CPU,
     NCCL on GPUs: ``learner_device``)."""
     import deepspeed
@@ -148,7 +148,7 @@ def keep_checkpointing_on(model: torch.nn.Module) -> int:
 
 
 def build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: int, temperature: float,
-                   partitioned: bool, weights: dict[str, torch.Tensor] | None = None) -> Replica:
+                  partitioned: bool, weights: dict[str, torch.Tensor] | None = None) -> Replica:
     """The policy under DeepSpeed (``build_optimizer``'s AdamW, the config's ZeRO stage and offload), the reference
     model when ``kl_coef > 0`` and the MoE router tap, wrapped as this rank's ``Replica``. ``partitioned``: build
     the model under ``deepspeed.zero.Init`` (ZeRO-3 only). ``weights`` (full tensors by transformers name): the
