@@ -174,12 +174,13 @@ class PlacementRecord:
 
     def update(self, learners, fleet, reward_groups) -> list[dict[str, Any]]:
         """Read where every actor is now; write ``placement.json`` when it changed. Returns the rows. The
-        placement groups are the same as at the last call (no actor replaced, added or removed): the rows of
-        that call, without asking Ray's GCS again (a group's bundles do not move while the group lives; a
-        rescheduled bundle's actors died and were replaced in new groups)."""
+        placement groups are the same as at the last call (no actor replaced, added or removed) and every node
+        of the last rows is alive: the rows of that call, with one question to Ray's GCS (the live nodes). A
+        group's bundle moves only when its node is lost: Ray places the bundle again on another node and
+        restarts the actor there in the same group, so a lost node makes the rows be read again."""
         slots = actor_slots(learners, fleet, reward_groups)
         key = [(role, index, pg.id, bundle) for role, index, pg, bundle in slots]
-        if key == self.slots and self.path.is_file():
+        if key == self.slots and self.path.is_file() and self._nodes_alive():
             return self.rows
         self.slots = key
         rows = placement_rows(slots)
@@ -189,6 +190,13 @@ class PlacementRecord:
             os.replace(tmp, self.path)
             self.rows = rows
         return rows
+
+    def _nodes_alive(self) -> bool:
+        """Whether every node the last rows name is alive in Ray's GCS (a row with no node counts as lost)."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return all(r["node_id"] in alive for r in self.rows)
 
     @property
     def cross_node(self) -> int:

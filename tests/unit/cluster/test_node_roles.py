@@ -3,6 +3,8 @@ against them (cluster/runtime/placement.py), the cross-node count, and ``gspo-cl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cluster.config import ConfigError, load_config
@@ -81,3 +83,31 @@ def test_parse_resources_defaults_the_amount_to_one_and_refuses_bad_items():
     for bad in ["CPU=1", "=1", "x=abc", "x=0"]:
         with pytest.raises(ValueError, match="--node-resources"):
             parse_resources([bad])
+
+
+class _Group:
+    """A placement group as ``PlacementRecord`` sees it: an ``id`` and a ``bundle_count``."""
+
+    def __init__(self, gid: str):
+        self.id, self.bundle_count = gid, 1
+
+
+def test_placement_record_reads_again_when_a_node_of_its_rows_is_lost(tmp_path, monkeypatch):
+    """Ray restarts a worker whose node is lost in the same placement group on another node: the record must
+    not keep the lost node (the same groups are no reason to skip the read when a node they name is gone)."""
+    import ray
+
+    from cluster.runtime import placement
+
+    nodes = {"n1": True, "n2": True}
+    where = {"reward": "n1"}
+    monkeypatch.setattr(ray, "nodes", lambda: [{**_node(1), "NodeID": n, "Alive": a} for n, a in nodes.items()])
+    monkeypatch.setattr(placement, "_bundle_nodes", lambda pg: {0: where[pg.id]})
+    rewards = type("Pool", (), {"groups": {0: _Group("reward")}})()
+    record = placement.PlacementRecord(tmp_path)
+    assert [r["node_id"] for r in record.update(None, None, rewards)] == ["n1"]
+    where["reward"] = "n2"  # moved while its node lives: not possible in Ray, so the cached rows stand
+    assert [r["node_id"] for r in record.update(None, None, rewards)] == ["n1"]
+    nodes["n1"] = False  # the node is lost and Ray placed the bundle on n2
+    assert [r["node_id"] for r in record.update(None, None, rewards)] == ["n2"]
+    assert [r["node_id"] for r in json.loads((tmp_path / "placement.json").read_text())] == ["n2"]
