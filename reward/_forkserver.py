@@ -188,9 +188,11 @@ class _Batch:
 
     def __init__(self, blobs: list[bytes], timeout_s: float, parallel: int, memory_mb: int, chunk_size: int,
                  alone: list[bool] | None) -> None:
-        from reward.sandbox import reap_owner  # before any fork: the children inherit the module
+        # imported before any fork: the children inherit the module
+        from reward.sandbox_procs import adopt_orphans, reap_children, reap_owner
 
-        self.reap_owner = reap_owner
+        adopt_orphans()  # what a killed verifier child started (sandbox runs too) comes to this process when orphaned
+        self.reap_owner, self.reap_children = reap_owner, reap_children
         self.blobs, self.timeout_s, self.parallel, self.memory_mb = blobs, timeout_s, parallel, memory_mb
         self.outcomes: list[tuple | None] = [None] * len(blobs)
         self.todo = deque(make_chunks(len(blobs), chunk_size, parallel, alone))
@@ -305,6 +307,7 @@ class _Batch:
             self.todo.appendleft(list(a["pending"]))
         if cut_short or a["bad"] is not None or status != 0:
             self.reap_owner(a["pid"])
+        self.reap_children(keep=set(self.active))  # the ended child's orphans, adopted by this process
 
     def cut_short_outcome(self, a: dict, timed_out: bool, status: int) -> tuple:
         """The outcome of the call child ``a`` was on when it ended: ``timeout``, or an ``error``

@@ -303,8 +303,9 @@ def run_python_tests(code: str, tests: list, cfg: SandboxConfig) -> tuple[int, i
     Snippets are trusted input (they come with the dataset, like a user verifier).
 
     ``info`` holds ``backend``, ``sandbox`` (status of the first session that ended badly, ``load_error``
-    when the solution did not load, else ``"ok"``), ``stderr`` (a short tail), ``sessions`` (sandbox runs
-    started) and ``failed`` (the first few failing snippets as ``[index, reason]``).
+    when the solution did not load, else ``"ok"``), ``stderr`` (a short tail), ``runs`` (the ids of the sandbox
+    runs started, in order: the ``GSPO_SANDBOX_RUN`` tag in their processes' environment), ``sessions``
+    (snippet sessions started) and ``failed`` (the first few failing snippets as ``[index, reason]``).
 
     Raises:
         ValueError: ``tests`` is not a non-empty list, or a test is neither a string nor an input/output dict.
@@ -315,18 +316,19 @@ def run_python_tests(code: str, tests: list, cfg: SandboxConfig) -> tuple[int, i
     total = len(tests)
     if all(isinstance(t, str) for t in tests):
         return _run_snippets(code, tests, cfg)
-    passed, first_bad, backend, stderr = 0, "ok", "", ""
+    passed, first_bad, backend, stderr, runs = 0, "ok", "", "", []
     for i, t in enumerate(tests):
         if not (isinstance(t, dict) and "input" in t and "output" in t):
             raise ValueError(f"code test {i} must be a string or an {{'input', 'output'}} dict, got {t!r}"[:300])
     for t in tests:
         res = run_python(code, cfg, stdin=str(t["input"]))
         backend = res.backend
+        runs.append(res.run_id)
         good = res.status == "ok" and res.stdout.strip() == str(t["output"]).strip()
         passed += good
         if not good and first_bad == "ok":
             first_bad, stderr = res.status, res.stderr[-300:]
-    return passed, total, {"backend": backend, "sandbox": first_bad, "stderr": stderr}
+    return passed, total, {"backend": backend, "sandbox": first_bad, "stderr": stderr, "runs": runs}
 
 
 def _run_snippets(code: str, tests: list[str], cfg: SandboxConfig) -> tuple[int, int, dict]:
@@ -337,7 +339,7 @@ def _run_snippets(code: str, tests: list[str], cfg: SandboxConfig) -> tuple[int,
     failed: list[list] = []
     session: SolutionSession | None = None
     bound: dict[str, Any] = {}
-    first_bad, stderr, sessions, backend = "ok", "", 0, choose_backend(cfg)
+    first_bad, stderr, runs, backend = "ok", "", [], choose_backend(cfg)
 
     def note(sess: SolutionSession) -> None:
         nonlocal first_bad, stderr
@@ -358,7 +360,7 @@ def _run_snippets(code: str, tests: list[str], cfg: SandboxConfig) -> tuple[int,
                     first_bad = "timeout" if first_bad == "ok" else first_bad
                     break
                 session = SolutionSession(code, cfg, deadline)
-                sessions += 1
+                runs.append(session.run_id)
                 backend = session.backend
                 if session.lost:
                     note(session)
@@ -383,5 +385,5 @@ def _run_snippets(code: str, tests: list[str], cfg: SandboxConfig) -> tuple[int,
             note(session)
             if first_bad == "ok":
                 stderr = session.stderr[-300:]
-    return sum(results), len(tests), {"backend": backend, "sandbox": first_bad, "stderr": stderr,
-                                      "sessions": sessions, "failed": failed[:10]}
+    return sum(results), len(tests), {"backend": backend, "sandbox": first_bad, "stderr": stderr, "runs": runs,
+                                      "sessions": len(runs), "failed": failed[:10]}

@@ -7,7 +7,7 @@ not an interpreter start, and never fork the multi-threaded Ray worker itself. A
 is done. Each child leads its own session (its own process group), dies with the fork server
 (PR_SET_PDEATHSIG) and optionally caps its address space. When the call a child is on runs out of time,
 the child is killed with its whole process group and sandbox processes started on its behalf are reaped
-(``reward.sandbox.reap_owner``); that call alone is ``timeout``, and the rest of the chunk continues in a new
+(``reward.sandbox_procs.reap_owner``); that call alone is ``timeout``, and the rest of the chunk continues in a new
 child. A child that dies mid-call costs that call alone. The fork server dies with this process.
 
 Outcomes are never exceptions: ``ok`` (with the verifier's return value), ``timeout``, or ``error`` (the

@@ -48,17 +48,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from reward import bwrap
 from reward.bwrap import MOUNT_POINT
 from reward.cleanup import remove_tree
 from reward.config import SandboxConfig
+from reward.sandbox_procs import ENV_OWNER, ENV_RUN, adopt_orphans, kill_run, sandbox_uid
 
-UID_BASE = 200_000  # dedicated sandbox uids (root only): UID_BASE + owner_pid % UID_SPAN
-UID_SPAN = 60_000
-ENV_RUN = "GSPO_SANDBOX_RUN"
-ENV_OWNER = "GSPO_SANDBOX_OWNER"
 
 log = logging.getLogger(__name__)
 PLAIN_WARNING = (
@@ -201,12 +196,6 @@ def sandbox_python(cfg: SandboxConfig) -> str:
     return os.path.realpath(shutil.which("python3") or sys.executable)
 
 
-def sandbox_uid(owner_pid: int | None = None) -> int | None:
-    """The dedicated uid of sandbox runs started by process ``owner_pid`` (default: this one), or None when
-    this process is not root (then runs keep our uid)."""
-    if os.geteuid() != 0:
-        return None
-    return UID_BASE + (owner_pid if owner_pid is not None else os.getpid()) % UID_SPAN
 
 
 def bwrap_available(python: str = "/usr/bin/python3") -> bool:
@@ -254,95 +243,6 @@ def announce(cfg: SandboxConfig) -> str:
         warn_plain_once()
     return choose_backend(cfg)
 
-
-def find_run_processes(key: str, value: str) -> list[psutil.Process]:
-    """Live processes whose initial environment holds ``key=value`` (readable ones only)."""
-    want = f"{key}={value}".encode()
-    found = []
-    for pid in psutil.pids():
-        if pid == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if want in f.read().split(b"\0"):
-                    found.append(psutil.Process(pid))
-        except (OSError, psutil.Error):
-            continue
-    return found
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (via ``kill(-1)`` in a helper that runs as that uid; root only)."""
-    try:
-        subprocess.run(["/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
-                        "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
-                       user=uid, group=uid, extra_groups=[], env={}, timeout=10,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        pass
-
-
-def _uid_processes(uid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["uids"]):
-        try:
-            if p.info["uids"] and p.info["uids"].real == uid and _is_live(p):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
-def kill_run(run_id: str | None = None, uid: int | None = None, pgid: int | None = None) -> int:
-    """Kill everything of one run: its process group, then every live process of its uid (root only) or
-    tagged with its run id. Returns how many processes were still alive after the group kill."""
-    if pgid is not None:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    victims: dict[int, psutil.Process] = {}
-    if uid is not None:
-        victims.update({p.pid: p for p in _uid_processes(uid)})
-    if run_id is not None:
-        victims.update({p.pid: p for p in find_run_processes(ENV_RUN, run_id)})
-    victims.pop(pgid, None)
-    _, alive = psutil.wait_procs(list(victims.values()), timeout=0.2)  # bwrap's init may still be exiting
-    alive = [p for p in alive if _is_live(p)]
-    if uid is not None and alive:
-        _kill_uid(uid)
-    _kill_and_wait(alive)
-    return len(alive)
-
-
-def _kill_and_wait(procs: list[psutil.Process], timeout: float = 2.0) -> None:
-    """SIGKILL every process of ``procs`` (gone ones are fine) and wait up to ``timeout`` s for them."""
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=timeout)
-
-
-def _is_live(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def reap_owner(owner_pid: int) -> int:
-    """Kill every sandbox process started on behalf of process ``owner_pid`` (the runner calls this after it
-    killed a verifier child that may have had a sandbox run in flight). Returns the number found."""
-    victims = find_run_processes(ENV_OWNER, str(owner_pid))
-    uid = sandbox_uid(owner_pid)
-    if uid is not None:
-        victims += [p for p in _uid_processes(uid) if p.pid not in {v.pid for v in victims}]
-        if victims:
-            _kill_uid(uid)
-    _kill_and_wait(victims)
-    return len(victims)
 
 
 def _limits(cfg: SandboxConfig) -> list[tuple[str, int, int]]:
@@ -395,6 +295,8 @@ def start_run(code: str, cfg: SandboxConfig, limit: float, harness: str | None =
     backend = choose_backend(cfg)
     python = sandbox_python(cfg)
     uid = sandbox_uid()
+    if uid is not None:
+        adopt_orphans()
     run_id = secrets.token_hex(8)
     work = tempfile.mkdtemp(prefix="sbx-", dir=cfg.tmp_root)
     start = time.monotonic()

@@ -196,7 +196,7 @@ def code_verifier(response: str, row: dict, *, sandbox: Any = None, all_or_nothi
     Returns:
         ``{"score": passed/total (or 1/0 with all_or_nothing), "correct": all passed, "passed": int,
         "total": int, "sandbox": status of the first run that ended badly (else "ok"), "backend": "bwrap" |
-        "plain", "stderr": a short tail of the solution's output, ...}``.
+        "plain", "stderr": a short tail of the solution's output, "runs": the sandbox run ids, ...}``.
 
     Raises:
         ValueError: the row has no ``meta.tests`` list, or a test is neither a string nor an input/output dict.

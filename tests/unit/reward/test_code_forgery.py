@@ -18,7 +18,8 @@ import pytest
 
 from reward.config import SandboxConfig
 from reward.judge import run_python_tests
-from reward.sandbox import ENV_OWNER, _uid_processes, bwrap_available, find_run_processes, sandbox_python, sandbox_uid
+from reward.sandbox import bwrap_available, sandbox_python
+from reward.sandbox_procs import ENV_OWNER, _uid_processes, find_run_processes, sandbox_uid
 from reward.verifiers import code_verifier
 
 HAVE_BWRAP = bwrap_available(sandbox_python(SandboxConfig()))

@@ -14,21 +14,13 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from reward.config import SandboxConfig
 from reward.judge import run_python_tests
-from reward.sandbox import (
-    ENV_RUN,
-    SandboxUnavailable,
-    _uid_processes,
-    bwrap_available,
-    choose_backend,
-    find_run_processes,
-    run_python,
-    sandbox_python,
-    sandbox_uid,
-)
+from reward.sandbox import SandboxUnavailable, bwrap_available, choose_backend, run_python, sandbox_python
+from reward.sandbox_procs import ENV_RUN, _uid_processes, find_run_processes, sandbox_uid
 from tests.helpers import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -44,6 +36,21 @@ BACKENDS = [
 
 
 MAX_PROCS = 12
+
+FORK_BOMB = """
+    import os, sys, time
+    n = 0
+    try:
+        for _ in range(300):          # its own bound: 300 processes, each sleeping 20 s
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(20)
+                os._exit(0)
+            n += 1
+    except OSError as err:
+        print("blocked", n, err.errno, flush=True)
+    print("forked", n, flush=True)
+"""
 
 
 def cfg_for(backend: str, **kw) -> SandboxConfig:
@@ -91,24 +98,37 @@ def test_infinite_loop_is_stopped(backend):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fork_bomb_is_capped(backend):
-    res = run("""
-        import os, sys, time
-        n = 0
-        try:
-            for _ in range(300):          # its own bound: 300 processes, each sleeping 20 s
-                pid = os.fork()
-                if pid == 0:
-                    time.sleep(20)
-                    os._exit(0)
-                n += 1
-        except OSError as err:
-            print("blocked", n, err.errno, flush=True)
-        print("forked", n, flush=True)
-    """, backend, wall_s=8.0)
+    res = run(FORK_BOMB, backend, wall_s=8.0)
     assert "blocked" in res.stdout, res
     forked = int(res.stdout.split("forked")[1].split()[0])
     assert forked < MAX_PROCS
     assert_nothing_left(res)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_run_after_a_fork_bomb_forks_as_freely(backend):
+    """The fork bomb's children, orphaned when its run is killed, are reaped by this process: where PID 1 does
+    not reap (a container's init, as here), their zombies would count against the sandbox uid's process limit,
+    and the next run of this process could not fork (EAGAIN) whenever the bomb had filled it."""
+    assert "blocked" in run(FORK_BOMB, backend, wall_s=8.0).stdout
+    res = run(f"""
+        import os, time
+        kids = []
+        for _ in range({MAX_PROCS - 2}):   # with the interpreter, MAX_PROCS - 1 processes alive at once
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(1)
+                os._exit(0)
+            kids.append(pid)
+        for pid in kids:
+            os.waitpid(pid, 0)
+        print("forked", len(kids), flush=True)
+    """, backend)
+    assert res.status == "ok" and f"forked {MAX_PROCS - 2}" in res.stdout, res
+    assert_nothing_left(res)
+    if sandbox_uid() is not None:
+        assert [p.pid for p in psutil.Process().children() if p.uids().real == sandbox_uid()] == []
 
 
 @pytest.mark.timeout(60)
