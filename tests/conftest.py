@@ -16,6 +16,7 @@ into the checkout are built from ``tests.helpers.REPO_ROOT``, never relative to 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,38 @@ def ray_cluster():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_down_after_module():
+    """Shut Ray down after every test module that left it initialised, whatever its tests did (a failed test
+    skips its own clean-up): a module never inherits another module's Ray, whose leftover connection made a
+    later ``ray.init`` fail with "Maybe you called ray.init twice"."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def local_cluster():
+    """Starts ``ray.cluster_utils.Cluster``s for one test: ``local_cluster(head_node_args)`` returns a started
+    cluster (head initialised). After the test, whatever happened in it, this process leaves Ray and every
+    cluster it started is shut down (its raylets, object stores and GCS end)."""
+    from ray.cluster_utils import Cluster
+
+    started: list[Cluster] = []
+
+    def start(head_node_args: dict) -> Cluster:
+        cluster = Cluster(initialize_head=True, head_node_args=head_node_args)
+        started.append(cluster)
+        return cluster
+
+    try:
+        yield start
+    finally:
+        import ray
+
+        ray.shutdown()
+        for cluster in started:
+            cluster.shutdown()

@@ -32,16 +32,15 @@ def _placement(t) -> dict[str, list[dict]]:
 
 
 
-def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog):
+def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog, local_cluster):
     import ray
-    from ray.cluster_utils import Cluster
 
     from cluster.config import load_config
     from cluster.driver import checkpoint
     from cluster.driver.trainer import Trainer
     from cluster.runtime.services import PlacementTimeout
 
-    cluster = Cluster(initialize_head=True, head_node_args={
+    cluster = local_cluster({
         "num_cpus": 2, "resources": {"learner_node": 1, "reward_node": 1}, "object_store_memory": STORE,
         "include_dashboard": False})
     rollout_nodes = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, object_store_memory=STORE)
@@ -90,5 +89,3 @@ def test_engine_node_lost_replaced_then_node_added_then_no_room(tmp_path, caplog
         assert checkpoint.read_state(saved)["step"] == 3
     finally:
         t.shutdown()
-        ray.shutdown()
-        cluster.shutdown()

@@ -28,18 +28,15 @@ def _rows(t, role: str) -> list[dict]:
     return [r for r in json.loads((t.run_dir / "placement.json").read_text()) if r["role"] == role]
 
 
-
-
-def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_path):
+def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_path, local_cluster):
     import ray
-    from ray.cluster_utils import Cluster
 
     from cluster.config import load_config
     from cluster.driver import checkpoint
     from cluster.driver.trainer import Trainer
     from cluster.train import learner_lost
 
-    cluster = Cluster(initialize_head=True, head_node_args={
+    cluster = local_cluster({
         "num_cpus": 1, "resources": {"rollout_node": 1}, "object_store_memory": STORE, "include_dashboard": False})
     reward_nodes = [cluster.add_node(num_cpus=1, resources={"reward_node": 1}, object_store_memory=STORE)
                     for _ in range(2)]
@@ -89,5 +86,3 @@ def test_reward_node_lost_then_learner_node_lost_then_resume_on_a_new_node(tmp_p
         assert m["actor/train_rollout_logprob_diff"] < 1e-5  # the engines hold the resumed weights
     finally:
         t.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
