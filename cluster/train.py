@@ -24,7 +24,8 @@ import yaml
 from cluster.runtime import console
 from cluster.driver.checkpoint import latest_checkpoint
 from cluster.config import Config, ConfigError, absolute_paths, load_config
-from cluster.planning.plan import cpu_oversubscription, plan
+from cluster.planning.actor_placement import cpu_oversubscription
+from cluster.planning.plan import plan
 from cluster.runtime.user_code import check_user_verifiers, verifier_names
 
 
@@ -53,7 +54,7 @@ def learner_lost(trainer, err: Exception, timeout_s: float = 30.0) -> bool:
 
 
 def _local_cpu_warning(cfg: Config) -> str | None:
-    """``plan.cpu_oversubscription`` against this machine's cores, for a run that starts its own Ray."""
+    """``actor_placement.cpu_oversubscription`` against this machine's cores, for a run that starts its own Ray."""
     if cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
         return None
     return cpu_oversubscription(cfg, len(os.sched_getaffinity(0)))

@@ -63,7 +63,7 @@ def _get(shape: Any, key: str, default: int = 0) -> int:
 
 
 def param_count(shape: Any) -> int:
-    """Parameters of a Qwen3 (dense or MoE) causal LM of ``shape`` (a ``cluster.config.ModelShape``).
+    """Parameters of a Qwen3 (dense or MoE) causal LM of ``shape`` (a ``cluster.config_sections.ModelShape``).
 
     ``V h`` embedding (+ ``V h`` output head unless tied) + ``h`` final norm + per layer: Q/K/V/O projections
     ``2hA + 2hK``, Q/K norms ``2 head_dim``, two norms ``2h``, and the MLP: dense ``3 h I`` or MoE router
@@ -84,7 +84,7 @@ def lora_trainable_params(shape: Any | None, rank: int | None, targets: str | li
     adapted linear layer, so ``r (in + out)``) over the decoder layers of ``shape``.
 
     Args:
-        shape: a ``cluster.config.ModelShape``, or None.
+        shape: a ``cluster.config_sections.ModelShape``, or None.
         rank: ``learner.lora.rank`` r (0 or None: LoRA off).
         targets: ``learner.lora.target_modules``: names among ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and, on
             a dense model, ``gate_proj``, ``up_proj``, ``down_proj``; or ``'all-linear'`` (all seven, dense only).

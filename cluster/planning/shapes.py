@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.config import ModelShape
+from cluster.config_sections import ModelShape
 
 
 def folder_shape(folder: str | Path) -> ModelShape | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from learner.contracts import SyncReport
 
 if TYPE_CHECKING:
-    from cluster.config import SyncConfig
+    from cluster.config_sections import SyncConfig
     from cluster.runtime.learner_group import LearnerGroup
 
 

@@ -116,7 +116,8 @@ def reference_markdown() -> str:
     lines = [
         "# Config reference",
         "",
-        "Generated from the schema (`cluster/config.py` and each service's `config.py`); do not edit by hand.",
+        "Generated from the schema (`cluster/config.py`, `cluster/config_sections.py` and each service's `config.py`); "
+        "do not edit by hand.",
         "Regenerate with",
         "",
         "```bash",

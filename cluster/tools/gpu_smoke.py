@@ -32,7 +32,8 @@ from pathlib import Path
 import yaml
 
 from cluster.config import apply_overrides, load_config
-from cluster.planning.plan import num_params, plan
+from cluster.planning.memory_budget import num_params
+from cluster.planning.plan import plan
 from cluster.runtime.devices import DEVICES_FILE, device_problems
 
 #: the smoke run's overrides of configs/tiny_moe_zero2.yaml (one GPU: the learner and the engine share it).

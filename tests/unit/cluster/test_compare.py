@@ -1,5 +1,6 @@
-"""The equal-budget comparison (cluster/compare.py): settings per algorithm, the report's figures on hand-made
-histories, and (slow) two real 2-step runs that share one warm start and end in a report and a plot."""
+"""The equal-budget comparison (cluster/compare.py, its report cluster/compare_report.py): settings per algorithm,
+the report's figures on hand-made histories, and (slow) two real 2-step runs that share one warm start and end in
+a report and a plot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 
-from cluster import compare
+from cluster import compare, compare_report
 from cluster.config import load_config
 from tests.helpers import assert_png
 from tests.helpers.compare import CONFIG
@@ -81,7 +82,7 @@ def _history():
 
 
 def test_summarise_hand_values():
-    s = compare.summarise(_history(), spike_factor=5.0)
+    s = compare_report.summarise(_history(), spike_factor=5.0)
     assert s["steps"] == 4
     assert (s["start_accuracy"], s["final_accuracy"], s["best_accuracy"]) == (0.25, 0.375, 0.5)
     assert s["reward"] == pytest.approx(0.6)  # last quarter of 4 steps = the last step
@@ -90,35 +91,37 @@ def test_summarise_hand_values():
     assert s["routing_volatility"] == pytest.approx(0.2) and s["routing_volatility_router"] == pytest.approx(0.3)
     # median grad norm 2.0 -> threshold 10: step 2's peak 11 is the one spike
     assert s["grad_norm_spikes"] == 1
-    assert compare.summarise(_history(), spike_factor=6.0)["grad_norm_spikes"] == 0
+    assert compare_report.summarise(_history(), spike_factor=6.0)["grad_norm_spikes"] == 0
     assert s["rl_time_s"] == pytest.approx(10.0) and s["tokens_per_s"] == pytest.approx(50.0)
     assert s["entropy_final"] == 1.5
-    empty = compare.summarise([{"step": 0}])
+    empty = compare_report.summarise([{"step": 0}])
     assert math.isnan(empty["final_accuracy"]) and math.isnan(empty["reward"]) and empty["steps"] == 0
 
 
 def test_mean_spread():
-    assert compare.mean_spread([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
-    m, s = compare.mean_spread([0.5, float("nan")])
+    assert compare_report.mean_spread([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    m, s = compare_report.mean_spread([0.5, float("nan")])
     assert m == 0.5 and math.isnan(s)
-    assert all(math.isnan(x) for x in compare.mean_spread([]))
+    assert all(math.isnan(x) for x in compare_report.mean_spread([]))
 
 
 def test_report_and_plot_from_results(tmp_path):
     runs = [
-        compare.RunResult("gspo", 0, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=10.0, history=_history()),
-        compare.RunResult("gspo", 1, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=14.0, history=_history()),
-        compare.RunResult("grpo_rr", 0, "", "skipped", note="not supported"),
+        compare_report.RunResult("gspo", 0, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=10.0,
+                                 history=_history()),
+        compare_report.RunResult("gspo", 1, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=14.0,
+                                 history=_history()),
+        compare_report.RunResult("grpo_rr", 0, "", "skipped", note="not supported"),
     ]
-    path = compare.write_report(tmp_path, runs, config_path="configs/x.yaml", overrides=["a.b=1"],
-                                shared={"RL steps": 4}, spike_factor=5.0)
+    path = compare_report.write_report(tmp_path, runs, config_path="configs/x.yaml", overrides=["a.b=1"],
+                                       shared={"RL steps": 4}, spike_factor=5.0)
     text = path.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| gspo | "))
     assert "| 2 |" in row and "12.0 ± 2.8" in row  # wall s over the 2 seeds: mean 12, sample std 2.83
     assert "0.375 ± 0.000" in row  # final accuracy
     assert any(line.startswith("| grpo_rr | ") and "0 (skipped)" in line for line in text.splitlines())
     assert "grpo_rr seed 0: skipped: not supported" in text
-    assert_png(compare.plot_runs(runs, tmp_path / "curves.png"), 1100, 750)
+    assert_png(compare_report.plot_runs(runs, tmp_path / "curves.png"), 1100, 750)
 
 
 def test_cli_refuses_bad_arguments(tmp_path, capsys):

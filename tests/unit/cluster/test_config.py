@@ -10,7 +10,8 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from cluster.config import Config, ConfigError, HealthConfig, load_config
+from cluster.config import Config, ConfigError, load_config
+from cluster.config_sections import HealthConfig
 from cluster.tools.config_reference import COMMAND, reference_markdown, sections
 from learner import objectives
 from learner.config import LearnerConfig

@@ -12,14 +12,9 @@ import pytest
 import yaml
 
 from cluster.config import load_config
-from cluster.planning.plan import (
-    PlanError,
-    cpu_oversubscription,
-    learner_host_offload_gib,
-    learner_memory_gib,
-    plan,
-    rollout_weights_gib,
-)
+from cluster.planning.actor_placement import PlanError, cpu_oversubscription
+from cluster.planning.memory_model import learner_host_offload_gib, learner_memory_gib, rollout_weights_gib
+from cluster.planning.plan import plan
 from tests.helpers import REPO_ROOT
 
 GPU_CONFIGS = {
@@ -268,7 +263,7 @@ def test_param_count_matches_the_real_tiny_model():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from cluster.planning import memory_model as mm
-    from cluster.planning.plan import model_shape
+    from cluster.planning.memory_budget import model_shape
 
     cfg = load_config(REPO_ROOT / "configs/tiny_moe_zero2.yaml", ["model.num_experts=64"])
     shape = model_shape(cfg)
@@ -283,7 +278,7 @@ def test_param_count_matches_the_real_tiny_model():
 
 
 def test_kv_and_activation_hand_values():
-    from cluster.config import ModelShape
+    from cluster.config_sections import ModelShape
     from cluster.planning import memory_model as mm
 
     s = ModelShape(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -7,7 +7,8 @@ import pytest
 
 from cluster.config import load_config
 from cluster.planning.memory_model import add_critic_gib, learner_memory_gib
-from cluster.planning.plan import num_params, plan
+from cluster.planning.memory_budget import num_params
+from cluster.planning.plan import plan
 from learner.objectives import resolve_objective
 from tests.helpers import REPO_ROOT
 
@@ -56,7 +57,7 @@ def test_lora_trainable_params_hand_values():
     """r (in + out) per adapted projection and layer (Hu et al., Eq. 3): a dense shape with h=64, 4 heads and 2
     KV heads of 16, I=128, 2 layers, r=8: q 64+64, k 64+32, v 64+32, o 64+64 = 448 per layer; all-linear adds
     gate and up 64+128 each and down 128+64."""
-    from cluster.config import ModelShape
+    from cluster.config_sections import ModelShape
     from cluster.planning.memory_model import lora_trainable_params
 
     dense = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

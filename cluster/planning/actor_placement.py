@@ -1,0 +1,159 @@
+"""Placement of a run's actors on nodes and GPUs for the resource plan (``cluster/planning/plan.py``), from the
+config alone, and ``PlanError``, the plan's refusal (the memory budget, ``memory_budget.py``, raises it too).
+
+What Ray is asked for (``cluster/runtime/learner_group.py``, ``cluster/runtime/services.py``): on GPUs the
+learner ranks in one STRICT_PACK placement group per node (``cluster.gpus_per_node / learner.num_gpus_per_rank``
+ranks each), on the CPU one PACK group for all ranks; every rollout engine a STRICT_PACK group of its own with
+``tensor_parallel_size`` GPUs on one node; every reward worker a STRICT_PACK group of one CPU bundle. The plan
+is stricter for the learner: it puts every rank on the first node and refuses a learner that does not fit one
+node. Engines go to the first node with room, reward workers round-robin over the planned nodes. Nodes are
+assumed alike (``gpus_per_node`` GPUs of ``gpu_memory_gib`` each); Ray may place groups differently, but never
+with less memory per GPU than planned here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.config import Config, ConfigError
+
+
+class PlanError(ConfigError):
+    """The run does not fit the GPUs it asks for; the message names the fields and the numbers."""
+
+
+class _Node:
+    def __init__(self, index: int, num_gpus: int):
+        self.index = index
+        self.gpu_free = [1.0] * num_gpus
+        self.gpu_users: list[list[str]] = [[] for _ in range(num_gpus)]
+        self.cpus = 0.0
+        self.actors: list[str] = []
+
+    def take_gpus(self, count: int, share: float) -> list[int] | None:
+        """``count`` distinct GPUs with ``share`` free each (first fit), or None."""
+        idx = [i for i, free in enumerate(self.gpu_free) if free + 1e-9 >= share][:count]
+        return idx if len(idx) == count else None
+
+
+def _gpu_slots(gpus: float, what: str, field: str) -> tuple[int, float]:
+    """How a GPU request maps on devices: (devices, share of each). Fractions below 1 share one device."""
+    if gpus <= 1:
+        return 1, gpus
+    if abs(gpus - round(gpus)) > 1e-9:
+        raise PlanError(f"{field}={gpus}: {what} above one GPU must hold whole GPUs")
+    return int(round(gpus)), 1.0
+
+
+def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list[tuple[int, list[int]]]]]:
+    """Assign learner ranks, engines and reward workers to nodes and GPU indices (first fit)."""
+    lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
+    nodes: list[_Node] = []
+    where: dict[str, list[tuple[int, list[int]]]] = {"learner": [], "rollout": []}
+
+    def node(i: int) -> _Node:
+        while len(nodes) <= i:
+            nodes.append(_Node(len(nodes), gpus_per_node))
+        return nodes[i]
+
+    # Learner: one STRICT_PACK group, so every rank on node 0.
+    if lc.num_gpus_per_rank:
+        count, share = _gpu_slots(lc.num_gpus_per_rank, "a learner rank", "learner.num_gpus_per_rank")
+        n0 = node(0)
+        for r in range(lc.world_size):
+            got = n0.take_gpus(count, share)
+            if got is None:
+                raise PlanError(
+                    f"learner.world_size={lc.world_size} x learner.num_gpus_per_rank={lc.num_gpus_per_rank} "
+                    f"does not fit one node of {gpus_per_node} GPUs: the learner's placement group is STRICT_PACK "
+                    "(all ranks on one node). Use fewer ranks, or nodes with more GPUs."
+                )
+            for g in got:
+                n0.gpu_free[g] -= share
+                n0.gpu_users[g].append(f"learner rank {r}")
+            where["learner"].append((0, got))
+    else:
+        node(0)
+        where["learner"] = [(0, []) for _ in range(lc.world_size)]
+    nodes[0].cpus += lc.world_size * lc.num_cpus_per_rank
+    nodes[0].actors += [f"learner rank {r}" for r in range(lc.world_size)]
+
+    # Rollout engines: one STRICT_PACK group each, tensor_parallel_size devices on one node.
+    for e in range(rc.num_engines):
+        label = f"rollout engine {e}"
+        if rc.num_gpus_per_engine:
+            if rc.tensor_parallel_size > 1 and rc.num_gpus_per_engine < 1:
+                raise PlanError(
+                    f"rollout.tensor_parallel_size={rc.tensor_parallel_size} needs a whole GPU per shard: "
+                    f"rollout.num_gpus_per_engine={rc.num_gpus_per_engine} must be 1"
+                )
+            count, share = _gpu_slots(rc.num_gpus_per_engine, "a rollout shard", "rollout.num_gpus_per_engine")
+            count *= rc.tensor_parallel_size
+            if count > gpus_per_node:
+                raise PlanError(
+                    f"rollout.tensor_parallel_size={rc.tensor_parallel_size} x rollout.num_gpus_per_engine="
+                    f"{rc.num_gpus_per_engine} GPUs do not fit one node of {gpus_per_node} GPUs"
+                )
+            i = 0
+            while (got := node(i).take_gpus(count, share)) is None:
+                i += 1
+            for g in got:
+                nodes[i].gpu_free[g] -= share
+                nodes[i].gpu_users[g].append(label)
+            where["rollout"].append((i, got))
+        else:
+            i = 0
+            where["rollout"].append((0, []))
+        nodes[i].cpus += rc.num_cpus_per_engine
+        nodes[i].actors.append(label)
+    # Reward workers: CPUs only; spread over the nodes there are.
+    for w in range(wc.num_workers):
+        n = nodes[w % len(nodes)]
+        n.cpus += wc.num_cpus_per_worker
+        n.actors.append(f"reward worker {w}")
+    return nodes, where
+
+
+def _placement_groups(cfg: Config) -> dict[str, Any]:
+    """The placement groups as ``cluster/runtime/services.py`` requests them (bundles and strategy per service)."""
+    lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
+    return {
+        "learner": {"bundles": [{"CPU": lc.num_cpus_per_rank, "GPU": lc.num_gpus_per_rank} for _ in range(lc.world_size)],
+                    "strategy": "STRICT_PACK" if lc.num_gpus_per_rank else "PACK"},
+        "rollout": {"bundles_per_engine": {"CPU": rc.num_cpus_per_engine, "GPU": rc.num_gpus_per_engine * rc.tensor_parallel_size},
+                    "engines": rc.num_engines, "tensor_parallel_size": rc.tensor_parallel_size,
+                    "strategy": "STRICT_PACK (one group per engine)",
+                    "engine_actor": {"num_gpus": rc.num_gpus_per_engine * rc.tensor_parallel_size,
+                                     "vllm_executor": "mp: one worker process per TP rank inside the engine actor"
+                                     if rc.tensor_parallel_size > 1 else "uni: the model runs in the engine actor"}},
+        "reward": {"bundles_per_worker": {"CPU": wc.num_cpus_per_worker}, "workers": wc.num_workers},
+    }
+
+
+def cpu_oversubscription(cfg: Config, cores: int) -> str | None:
+    """A warning when a CPU-only run would keep more compute threads busy at once than ``cores``, else None.
+
+    The overlapped step (``trainer.max_staleness >= 1``) runs the engines beside the learner ranks, so their
+    threads add up; the on-policy step alternates them. Oversubscribed cores slow both sides (measured on 2
+    cores: the overlapped ``make train`` with a 2-thread engine beside 2 learner ranks was slower than on-policy;
+    README, "Speed").
+
+    Args:
+        cfg: a validated config.
+        cores: CPU cores the run's actors share (the local machine's, for a run that starts its own Ray).
+    """
+    lc, rc = cfg.learner, cfg.rollout
+    if lc.num_gpus_per_rank or rc.num_gpus_per_engine:
+        return None
+    engines, learner = rc.num_engines * rc.threads_per_engine, lc.world_size * lc.threads_per_rank
+    overlapped = cfg.trainer.max_staleness >= 1
+    busy = engines + learner if overlapped else max(engines, learner)
+    if busy <= cores:
+        return None
+    return (f"{busy} compute threads at once on {cores} CPU cores: rollout.num_engines={rc.num_engines} x "
+            f"rollout.threads_per_engine={rc.threads_per_engine}"
+            + (f" beside learner.world_size={lc.world_size} x learner.threads_per_rank={lc.threads_per_rank} "
+               f"(trainer.max_staleness={cfg.trainer.max_staleness} overlaps them)" if overlapped else
+               f" or learner.world_size={lc.world_size} x learner.threads_per_rank={lc.threads_per_rank}")
+            + "; oversubscribed cores slow both sides. Fewer threads or ranks fit (on 2 cores the measured split is "
+            "rollout.threads_per_engine=1 learner.world_size=1 learner.zero_stage=0 learner.max_threads_per_rank=2)")
