@@ -230,9 +230,10 @@ class RankHost:
         return os.getpid()
 
     def train(self, name: str, plan, guard) -> dict:
-        out = self.ranks[name].train_rollout_batch(plan.minibatches, plan.num_sequences, plan.num_tokens,
-                                                   guard=guard)
-        return {k: v for k, v in out.items() if isinstance(v, float)}
+        """One update of variant ``name``; its logged float metrics (``RolloutTrainResult.metrics``)."""
+        result = self.ranks[name].train_rollout_batch(plan.minibatches, plan.num_sequences, plan.num_tokens,
+                                                      guard=guard)
+        return {k: v for k, v in result.metrics.items() if isinstance(v, float)}
 
 
 def start_hosts(ray, model_path: str, cfg, groups: set[tuple[int, int]]) -> dict[tuple[int, int], list]:

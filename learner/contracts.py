@@ -1,4 +1,4 @@
-"""Contracts of the learner service: the padded batches it trains on.
+"""Contracts of the learner service: the padded batches it trains on, and what its steps and syncs return.
 
 Tensors on the CPU; they cross Ray actor calls through the object store (see ``rollout.contracts`` for the
 flow of one step).
@@ -79,6 +79,101 @@ class SFTBatch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+#: The key of the per-length sums in the RL step's metrics as the learner builds them (``learner.step``) and in the
+#: ratio audit's ``metrics.json``; ``RolloutTrainResult.by_response_length`` carries them, out of ``metrics``.
+BY_LENGTH_KEY = "actor/by_response_length"
+
+
+@dataclass(frozen=True)
+class RolloutTrainResult:
+    """What one RL update on a rollout batch did (``LearnerRank.train_rollout_batch``): the same on every rank,
+    aggregated exactly over micro-batches, minibatches, epochs and ranks.
+
+    The typed fields are what the driver acts on; ``metrics`` is the step's logged record, written to
+    ``metrics.jsonl`` under these names as it stands (the values of ``loss``, ``optimizer_steps``, ``grad_norm``
+    and the health fields are in it too, under ``loss/policy``, ``actor/num_optimizer_steps``,
+    ``actor/grad_norm`` and ``health/*``). ``from_metrics`` builds both from the step's dict, so they agree.
+
+    Attributes:
+        loss: ``loss/policy``: the mean over the optimizer steps that ran of the minibatch's policy loss
+            (dimensionless; 0.0 when no step ran).
+        optimizer_steps: ``actor/num_optimizer_steps``: optimizer steps applied and kept (0 when the health guard
+            refused the update).
+        grad_norm: ``actor/grad_norm``: the mean over the optimizer steps that ran of the pre-clip global L2 norm
+            of the gradient (0.0 when no step ran).
+        skipped: ``health/skipped``: the health guard refused the step and the update was undone (False without a
+            guard).
+        failed_checks: ``health/failed_checks`` split at its commas: the names of the failing checks in the order
+            they failed (``("nonfinite_log_probs",)``, ``("max_grad_norm",)``, ...); ``()`` when none failed or
+            without a guard.
+        reasons: ``health/reasons``: ``"; "``-joined ``name: metric=value > limit``; ``""`` when none.
+        by_response_length: response length (tokens, EOS included) -> ``[sequences, sum of GSPO's sequence ratio
+            s_i, clipped units, units]`` summed over the optimizer steps (units as in ``actor/clip_fraction``:
+            sequences for GSPO, tokens for GRPO), for the driver's length slices (``cluster.driver.length_slices``);
+            not logged.
+        metrics: the open-ended logged metrics (``loss/*``, ``actor/*``, ``mismatch/*``, ``moe/*``, ``health/*``,
+            PPO's ``critic/*``, ``perf/*``), names and meanings as ``LearnerRank.train_rollout_batch`` documents
+            them: floats (losses and ratios dimensionless, ``actor/entropy`` and log-prob differences in nats,
+            ``actor/num_response_tokens`` in tokens, counts as floats), besides ``loss/policy_minibatches`` (a
+            list: the loss of each optimizer step), ``moe/expert_load`` and ``moe/layers`` (lists) and the
+            ``health/failed_checks`` and ``health/reasons`` strings.
+    """
+
+    loss: float
+    optimizer_steps: int
+    grad_norm: float
+    skipped: bool = False
+    failed_checks: tuple[str, ...] = ()
+    reasons: str = ""
+    by_response_length: dict[int, list[float]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any]) -> "RolloutTrainResult":
+        """The result of a step whose metrics are ``metrics`` (``learner.step.RolloutBatchStep``'s dict, left
+        unchanged): the per-length sums (``BY_LENGTH_KEY``) leave the logged record; the typed fields are read
+        from it (absent health keys: no guard).
+
+        Raises:
+            KeyError: ``metrics`` lacks ``loss/policy``, ``actor/num_optimizer_steps`` or ``actor/grad_norm``.
+        """
+        logged = {k: v for k, v in metrics.items() if k != BY_LENGTH_KEY}
+        checks = str(logged.get("health/failed_checks", ""))
+        return cls(
+            loss=float(logged["loss/policy"]),
+            optimizer_steps=int(logged["actor/num_optimizer_steps"]),
+            grad_norm=float(logged["actor/grad_norm"]),
+            skipped=bool(logged.get("health/skipped", 0.0)),
+            failed_checks=tuple(c for c in checks.split(",") if c),
+            reasons=str(logged.get("health/reasons", "")),
+            by_response_length=dict(metrics.get(BY_LENGTH_KEY, {})),
+            metrics=logged,
+        )
+
+    def record(self) -> dict[str, Any]:
+        """``metrics`` with the per-length sums under ``BY_LENGTH_KEY``: everything the learner returned, as the
+        ratio audit's ``metrics.json`` keeps it (``cluster.driver.audit_dump.save_outputs``)."""
+        return {**self.metrics, BY_LENGTH_KEY: dict(self.by_response_length)}
+
+
+@dataclass(frozen=True)
+class SFTStepResult:
+    """What one supervised step did (``LearnerRank.sft_step``): the same on every rank.
+
+    Attributes:
+        loss: the token-mean cross-entropy of the whole step over all ranks, at temperature 1 (nats per loss
+            token).
+        grad_norm: the pre-clip global L2 norm of the step's gradient.
+        lr: the learning rate of the first parameter group at the step.
+        num_tokens: the loss tokens of the step over all ranks (the loss's normaliser).
+    """
+
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """Policy objectives of GSPO, GSPO-token, GRPO/DAPO and Dr. GRPO as entries of the policy-loss registry
-(``learner/loss_registry.py``; CISPO, SAPO and GMPO in ``learner/policy_losses.py``), the KL penalty, and their
-training metrics.
+(``learner/loss_registry.py``; CISPO, SAPO and GMPO in ``learner/policy_losses.py``), with the masks, normalisers
+and aggregations they share. Their training metrics are in ``learner/policy_metrics.py``, the KL penalty (which
+aggregates like the policy loss) in ``learner/kl.py``.
 
 Pure torch (no Ray, vLLM, DeepSpeed or config imports): tensors and plain arguments in, a loss tensor and a
 dict of Python floats out. The math, the defaults and how the algorithms differ: ``learner/README.md``.
 References: GSPO = Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (equations numbered
-as in the paper); DAPO = Yu et al., arXiv 2503.14476; KL estimators = Schulman, "Approximating KL
-divergence" (2020).
+as in the paper); DAPO = Yu et al., arXiv 2503.14476.
 
 Conventions for every ``[B, T]`` input: position ``t`` of row ``b`` is one target token; ``response_mask``
 (bool or 0/1) is True on the response tokens that count. Values at masked positions (padding, prompt) never
@@ -17,13 +17,13 @@ any normaliser or metric.
 Micro-batching: pass ``num_sequences`` / ``num_tokens`` (the minibatch's totals, summed over micro-batches
 and data-parallel ranks with :func:`loss_normalisers`); then the sum of the micro-batch losses and gradients
 equals the loss and gradient of the whole minibatch computed at once. Combine the micro-batch metrics with
-:func:`combine_policy_metrics`.
+:func:`learner.policy_metrics.combine_policy_metrics`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -54,17 +54,7 @@ from learner.loss_registry import (
     register_policy_loss,
 )
 from learner.loss_settings import build_settings
-
-# Metric keys that are sums over units (exact to add across micro-batches and ranks).
-COUNT_METRICS = (
-    "num_sequences",
-    "num_tokens",
-    "num_ratios",
-    "num_clipped",
-    "num_clipped_low",
-    "num_clipped_high",
-    "ratio_sum",
-)
+from learner.policy_metrics import _ratio_metrics
 
 
 @dataclass(frozen=True)
@@ -139,7 +129,7 @@ def resolve_objective(
 
 
 def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:
-    """This batch's contribution to the global normalisers of :func:`policy_loss` and :func:`kl_penalty`.
+    """This batch's contribution to the global normalisers of :func:`policy_loss` and :func:`learner.kl.kl_penalty`.
 
     Args:
         response_mask: bool or 0/1 ``[B, T]``.
@@ -451,132 +441,3 @@ def _token_level_loss(objective: Objective, x: _Inputs, weights: Tensor | None =
     loss = -_aggregate(torch.where(x.mask, surrogate, 0.0), x.mask, objective.loss_agg, x.seq_den, x.tok_den)
     unit_clip_lo, unit_clip_hi = (clip_lo & x.mask).to(x.lp.dtype), (clip_hi & x.mask).to(x.lp.dtype)
     return loss, _Units(x.mask, ratio, token_log_ratio.abs(), unit_clip_lo, unit_clip_hi)
-
-
-@torch.no_grad()
-def _ratio_metrics(unit_mask: Tensor, ratio: Tensor, abs_lr: Tensor, clip_lo: Tensor, clip_hi: Tensor) -> dict[str, float]:
-    inf = torch.tensor(math.inf, dtype=ratio.dtype, device=ratio.device)
-    n = unit_mask.sum().to(ratio.dtype)
-    stats = torch.stack(
-        [
-            n,
-            torch.where(unit_mask, ratio, 0.0).sum(),
-            torch.where(unit_mask, ratio, inf).min() if ratio.numel() else inf,
-            torch.where(unit_mask, ratio, -inf).max() if ratio.numel() else -inf,
-            torch.where(unit_mask, abs_lr, 0.0).max() if ratio.numel() else torch.zeros_like(n),
-            torch.where(unit_mask, clip_lo, 0.0).sum(),
-            torch.where(unit_mask, clip_hi, 0.0).sum(),
-        ]
-    ).tolist()
-    num, ratio_sum, rmin, rmax, lrmax, n_lo, n_hi = stats
-    out = {
-        "num_ratios": num,
-        "ratio_sum": ratio_sum,
-        "num_clipped_low": n_lo,
-        "num_clipped_high": n_hi,
-        "num_clipped": n_lo + n_hi,
-        "log_ratio_abs_max": lrmax,
-    }
-    return _finish_metrics(out, rmin, rmax)
-
-
-def _finish_metrics(out: dict[str, float], rmin: float, rmax: float) -> dict[str, float]:
-    num = out["num_ratios"]
-    if num > 0:
-        out.update(
-            clip_fraction=out["num_clipped"] / num,
-            clip_fraction_low=out["num_clipped_low"] / num,
-            clip_fraction_high=out["num_clipped_high"] / num,
-            ratio_mean=out["ratio_sum"] / num,
-            ratio_min=rmin,
-            ratio_max=rmax,
-        )
-    else:
-        out.update(clip_fraction=0.0, clip_fraction_low=0.0, clip_fraction_high=0.0, ratio_mean=1.0,
-                   ratio_min=1.0, ratio_max=1.0, log_ratio_abs_max=0.0)
-    return out
-
-
-def combine_policy_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Combine :func:`policy_loss` metrics of several micro-batches (or ranks) exactly.
-
-    Sums the ``COUNT_METRICS``, recomputes the fractions and ``ratio_mean`` from the sums, takes the min /
-    max of ``ratio_min`` / ``ratio_max`` / ``log_ratio_abs_max`` over the parts that have a unit. The result
-    equals the metrics of one :func:`policy_loss` call on all the parts together (up to float rounding of
-    ``ratio_sum``). Across ranks, all-reduce the sums (SUM) and the extremes (MIN / MAX) the same way.
-
-    Args:
-        parts: metrics dicts returned by :func:`policy_loss` (extra keys are ignored).
-
-    Returns:
-        A metrics dict with the same keys as :func:`policy_loss`'s.
-
-    Raises:
-        ValueError: ``parts`` is empty or a part lacks one of the keys.
-    """
-    parts = list(parts)
-    if not parts:
-        raise ValueError("parts is empty: nothing to combine")
-    needed = COUNT_METRICS + ("ratio_min", "ratio_max", "log_ratio_abs_max")
-    for i, p in enumerate(parts):
-        missing = [k for k in needed if k not in p]
-        if missing:
-            raise ValueError(f"parts[{i}] lacks metric keys {missing}")
-    out = {k: float(sum(p[k] for p in parts)) for k in COUNT_METRICS}
-    full = [p for p in parts if p["num_ratios"] > 0]
-    rmin = min((p["ratio_min"] for p in full), default=1.0)
-    rmax = max((p["ratio_max"] for p in full), default=1.0)
-    out["log_ratio_abs_max"] = max((p["log_ratio_abs_max"] for p in full), default=0.0)
-    return _finish_metrics(out, rmin, rmax)
-
-
-def kl_penalty(
-    log_probs: Tensor,
-    ref_log_probs: Tensor,
-    response_mask: Tensor,
-    estimator: str,
-    *,
-    loss_agg: str = "seq_mean_token_mean",
-    num_sequences: float | None = None,
-    num_tokens: float | None = None,
-) -> Tensor:
-    """KL(pi_theta || pi_ref) estimated per token from samples of the policy, aggregated like the loss.
-
-    With ``log r = log pi_ref - log pi_theta`` per response token (Schulman, "Approximating KL divergence",
-    2020): ``k1 = -log r`` (unbiased, high variance, can be negative), ``k2 = (log r)^2 / 2`` (biased, low
-    variance), ``k3 = (r - 1) - log r`` (unbiased, low variance, >= 0; ``log r`` is clamped to
-    ``+-LOG_RATIO_CLAMP`` before ``exp``). The per-token values are aggregated with ``loss_agg`` and the
-    normalisers exactly as in :func:`policy_loss`; the learner adds ``kl_coef * kl_penalty(...)`` to the loss
-    (GSPO uses ``kl_coef = 0``).
-
-    Args:
-        log_probs: float ``[B, T]``, current-policy log-probs (differentiable).
-        ref_log_probs: float ``[B, T]``, reference-policy log-probs.
-        response_mask: bool or 0/1 ``[B, T]``.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-        loss_agg: one of ``LOSS_AGGS`` (pass the policy loss's resolved value).
-        num_sequences, num_tokens: global normalisers, as for :func:`policy_loss`.
-
-    Returns:
-        0-dim tensor (float32, float64 for float64 inputs), 0 when there is no response token.
-
-    Raises:
-        ValueError: unknown estimator or loss_agg, mismatched shapes, a normaliser below the local count.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg={loss_agg!r} is not one of {LOSS_AGGS}")
-    mask, dtype = _mask_and_dtype(log_probs, ref_log_probs, response_mask, ("log_probs", "ref_log_probs"))
-    n_seq, n_tok = loss_normalisers(mask)
-    seq_den = _normaliser(num_sequences, n_seq, "num_sequences")
-    tok_den = _normaliser(num_tokens, n_tok, "num_tokens")
-    log_r = torch.where(mask, ref_log_probs.to(dtype) - log_probs.to(dtype), 0.0)
-    if estimator == "k1":
-        kl = -log_r
-    elif estimator == "k2":
-        kl = 0.5 * log_r.square()
-    else:
-        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl = torch.exp(log_r) - 1.0 - log_r
-    return _aggregate(torch.where(mask, kl, 0.0), mask, loss_agg, seq_den, tok_den)

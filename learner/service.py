@@ -37,7 +37,7 @@ import torch
 
 from learner import checkpoint, lora, state, weight_sync
 from learner.config import LearnerConfig, WarmStartConfig
-from learner.contracts import SFTBatch, SyncReport, TrainBatch
+from learner.contracts import RolloutTrainResult, SFTBatch, SFTStepResult, SyncReport, TrainBatch
 from learner.critic import Critic
 from learner.objectives import resolve_objective
 from learner.rank_setup import build_partitioned, build_replica, init_distributed, learner_device, select_accelerator
@@ -166,7 +166,7 @@ class LearnerRank:
         *,
         guard: dict[str, float] | None = None,
         monitor: bool | None = None,
-    ) -> dict[str, Any]:
+    ) -> RolloutTrainResult:
         """Train on one rollout batch: ``cfg.ppo_epochs`` passes over the minibatches, one optimizer step each.
 
         Collective: every rank calls it with its own shard of the same minibatches (and the same ``guard``).
@@ -191,9 +191,11 @@ class LearnerRank:
                 None = every N-th batch this rank has trained. The same on every rank.
 
         Returns:
-            The same dict on every rank, aggregated exactly over micro-batches, minibatches, epochs and ranks:
-            ``loss/policy`` (and ``loss/kl`` when ``kl_coef > 0``): mean over optimizer steps of the
-            minibatch loss; ``actor/clip_fraction`` (``_low``, ``_high``): share of sequences (GSPO) or tokens
+            A ``RolloutTrainResult``, the same on every rank: its typed fields (loss, optimizer steps, grad norm,
+            the guard's verdict, the per-length sums) and, in its ``metrics``, the logged metrics below,
+            aggregated exactly over micro-batches, minibatches, epochs and ranks: ``loss/policy`` (and
+            ``loss/kl`` when ``kl_coef > 0``): mean over optimizer steps of the minibatch loss;
+            ``actor/clip_fraction`` (``_low``, ``_high``): share of sequences (GSPO) or tokens
             (GRPO) clipped; ``actor/ratio_mean|min|max``: the importance ratios the objective used;
             ``actor/seq_ratio_mean|min|max``: GSPO's sequence ratio ``s_i`` (Eq. 7) for every algorithm;
             ``actor/entropy`` (pre-update pass only: absent when ``learner.pre_update_pass`` skips it, as are
@@ -203,9 +205,8 @@ class LearnerRank:
             log-prob| over response tokens; ``actor/grad_norm`` (mean over steps, pre-clip) and
             ``actor/grad_norm_max``; ``actor/lr``; ``actor/num_optimizer_steps`` (steps applied: 0 when the
             guard skipped the update). Values are those of the steps that ran (0 steps: loss 0, ratios 1).
-            ``actor/by_response_length``: ``{response length (tokens): [sequences, sum of s_i, clipped units,
-            units]}`` summed over the optimizer steps (units as in the clip fraction), for metrics sliced by
-            length (``cluster.driver.length_slices``).
+            ``loss/policy_minibatches``: the loss of each optimizer step (a list). The per-length sums for
+            metrics sliced by length are the result's ``by_response_length``, not a metric.
 
             MoE models (``cfg.moe_diagnostics``), see ``_moe_metrics``: ``moe/load_imbalance``,
             ``moe/load_imbalance_max``, ``moe/load_cv``, ``moe/layer{L}/load_imbalance``, ``moe/expert_load``
@@ -225,12 +226,12 @@ class LearnerRank:
         """
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
-        out = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
-                               self.critic, monitor).run()
-        self.weights_changed |= not out.get("health/skipped")  # a refused update put the weights back
-        return out
+        result = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
+                                  self.critic, monitor).run()
+        self.weights_changed |= not result.skipped  # a refused update put the weights back
+        return result
 
-    def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
+    def sft_step(self, batch: SFTBatch, num_tokens: int) -> SFTStepResult:
         """One optimizer step of token-mean cross-entropy on ``batch`` (this rank's shard).
 
         ``loss = -(1/num_tokens) sum_{loss tokens} log p(token)`` at temperature 1, with ``num_tokens`` the loss
@@ -238,7 +239,8 @@ class LearnerRank:
         (same exact scaling as ``train_rollout_batch``). Collective.
 
         Returns:
-            ``{"loss/sft": loss of the whole step (all ranks), "grad_norm": pre-clip global norm, "lr": lr}``.
+            ``SFTStepResult``: the loss of the whole step (all ranks, nats per loss token), the pre-clip global
+            gradient norm, the lr and ``num_tokens``.
 
         Raises:
             ValueError: ``num_tokens`` differs from the loss tokens over all ranks, or a loss mask on padding.

@@ -25,15 +25,16 @@ from typing import Any
 
 import torch
 
-from learner.contracts import SFTBatch, TrainBatch
+from learner.contracts import BY_LENGTH_KEY, RolloutTrainResult, SFTBatch, SFTStepResult, TrainBatch
 from learner.critic import Critic
 from learner.health import GuardDecision
 from learner.logprobs import token_log_probs
 from learner.microbatch import MicroBatch, length_order
 from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
                          volatility_metrics)
-from learner.objectives import (LOG_RATIO_CLAMP, Objective, SequenceCounts, combine_policy_metrics, kl_penalty,
-                                policy_loss, sequence_log_ratio)
+from learner.kl import kl_penalty
+from learner.objectives import LOG_RATIO_CLAMP, Objective, SequenceCounts, policy_loss, sequence_log_ratio
+from learner.policy_metrics import combine_policy_metrics
 from learner.replica import Replica
 from learner.rollout_correction import mismatch_metrics, mismatch_sums, rollout_correction
 
@@ -66,7 +67,7 @@ class _Totals:
 
 class RolloutBatchStep:
     """One RL update on a rollout batch; see ``learner.service.LearnerRank.train_rollout_batch`` for the
-    arguments, the metrics returned and the errors raised. Collective: every rank runs it on its shard."""
+    arguments, the result returned and the errors raised. Collective: every rank runs it on its shard."""
 
     def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
                  num_tokens: list[int], guard: dict[str, float] | None, objective: Objective, critic: Critic | None = None,
@@ -90,8 +91,9 @@ class RolloutBatchStep:
         self.critic = critic  # PPO's value model (learner/critic.py), or None
         self.token_adv: list[list[torch.Tensor]] = []  # PPO: GAE advantages per minibatch and micro-batch
 
-    def run(self) -> dict[str, Any]:
-        """The phases in order; returns the step's metrics (the same dict on every rank)."""
+    def run(self) -> RolloutTrainResult:
+        """The phases in order; returns the step's result (the same on every rank), built from its metrics dict by
+        ``RolloutTrainResult.from_metrics``."""
         self.r.start_update()
         out = self.pre_update_pass() if self.run_pre_update else self.rollout_checks()
         if self.critic is not None:  # PPO: values, GAE and whitening before any update
@@ -107,7 +109,7 @@ class RolloutBatchStep:
             out.update(self.guard_verdict(out, snapshot))
         if self.critic is not None and not refused and not out.get("health/skipped"):
             out.update(self.critic.train(self))  # only when the policy's update is kept
-        return out
+        return RolloutTrainResult.from_metrics(out)
 
     # -- phase 1 ------------------------------------------------------------------------------------------
     def pre_update_decision(self) -> bool:
@@ -344,7 +346,7 @@ class RolloutBatchStep:
             "actor/num_optimizer_steps": float(steps),
             "actor/num_response_tokens": float(pm["num_tokens"]) / max(cfg.ppo_epochs, 1),
             # per response length: [sequences, sum of s_i, clipped units, units] (cluster.driver.length_slices)
-            "actor/by_response_length": dict(sorted(by_length.items())),
+            BY_LENGTH_KEY: dict(sorted(by_length.items())),
         }
         if r.ref_model is not None:
             out["loss/kl"] = kl_sum / max(steps, 1)
@@ -375,7 +377,7 @@ class RolloutBatchStep:
         }
 
 
-def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
+def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> SFTStepResult:
     """One optimizer step of token-mean cross-entropy; see ``LearnerRank.sft_step``. Collective."""
     (tot,) = r.all_reduce([float(batch.loss_mask.sum())])
     if int(tot) != int(num_tokens):
@@ -396,4 +398,5 @@ def sft_step(r: Replica, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
         r.engine.backward(loss * r.world_size, scale_wrt_gas=False)
     norm = r.optimizer_step()
     (loss_total,) = r.all_reduce([loss_sum])
-    return {"loss/sft": loss_total, "grad_norm": norm, "lr": float(r.base_optimizer().param_groups[0]["lr"])}
+    return SFTStepResult(loss=loss_total, grad_norm=norm, lr=float(r.base_optimizer().param_groups[0]["lr"]),
+                         num_tokens=int(num_tokens))

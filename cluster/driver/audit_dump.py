@@ -17,7 +17,8 @@ Layout of ``RUN_DIR/audit/step_NNNNNNNN/`` (read by ``learner.audit``):
   (algorithm, resolved clip range and loss aggregation, temperature, micro-batch size, world size, ...).
 - ``model/``: the behaviour weights in Hugging Face format (``model.safetensors`` plus the config and tokenizer
   files of the run's model folder), loadable with ``AutoModelForCausalLM.from_pretrained``.
-- ``metrics.json`` (``save_outputs``): what the learner returned for the step.
+- ``metrics.json`` (``save_outputs``): what the learner returned for the step (``RolloutTrainResult.record``: the
+  logged metrics and the per-length sums).
 - ``gradient_first_step.safetensors`` (``save_outputs``): the full pre-clip gradient of the step's first
   optimizer step (the first minibatch, summed over ranks and micro-batches), recorded by the learner's
   ``capture_gradients`` hook, which ``save_inputs`` turns on and ``save_outputs`` off again.
@@ -30,14 +31,19 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file
 
+from cluster.config import Config
 # The folder's file names are the audit tool's (one definition of the format).
 from learner.audit import BATCH_FILE, GRADIENT_FILE, META_FILE, METRICS_FILE, MODEL_SUBDIR, SPLIT_FILE, step_dir_for
 from learner.objectives import resolve_objective
+
+if TYPE_CHECKING:
+    from cluster.runtime.learner_group import LearnerGroup
+    from rollout.contracts import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +90,7 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _objective_settings(cfg: Any) -> dict[str, Any]:
+def _objective_settings(cfg: Config) -> dict[str, Any]:
     lc = cfg.learner
     obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
     return {
@@ -110,20 +116,21 @@ def _objective_settings(cfg: Any) -> dict[str, Any]:
     }
 
 
-def _save_behaviour_weights(trainer: Any, out: Path) -> None:
+def _save_behaviour_weights(learners: LearnerGroup, model_path: str | Path, out: Path) -> None:
     """Full weights from the learner ranks (collective: every rank exports, rank 0 returns them) in Hugging
-    Face checkpoint format, plus the run model folder's config and tokenizer files."""
-    state = trainer.learners.call("checkpoint_state_dict")[0]
+    Face checkpoint format, plus the config and tokenizer files of the run's model folder ``model_path``."""
+    state = learners.call("checkpoint_state_dict")[0]
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    src = Path(trainer.model_path)
+    src = Path(model_path)
     for f in sorted(src.iterdir()):
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, out / f.name)
 
 
-def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
+def save_inputs(cfg: Config, run_dir: Path, learners: LearnerGroup, step: int, batch: Any, plans: list[Any], *,
+                model_path: str | Path, train_rows: Sequence[PromptRow], weight_version: int) -> Path:
     """Save what step ``step`` trains on and the weights that generated it; returns the step's audit folder.
 
     Must run before the learner trains on ``batch`` (its weights are then the behaviour weights the rollout
@@ -131,26 +138,30 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
     called on all of them).
 
     Args:
-        trainer: the ``cluster.driver.trainer.Trainer`` (uses ``cfg``, ``run_dir``, ``learners``, ``model_path``,
-            ``train_rows``, ``weight_version``).
+        cfg: the run config (the objective's settings, ``trainer.seed`` and ``trainer.group_size``).
+        run_dir: the run folder; the step's audit folder goes under its ``audit/``.
+        learners: the learner ranks (``compute_log_probs``, ``checkpoint_state_dict``, ``capture_gradients``).
         step: the 1-based RL step.
         batch: the step's ``TrainBatch``.
         plans: the ``RankPlan`` list the learner ranks receive.
+        model_path: the run's model folder (its config and tokenizer files are copied beside the weights).
+        train_rows: the training prompts (their prompt token ids by uid: ``prompt_lengths``, ``meta.json``).
+        weight_version: the weight version the engines sampled the step's rollout with.
 
     Raises:
         ValueError: the plans do not hold rows of ``batch``.
     """
-    out = step_dir_for(trainer.run_dir, step)
+    out = step_dir_for(run_dir, step)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     split = split_indices(batch, plans)
 
     # The learner's own log-probs at the behaviour weights (all ranks take part; rank 0's result).
-    lps = trainer.learners.call("compute_log_probs", batch)
+    lps = learners.call("compute_log_probs", batch)
     learner_lp = lps[0].to(torch.float32)
 
-    rows = {r.uid: r for r in getattr(trainer, "train_rows", [])}
+    rows = {r.uid: r for r in train_rows}
     prompts: dict[str, list[int]] = {}
     lengths = []
     for uid in batch.prompt_uids:
@@ -173,22 +184,22 @@ def save_inputs(trainer: Any, step: int, batch: Any, plans: list[Any]) -> Path:
         "prompt_lengths": torch.tensor(lengths, dtype=torch.int64),
     }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / BATCH_FILE))
-    (out / SPLIT_FILE).write_text(json.dumps({"minibatches": split, "seed": int(trainer.cfg.trainer.seed + step - 1)},
+    (out / SPLIT_FILE).write_text(json.dumps({"minibatches": split, "seed": int(cfg.trainer.seed + step - 1)},
                                              indent=1) + "\n")
     meta = {
         "format_version": FORMAT_VERSION,
         "step": int(step),
-        "weight_version": int(trainer.weight_version),
-        "model_path": str(trainer.model_path),
-        "objective": _objective_settings(trainer.cfg),
+        "weight_version": int(weight_version),
+        "model_path": str(model_path),
+        "objective": _objective_settings(cfg),
         "prompt_uids": list(batch.prompt_uids),
         "prompt_token_ids": prompts,
-        "group_size": int(trainer.cfg.trainer.group_size),
+        "group_size": int(cfg.trainer.group_size),
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    _save_behaviour_weights(trainer, out / MODEL_SUBDIR)
+    _save_behaviour_weights(learners, model_path, out / MODEL_SUBDIR)
     # Record the gradient of every optimizer step of this call (read and switched off by save_outputs).
-    trainer.learners.call("capture_gradients", True)
+    learners.call("capture_gradients", True)
     log.info("audit: step %d saved to %s (%d sequences)", step, out, len(batch))
     return out
 
@@ -208,14 +219,14 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def save_outputs(trainer: Any, audit_dir: Path, metrics: dict[str, Any]) -> None:
-    """Save what training logged for the step (the learner's metrics dict) as ``metrics.json``, and the
-    gradient of the step's first optimizer step (captured on the learner ranks since ``save_inputs``; the
-    capture is switched off again on every rank)."""
+def save_outputs(learners: LearnerGroup | None, audit_dir: Path, metrics: Mapping[str, Any]) -> None:
+    """Save what the learner returned for the step (``metrics``: ``RolloutTrainResult.record()``) as
+    ``metrics.json``, and the gradient of the step's first optimizer step (captured on the ``learners`` ranks
+    since ``save_inputs``; the capture is switched off again on every rank). ``learners`` None: the metrics
+    alone."""
     audit_dir = Path(audit_dir)
     audit_dir.mkdir(parents=True, exist_ok=True)
     (audit_dir / METRICS_FILE).write_text(json.dumps(_jsonable(dict(metrics)), indent=1) + "\n")
-    learners = getattr(trainer, "learners", None)
     if not learners:
         return
     steps = learners.call("captured_gradients")[0]

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import Config
 from cluster.driver import checkpoint
+
+if TYPE_CHECKING:
+    from learner.contracts import RolloutTrainResult
 
 log = logging.getLogger("cluster.train")
 
@@ -44,8 +47,9 @@ class GuardPolicy:
         self.failures = 0
         self.rollbacks_in_a_row = 0
 
-    def refused(self, step: int, m: dict[str, Any]) -> Path | None:
-        """Count refused ``step`` (1-based) with the learner's metrics ``m`` (``health/*``; updated in place).
+    def refused(self, step: int, result: RolloutTrainResult, m: dict[str, Any]) -> Path | None:
+        """Count refused ``step`` (1-based), the learner's ``result`` naming the failed checks and their reasons;
+        the step's metrics ``m`` get ``health/consecutive_failures`` (updated in place).
 
         Returns:
             the checkpoint to roll back to now, or None (not yet).
@@ -54,10 +58,8 @@ class GuardPolicy:
             HealthStop: a rollback is due but none is left (``health.max_rollbacks``) or no checkpoint exists.
         """
         self.failures += 1
-        self.log.append({"step": step, "checks": m.get("health/failed_checks", ""),
-                         "reasons": m.get("health/reasons", "")})
-        log.warning("health guard refused step %d (%s); %d in a row", step, m.get("health/reasons", ""),
-                    self.failures)
+        self.log.append({"step": step, "checks": ",".join(result.failed_checks), "reasons": result.reasons})
+        log.warning("health guard refused step %d (%s); %d in a row", step, result.reasons, self.failures)
         m["health/consecutive_failures"] = float(self.failures)
         if self.failures < self.hc.rollback_after:
             return None

@@ -19,9 +19,6 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-# The learner's per-length sums: length -> [sequences, sum of s_i, clipped units, units].
-LEARNER_KEY = "actor/by_response_length"
-
 
 def bucket_ranges(max_len: int, num_buckets: int) -> list[tuple[int, int]]:
     """The inclusive ``(lo, hi)`` length ranges of ``num_buckets`` equal-width buckets over ``[0, max_len]``
@@ -90,8 +87,8 @@ def rollout_slices(lengths: Sequence[int], rewards: Sequence[float], correct: Se
 
 def learner_slices(by_length: Mapping[int, Sequence[float]], ranges: Sequence[tuple[int, int]]) -> dict[str, float]:
     """``clip_fraction`` and ``seq_ratio_mean`` per bucket from the learner's per-length sums
-    ``{length: [sequences, sum of s_i, clipped units, units]}`` (``LEARNER_KEY``). Buckets without a
-    sequence get no key."""
+    ``{length: [sequences, sum of s_i, clipped units, units]}`` (``learner.contracts.RolloutTrainResult.
+    by_response_length``). Buckets without a sequence get no key."""
     sums = [[0.0, 0.0, 0.0, 0.0] for _ in ranges]
     for length, vals in by_length.items():
         acc = sums[bucket_index(int(length), ranges)]

@@ -43,6 +43,7 @@ from cluster.runtime import devices, node_files, placement, services, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
 from learner.advantages import group_advantages
+from learner.contracts import RolloutTrainResult
 from reward.pool import RewardPool
 from rollout.contracts import PromptRow
 
@@ -206,33 +207,38 @@ class Trainer:
         self.state.warm_start_done = True
         return out
 
-    def train(self, c: Collected, rewards: torch.Tensor) -> tuple[dict[str, Any], float]:
+    def train(self, c: Collected, rewards: torch.Tensor) -> tuple[RolloutTrainResult, float]:
         """Prepare (group advantages, padded batch, split per rank and minibatch) and train on ``c``.
-        Returns (learner metrics, learner seconds)."""
+        Returns (the learner's result, learner seconds)."""
         cfg, tc = self.cfg, self.cfg.trainer
         advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.advantage_std())
         batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
-        audit_dir = audit_dump.save_inputs(self, self.step + 1, batch, plans) if self.step + 1 in tc.audit_steps else None
+        audit_dir = None
+        if self.step + 1 in tc.audit_steps:
+            audit_dir = audit_dump.save_inputs(cfg, self.run_dir, self.learners, self.step + 1, batch, plans,
+                                               model_path=self.model_path, train_rows=self.train_rows,
+                                               weight_version=self.weight_version)
         self.rl_lr.apply(self.step)
         t = time.perf_counter()
-        m = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
+        result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
         learner_s = time.perf_counter() - t
         if audit_dir is not None:
-            audit_dump.save_outputs(self, audit_dir, m)
-        return m, learner_s
+            audit_dump.save_outputs(self.learners, audit_dir, result.record())
+        return result, learner_s
 
-    def after_train(self, m: dict[str, Any]) -> float:
+    def after_train(self, result: RolloutTrainResult, m: dict[str, Any]) -> float:
         """Sync the new weights, or count a refused step (the engines keep their weights; a rollback throws
-        away a rollout collected ahead). Returns the sync seconds.
+        away a rollout collected ahead); the guard's counts go into the step's metrics ``m``. Returns the sync
+        seconds.
 
         Raises:
             HealthStop: the guard's policy stops the run (``cluster.driver.guard``).
         """
-        if not m.get("health/skipped"):
+        if not result.skipped:
             self.guard.good_step()
             return self._sync_weights(self.weight_version + 1)
-        ck = self.guard.refused(self.step + 1, m)
+        ck = self.guard.refused(self.step + 1, result, m)
         if ck is not None:
             self.learners.load_checkpoint(str(ck / "learner"))
             self.rl_lr.forget()  # the checkpoint brought its own lr back
@@ -263,13 +269,13 @@ class Trainer:
         elif tc.partial_rollout_overlap and beside:
             stop = threading.Event()  # set when the learner is done: the round under way completes, then the sync
             ahead = self._pool.submit(self.collector.rounds_beside, stop)
-        learner_m: dict[str, Any] = {}
+        result: RolloutTrainResult | None = None
         learner_s, sync_s, t_wait = 0.0, 0.0, None
         try:
             m: dict[str, Any] = {"step": self.step + 1, **step_metrics.staleness(
                 c, self.weight_version, self.cfg.trainer.max_staleness, self.step + 1)}
             if c.prompts:
-                learner_m, learner_s = self.train(c, rewards)
+                result, learner_s = self.train(c, rewards)
             else:
                 log.warning("step %d: no informative group; no update", self.step + 1)
         finally:
@@ -282,11 +288,10 @@ class Trainer:
         wait_s = time.perf_counter() - t_wait if t_wait is not None else 0.0
         # no request is in flight at the sync below (rounds beside the learner return None: they fill the buffer)
         self.pending = ahead.result() if ahead is not None else None
-        by_length = learner_m.pop(length_slices.LEARNER_KEY, {})
-        if c.prompts:
-            sync_s = self.after_train(learner_m)
-            m.update(learner_m)
-            if warning := step_metrics.correction_warning(learner_m, self.cfg.learner):
+        if result is not None:
+            m.update(result.metrics)
+            sync_s = self.after_train(result, m)
+            if warning := step_metrics.correction_warning(result.metrics, self.cfg.learner):
                 log.warning("step %d: %s", self.step + 1, warning)
             if sync_s:
                 m.update(self.last_sync)
@@ -294,6 +299,7 @@ class Trainer:
         self.trained_uids.append([r.uid for r in c.prompts])
         m.update(step_metrics.rollout_metrics(self.cfg, c, rewards))
         m.update(self.run_metrics(learner_s, sync_s, restarts))
+        by_length = result.by_response_length if result is not None else {}
         m.update(step_metrics.length_metrics(self.cfg, c, rewards, by_length))
         m.update(partial_rollout.step_metrics(self.collector, c))
         m["timing/wait_rollout_s"] = wait_s

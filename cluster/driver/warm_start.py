@@ -77,7 +77,7 @@ def warm_start(learners: LearnerGroup, cfg: Config, rows: list[PromptRow], token
         if lr != current_lr:  # one round trip to the ranks only when the schedule changes the lr
             learners.call("set_lr", lr, False)  # router_lr_scale acts in RL only
             current_lr = lr
-        losses.append(learners.sft_step(batch, int(batch.loss_mask.sum()))["loss/sft"])
+        losses.append(learners.sft_step(batch, int(batch.loss_mask.sum())).loss)
         if (s + 1) % max(1, ws.steps // 10) == 0 or s + 1 == ws.steps:
             log.info("warm start %d/%d: loss %.4f", s + 1, ws.steps, losses[-1])
     learners.call("reset_optimizer_state")

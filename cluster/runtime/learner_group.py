@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.common import free_port
 from cluster.config import Config
 from cluster.runtime.services import actor_env, get_fail_fast, wait_ready
-from learner.contracts import SFTBatch, SyncReport
+from learner.contracts import RolloutTrainResult, SFTBatch, SFTStepResult, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +158,18 @@ class LearnerGroup:
             return "EADDRINUSE" in str(rank0)
         return False
 
-    def train(self, plans: list[Any], guard: dict[str, float] | None, monitor: bool | None = None) -> dict[str, Any]:
+    def train(self, plans: list[Any], guard: dict[str, float] | None,
+              monitor: bool | None = None) -> RolloutTrainResult:
         """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``); ``monitor``:
-        whether the mismatch monitor's pass runs (``LearnerRank.train_rollout_batch``). Returns the metrics
-        (identical on every rank)."""
+        whether the mismatch monitor's pass runs (``LearnerRank.train_rollout_batch``). Returns rank 0's
+        ``RolloutTrainResult`` (identical on every rank)."""
         outs = self.call_sharded("train_rollout_batch", [(p.minibatches, p.num_sequences, p.num_tokens) for p in plans],
                                  guard=guard, monitor=monitor)
         return outs[0]
 
-    def sft_step(self, batch: SFTBatch, num_tokens: int) -> dict[str, float]:
-        """One supervised step on ``batch``, cut into equal contiguous shards per rank."""
+    def sft_step(self, batch: SFTBatch, num_tokens: int) -> SFTStepResult:
+        """One supervised step on ``batch``, cut into equal contiguous shards per rank; rank 0's
+        ``SFTStepResult`` (identical on every rank)."""
         per = len(batch) // len(self.actors)
         shards = [(SFTBatch(batch.input_ids[lo:lo + per], batch.attention_mask[lo:lo + per],
                             batch.loss_mask[lo:lo + per]), num_tokens)

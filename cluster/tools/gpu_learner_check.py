@@ -75,7 +75,8 @@ def plan_figures(cfg, gpu_memory_gib: float) -> dict[str, float]:
     """The plan's figures for ``cfg``: the learner rank's GPU claim (GiB; static state + one micro-batch) and the
     host RAM of its ZeRO-3 load for the check's float32 checkpoint (GiB), and the parameter count."""
     from cluster.planning import memory_model
-    from cluster.planning.plan import model_shape, num_params, plan
+    from cluster.planning.memory_budget import model_shape, num_params
+    from cluster.planning.plan import plan
 
     mem = plan(cfg, gpu_memory_gib=gpu_memory_gib, gpus_per_node=1)["memory"]
     p = num_params(cfg)
@@ -141,11 +142,11 @@ def run_variant(size: str, offload: str, model_path: str, steps: int, on_gpu: bo
         if on_gpu:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        metrics = learner.train_rollout_batch([batch], [s], [t])
+        result = learner.train_rollout_batch([batch], [s], [t])
         if on_gpu:
             torch.cuda.synchronize()
         seconds.append(round(time.perf_counter() - t1, 3))
-        norms.append(float(metrics["actor/grad_norm"]))
+        norms.append(result.grad_norm)
     out = {"offload_optimizer": offload, "start_s": round(start_s, 1), "seconds_per_step": seconds,
            "grad_norms": norms, "grad_norm_finite": all(math.isfinite(x) for x in norms),
            "weights_moved": learner.state_digest() != before, "optimizer_steps": learner.optimizer_steps,

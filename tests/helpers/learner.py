@@ -12,7 +12,7 @@ import torch
 
 from cluster.common import free_port
 from learner.config import LearnerConfig
-from learner.contracts import SFTBatch, TrainBatch
+from learner.contracts import RolloutTrainResult, SFTBatch, TrainBatch
 from learner.logprobs import token_log_probs
 from learner.objectives import loss_normalisers, policy_loss, resolve_objective
 
@@ -146,17 +146,18 @@ def _stop(ray, actors) -> None:
         ray.kill(a)
 
 
-def _train(ray, actors, shards_per_rank: list[list[TrainBatch]], full: list[TrainBatch]) -> list[dict]:
+def _train(ray, actors, shards_per_rank: list[list[TrainBatch]],
+           full: list[TrainBatch]) -> list[RolloutTrainResult]:
     norms = [loss_normalisers(b.response_mask) for b in full]
     return ray.get([a.train_rollout_batch.remote(shards, [s for s, _ in norms], [t for _, t in norms])
                     for a, shards in zip(actors, shards_per_rank)])
 
 
 def two_ranks_match_reference(ray, model_path: str, cfg: LearnerConfig, batch: TrainBatch,
-                              shards: list[TrainBatch]) -> tuple[list[dict], dict, list[dict]]:
+                              shards: list[TrainBatch]) -> tuple[list[RolloutTrainResult], dict, list[dict]]:
     """One minibatch ``batch``, ``shards[r]`` on rank r of 2, against the plain-torch full-batch step: asserts
-    identical metrics on both ranks, each rank's one captured gradient close to the reference gradient,
-    identical weights on both ranks, and rank 0's update close to the reference update. Returns ``(metrics per
+    identical results on both ranks, each rank's one captured gradient close to the reference gradient,
+    identical weights on both ranks, and rank 0's update close to the reference update. Returns ``(result per
     rank, reference gradients, full state dict per rank)`` for further checks."""
     actors = _start_ranks(ray, model_path, cfg)
     try:

@@ -96,16 +96,17 @@ def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arc
         for step in range(1, STEPS + 1):
             batch, seqs, toks = _rollout_batch(ray, engine, step)
             out = ray.get(learner.train_rollout_batch.remote([batch], [seqs], [toks]))
-            assert out["actor/num_optimizer_steps"] == 1
-            assert out["actor/train_rollout_logprob_diff"] < TOL, (arch, step, out["actor/train_rollout_logprob_diff"])
-            assert ("moe/load_imbalance" in out) == (arch not in ("llama", "qwen3_tied")), sorted(out)
+            assert out.optimizer_steps == 1
+            m = out.metrics
+            assert m["actor/train_rollout_logprob_diff"] < TOL, (arch, step, m["actor/train_rollout_logprob_diff"])
+            assert ("moe/load_imbalance" in m) == (arch not in ("llama", "qwen3_tied")), sorted(m)
             report = ray.get(learner.sync_weights.remote([engine], step, 0.05, 2))
             assert not report.failed_engines and ray.get(engine.weight_version.remote()) == step
             new_weights = ray.get(learner.checkpoint_state_dict.remote())
             change = weight_change(weights, new_weights)
             diff, new_lp = _max_diff(ray, learner, engine)
             moved = (new_lp - engine_lp).abs().max().item()
-            print(f"{arch} step {step}: max|diff|={diff:.3g} train_rollout={out['actor/train_rollout_logprob_diff']:.3g}"
+            print(f"{arch} step {step}: max|diff|={diff:.3g} train_rollout={m['actor/train_rollout_logprob_diff']:.3g}"
                   f" weight_change={change:.3g} engine_logprob_change={moved:.3g}")
             assert diff < TOL, (arch, step, diff)
             assert change > 1e-4 and moved > 1e-4, (arch, step, change, moved)

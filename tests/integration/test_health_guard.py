@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -75,13 +76,14 @@ def test_nonfinite_rollout_log_prob_is_refused_before_any_update(model_path, val
     before = _digests(learner)
     good, bad = make_batch(model_path, 4, seed=41), _poisoned(make_batch(model_path, 4, seed=42), value)
     out = _train(learner, [good, bad], guard={})
-    assert out["health/skipped"] == 1.0 and out["health/failed_checks"] == "nonfinite_log_probs"
-    assert out["health/nonfinite_log_probs"] == 1.0 and out["health/steps_undone"] == 0.0
-    assert out["actor/num_optimizer_steps"] == 0.0
+    assert out.skipped and out.failed_checks == ("nonfinite_log_probs",)
+    assert out.metrics["health/skipped"] == 1.0 and out.metrics["health/failed_checks"] == "nonfinite_log_probs"
+    assert out.metrics["health/nonfinite_log_probs"] == 1.0 and out.metrics["health/steps_undone"] == 0.0
+    assert out.optimizer_steps == 0 and out.metrics["actor/num_optimizer_steps"] == 0.0
     assert _digests(learner) == before
     assert learner.current_version() == 0  # the weights are unchanged, so is their version for the engines
     assert len(learner.replica.base_optimizer().state) == 0  # no optimizer step ever ran
-    assert "moe/expert_load" in out and not math.isfinite(out["actor/train_rollout_logprob_diff"])
+    assert "moe/expert_load" in out.metrics and not math.isfinite(out.metrics["actor/train_rollout_logprob_diff"])
 
 
 @pytest.mark.parametrize(
@@ -107,20 +109,20 @@ def test_refused_step_is_undone_exactly_and_training_continues_as_if_never_seen(
 
     learner = _rank(model_path, cfg)
     seen = _spy_restore(learner)
-    assert _train(learner, good1, guard=LOOSE)["health/skipped"] == 0.0
+    assert not _train(learner, good1, guard=LOOSE).skipped
     assert learner.current_version() == 1  # an applied update: the next version for the engines
     learner.synced_version, learner.weights_changed = 1, False  # as a sync of version 1 leaves it (no engine here)
     after_good1 = _digests(learner)
     out = _train(learner, bad, guard={**LOOSE, "max_clip_fraction": 0.0})
-    assert out["health/skipped"] == 1.0 and out["health/failed_checks"] == "max_clip_fraction"
-    assert out["actor/clip_fraction"] > 0.0 and out["health/steps_undone"] == 2.0
-    assert "actor/clip_fraction=" in out["health/reasons"]
+    assert out.skipped and out.failed_checks == ("max_clip_fraction",)
+    assert out.metrics["actor/clip_fraction"] > 0.0 and out.metrics["health/steps_undone"] == 2.0
+    assert "actor/clip_fraction=" in out.reasons and out.reasons == out.metrics["health/reasons"]
     assert len(seen) == 1 and seen[0] != after_good1[0]  # the refused steps had moved the weights
     assert _digests(learner) == after_good1
     assert learner.optimizer_steps == 2
     assert learner.current_version() == 1  # refused: still version 1
     ok = _train(learner, good2, guard=LOOSE)
-    assert ok["health/skipped"] == 0.0 and ok["health/failed_checks"] == "" and ok["actor/num_optimizer_steps"] == 2.0
+    assert not ok.skipped and ok.failed_checks == () and ok.reasons == "" and ok.optimizer_steps == 2
     assert learner.current_version() == 2
     with_bad = _digests(learner)
 
@@ -140,16 +142,16 @@ def test_exploding_gradient_stops_training_and_is_undone(model_path, factor, che
     learner = _rank(model_path, cfg)
     before = _digests(learner)
     out = _train(learner, batches, guard={"max_grad_norm": 1e3})
-    assert out["health/skipped"] == 1.0 and out["health/steps_undone"] == 2.0  # stopped after step 2
-    names = out["health/failed_checks"].split(",")
+    assert out.skipped and out.metrics["health/steps_undone"] == 2.0  # stopped after step 2
+    names = list(out.failed_checks)
     if check == "max_grad_norm":
-        assert names == ["max_grad_norm"] and 1e3 < out["actor/grad_norm_max"] < math.inf
+        assert names == ["max_grad_norm"] and 1e3 < out.metrics["actor/grad_norm_max"] < math.inf
     else:
         assert set(names) <= {"nonfinite_loss", "nonfinite_grad_norm"} and names
     assert _digests(learner) == before
     # Without a guard the same step would have been applied.
     unguarded = _rank(model_path, cfg)
-    assert _train(unguarded, batches)["actor/num_optimizer_steps"] == 3.0
+    assert _train(unguarded, batches).optimizer_steps == 3
     assert _digests(unguarded)[0] != before[0]
 
 
@@ -159,10 +161,10 @@ def test_pre_update_thresholds(model_path):
     before = _digests(learner)
     b = make_batch(model_path, 4, seed=71, noise=0.05)
     out = _train(learner, [b], guard={"max_logprob_diff": 0.01, "min_entropy": 100.0, "max_load_imbalance": 1.0})
-    assert out["health/failed_checks"] == "max_logprob_diff,min_entropy,max_load_imbalance"
-    assert out["health/skipped"] == 1.0 and _digests(learner) == before
+    assert out.failed_checks == ("max_logprob_diff", "min_entropy", "max_load_imbalance")
+    assert out.skipped and _digests(learner) == before
     passed = _train(learner, [b], guard={"max_logprob_diff": 1.0, "min_entropy": 0.1, "max_load_imbalance": 8.0})
-    assert passed["health/skipped"] == 0.0 and _digests(learner)[0] != before[0]
+    assert not passed.skipped and _digests(learner)[0] != before[0]
 
 
 def _train_ranks(ray, actors, shards: list[list[TrainBatch]], full: list[TrainBatch], guard):
@@ -187,8 +189,8 @@ def test_two_ranks_zero2_refuse_together_and_restore_exactly(model_path, ray_clu
     actors = _start_ranks(ray, model_path, cfg)
     try:
         outs = _train_ranks(ray, actors, _split(good1), good1, LOOSE)
-        assert outs[0] == outs[1] and outs[0]["health/skipped"] == 0.0
-        assert torch.equal(torch.tensor(outs[0]["moe/expert_load"], dtype=torch.float64),
+        assert outs[0] == outs[1] and not outs[0].skipped
+        assert torch.equal(torch.tensor(outs[0].metrics["moe/expert_load"], dtype=torch.float64),
                            reference_expert_load(model_path, good1))
         weights = ray.get([a.state_digest.remote() for a in actors])
         opt = ray.get([a.optimizer_state_digest.remote() for a in actors])
@@ -200,8 +202,8 @@ def test_two_ranks_zero2_refuse_together_and_restore_exactly(model_path, ray_clu
         shards = _split(bad)
         shards[1][0] = _poisoned(shards[1][0], float("nan"))
         outs = _train_ranks(ray, actors, shards, bad, LOOSE)
-        assert json.dumps(outs[0], sort_keys=True) == json.dumps(outs[1], sort_keys=True)  # (NaN != NaN)
-        assert outs[0]["health/failed_checks"] == "nonfinite_log_probs"
+        assert json.dumps(asdict(outs[0]), sort_keys=True) == json.dumps(asdict(outs[1]), sort_keys=True)  # NaN != NaN
+        assert outs[0].failed_checks == ("nonfinite_log_probs",)
         assert ray.get([a.state_digest.remote() for a in actors]) == weights
         assert ray.get([a.optimizer_state_digest.remote() for a in actors]) == opt
 
@@ -210,12 +212,12 @@ def test_two_ranks_zero2_refuse_together_and_restore_exactly(model_path, ray_clu
         shards[0][1] = _scaled(shards[0][1], 1e6)
         outs = _train_ranks(ray, actors, shards, bad, LOOSE)  # (normalisers depend on the masks only)
         assert outs[0] == outs[1]
-        assert outs[0]["health/failed_checks"] == "max_grad_norm" and outs[0]["health/steps_undone"] == 2.0
+        assert outs[0].failed_checks == ("max_grad_norm",) and outs[0].metrics["health/steps_undone"] == 2.0
         assert ray.get([a.state_digest.remote() for a in actors]) == weights
         assert ray.get([a.optimizer_state_digest.remote() for a in actors]) == opt
 
         outs = _train_ranks(ray, actors, _split(good2), good2, LOOSE)
-        assert outs[0]["health/skipped"] == 0.0
+        assert not outs[0].skipped
         after = (ray.get([a.state_digest.remote() for a in actors]), ray.get([a.optimizer_state_digest.remote() for a in actors]))
         ray.get([a.load_checkpoint.remote(ckpt) for a in actors])
         assert ray.get([a.state_digest.remote() for a in actors]) == weights

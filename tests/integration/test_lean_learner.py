@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.contracts import TrainBatch
+from learner.contracts import RolloutTrainResult, TrainBatch
 from learner.microbatch import micro_slices, row_widths
 from learner.objectives import loss_normalisers
 from tests.helpers.learner import (
@@ -41,8 +41,8 @@ def _norms(batches: list[TrainBatch]) -> tuple[list[int], list[int]]:
     return [s for s, _ in pairs], [t for _, t in pairs]
 
 
-def _train_captured(learner, batches: list[TrainBatch], guard=None) -> tuple[dict, list[dict]]:
-    """One rollout batch with gradient capture: (metrics, the gradient of every optimizer step)."""
+def _train_captured(learner, batches: list[TrainBatch], guard=None) -> tuple[RolloutTrainResult, list[dict]]:
+    """One rollout batch with gradient capture: (its result, the gradient of every optimizer step)."""
     learner.capture_gradients(True)
     out = learner.train_rollout_batch(batches, *_norms(batches), guard=guard)
     grads = learner.captured_gradients()
@@ -100,14 +100,14 @@ def test_token_budget_gives_the_gradient_and_update_of_the_fixed_split(model_pat
     assert runs["tiny"][2] == [(i, i + 1) for i in range(len(batch))]
     for name in ("budget", "tiny"):
         out, grads, _, params = runs[name]
-        assert len(grads) == 1 and out["actor/num_optimizer_steps"] == 1.0
+        assert len(grads) == 1 and out.optimizer_steps == 1
         assert_same_gradient(grads[0], fixed_grads[0])  # ... the gradient does not
         assert_same_update(params, fixed_params, fixed_grads[0], lr=1e-3)
         for key in ("loss/policy", "actor/clip_fraction", "actor/entropy", "actor/train_rollout_logprob_diff",
                     "actor/seq_ratio_mean", "actor/grad_norm", "moe/load_imbalance"):
             # the log-prob difference is a mean of |lp - old| ~ 1e-3 nats: float32 noise of lp (~1e-7) is absolute
             tol = 1e-7 if key == "actor/train_rollout_logprob_diff" else 1e-9
-            assert out[key] == pytest.approx(fixed_out[key], rel=1e-6, abs=tol), key
+            assert out.metrics[key] == pytest.approx(fixed_out.metrics[key], rel=1e-6, abs=tol), key
     ref_grads, _ = reference_step(model_path, [batch], LearnerConfig(algorithm=algorithm, lr=1e-3))
     assert_grads_close(runs["budget"][1][0], ref_grads, rtol=1e-5)  # and equal plain torch's full minibatch
 
@@ -131,8 +131,8 @@ def test_group_by_length_gives_the_gradient_and_metrics_of_the_order_sent(model_
     for key in ("loss/policy", "actor/clip_fraction", "actor/entropy", "actor/train_rollout_logprob_diff",
                 "actor/seq_ratio_mean", "actor/seq_ratio_min", "actor/grad_norm", "moe/load_imbalance"):
         tol = 1e-7 if key == "actor/train_rollout_logprob_diff" else 1e-9  # |lp - old| ~ 1e-3: float32 noise
-        assert on[key] == pytest.approx(off[key], rel=1e-6, abs=tol), key
-    assert on["actor/by_response_length"].keys() == off["actor/by_response_length"].keys()
+        assert on.metrics[key] == pytest.approx(off.metrics[key], rel=1e-6, abs=tol), key
+    assert on.by_response_length.keys() == off.by_response_length.keys()
 
 
 def test_token_budget_in_compute_log_probs_and_sft(model_path):
@@ -151,7 +151,7 @@ def test_token_budget_in_compute_log_probs_and_sft(model_path):
     assert got[None][3] != got[20][3]
     assert float((got[None][0] - got[20][0]).abs().max()) < 1e-6
     assert bool((got[20][0][~batch.response_mask] == 0).all())
-    assert got[20][1]["loss/sft"] == pytest.approx(got[None][1]["loss/sft"], rel=1e-6)
+    assert got[20][1].loss == pytest.approx(got[None][1].loss, rel=1e-6)
     assert_same_gradient(got[20][2], got[None][2])
 
 
@@ -170,7 +170,7 @@ def test_pre_update_pass_skipped_when_nothing_needs_it(model_path):
     passes = sum(len(micro_slices(b.attention_mask, 2)) for b in batches)  # 3 + 3
     assert runs["always"][2] == 2 * passes and runs["auto"][2] == passes
     assert runs["auto"][3] == runs["always"][3]  # bit-identical weights after the update
-    lean, full = runs["auto"][0], runs["always"][0]
+    lean, full = runs["auto"][0].metrics, runs["always"][0].metrics
     for key in ("actor/entropy", "actor/train_rollout_logprob_diff"):
         assert key in full and key not in lean
     assert not any(k.startswith("moe/") for k in lean)
@@ -186,11 +186,11 @@ def test_pre_update_pass_runs_when_a_setting_needs_it(model_path):
     batch = make_batch(model_path, 4, seed=73)
     learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1))
     out = learner.train_rollout_batch([batch], *_norms([batch]))
-    assert "actor/entropy" in out and "moe/expert_load" in out  # moe_diagnostics needs it
+    assert "actor/entropy" in out.metrics and "moe/expert_load" in out.metrics  # moe_diagnostics needs it
     learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1,
                                               moe_diagnostics=False))
     out = learner.train_rollout_batch([batch], *_norms([batch]), guard={"min_entropy": 0.0})
-    assert "actor/entropy" in out and "moe/expert_load" not in out  # the guard's pre-check needs it
+    assert "actor/entropy" in out.metrics and "moe/expert_load" not in out.metrics  # the guard's pre-check needs it
 
     never = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1,
                                             moe_diagnostics=False, pre_update_pass="never"))
@@ -201,9 +201,9 @@ def test_pre_update_pass_runs_when_a_setting_needs_it(model_path):
     row = int(poisoned.response_mask.any(-1).nonzero()[0])
     poisoned.old_log_probs[row, int(poisoned.response_mask[row].nonzero()[0])] = float("nan")
     out = never.train_rollout_batch([poisoned], *_norms([poisoned]), guard={})
-    assert out["health/failed_checks"] == "nonfinite_log_probs" and out["health/nonfinite_log_probs"] == 1.0
-    assert out["actor/num_optimizer_steps"] == 0.0 and never.state_digest() == before
-    assert "actor/entropy" not in out
+    assert out.failed_checks == ("nonfinite_log_probs",) and out.metrics["health/nonfinite_log_probs"] == 1.0
+    assert out.skipped and out.optimizer_steps == 0 and never.state_digest() == before
+    assert "actor/entropy" not in out.metrics
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
@@ -236,11 +236,11 @@ def test_gradient_checkpointing_same_gradient_and_routing_metrics(model_path, ze
     for got, want in zip(runs[True][1], runs[False][1]):
         assert_same_gradient(got, want)
     assert runs[True][3] == runs[False][3]  # on the CPU even bit-identical: the recompute runs the same kernels
-    for key, value in runs[False][0].items():
+    for key, value in runs[False][0].metrics.items():
         if isinstance(value, float):
-            assert runs[True][0][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-    assert runs[True][0]["moe/expert_load"] == runs[False][0]["moe/expert_load"]
-    assert runs[True][0]["moe/routing_volatility_passes"] == 1.0
+            assert runs[True][0].metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert runs[True][0].metrics["moe/expert_load"] == runs[False][0].metrics["moe/expert_load"]
+    assert runs[True][0].metrics["moe/routing_volatility_passes"] == 1.0
 
 
 def test_two_ranks_token_budget_with_different_micro_batch_counts(model_path, ray_cluster):
@@ -259,7 +259,7 @@ def test_two_ranks_token_budget_with_different_micro_batch_counts(model_path, ra
         ray.get([a.capture_gradients.remote(True) for a in actors])
         outs = _train(ray, actors, [[s] for s in shards], [batch])
         grads = ray.get([a.captured_gradients.remote() for a in actors])
-        assert outs[0] == outs[1] and math.isfinite(outs[0]["actor/grad_norm"])
+        assert outs[0] == outs[1] and math.isfinite(outs[0].grad_norm)
         ref_grads, _ = reference_step(model_path, [batch], cfg)
         for g in grads:
             assert_grads_close(g[0], ref_grads)

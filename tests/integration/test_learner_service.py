@@ -65,7 +65,7 @@ def test_zero0_clips_in_the_learner_as_torch_does(model_path, port, grad_clip): 
     out = learner.train_rollout_batch([batch], [s], [t])
     ref_grads, _ = reference_step(model_path, [batch], cfg)
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
-    assert out["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert out.grad_norm == pytest.approx(ref_norm, rel=1e-5)
     coef = min(1.0, grad_clip / (ref_norm + 1e-6))
     assert (coef < 1.0) == (grad_clip < 1.0)  # the two cases are what their names say
     opt = learner.replica.base_optimizer()
@@ -87,16 +87,16 @@ def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm)
     grads = learner.captured_gradients()
     learner.capture_gradients(False)
     ref_grads, ref_params = reference_step(model_path, [batch], cfg)
-    assert len(grads) == 1 and out["actor/num_optimizer_steps"] == 1.0
+    assert len(grads) == 1 and out.optimizer_steps == 1
     assert_grads_close(grads[0], ref_grads)
     assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
-    assert out["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert out.grad_norm == pytest.approx(ref_norm, rel=1e-5) and out.grad_norm == out.metrics["actor/grad_norm"]
     for key in ("loss/policy", "actor/clip_fraction", "actor/clip_fraction_low", "actor/clip_fraction_high",
                 "actor/seq_ratio_mean", "actor/seq_ratio_min", "actor/seq_ratio_max", "actor/entropy",
                 "actor/grad_norm", "actor/lr", "actor/train_rollout_logprob_diff"):
-        assert key in out and isinstance(out[key], float), key
-    assert out["actor/lr"] == pytest.approx(1e-3)
+        assert key in out.metrics and isinstance(out.metrics[key], float), key
+    assert out.metrics["actor/lr"] == pytest.approx(1e-3)
 
 
 def test_epochs_and_minibatches_give_one_step_each(model_path, port):
@@ -109,12 +109,12 @@ def test_epochs_and_minibatches_give_one_step_each(model_path, port):
     out = learner.train_rollout_batch(batches, [n for n, _ in norms], [t for _, t in norms])
     steps = learner.captured_gradients()
     learner.capture_gradients(False)
-    assert out["actor/num_optimizer_steps"] == 4.0 and len(steps) == 4
+    assert out.optimizer_steps == 4 and len(steps) == 4
     ref_grads, _ = reference_step(model_path, batches[:1], cfg)
     assert_grads_close(steps[0], ref_grads)
     # Later steps see updated weights: their gradients differ from the first.
     assert any(not torch.equal(steps[2][k], steps[0][k]) for k in steps[0])
-    assert out["actor/grad_norm_max"] >= out["actor/grad_norm"] > 0
+    assert out.metrics["actor/grad_norm_max"] >= out.grad_norm > 0
 
 
 def test_metrics_are_exact(model_path, port):
@@ -139,29 +139,31 @@ def test_metrics_are_exact(model_path, port):
     learner = _rank(model_path, cfg, port)
     s, t = loss_normalisers(mask)
     out = learner.train_rollout_batch([batch], [s], [t])
-    assert out["loss/policy"] == pytest.approx(float(loss), rel=1e-5, abs=1e-8)
-    assert out["loss/policy_minibatches"] == pytest.approx([float(loss)], rel=1e-5, abs=1e-8)
-    assert out["actor/train_rollout_logprob_diff"] == pytest.approx(diff, rel=1e-4)
-    assert out["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
-    assert out["actor/clip_fraction"] == pytest.approx(pm["clip_fraction"])
-    assert 0.0 < out["actor/clip_fraction"] < 1.0  # the data exercises both branches
-    assert out["actor/clip_fraction_low"] + out["actor/clip_fraction_high"] == pytest.approx(out["actor/clip_fraction"])
-    assert out["actor/seq_ratio_mean"] == pytest.approx(float(seq.mean()), rel=1e-6)
-    assert out["actor/seq_ratio_min"] == pytest.approx(float(seq.min()), rel=1e-6)
-    assert out["actor/seq_ratio_max"] == pytest.approx(float(seq.max()), rel=1e-6)
-    assert out["actor/num_optimizer_steps"] == 1.0
-    assert out["actor/grad_norm"] > 0 and out["actor/grad_norm"] == out["actor/grad_norm_max"]
+    m = out.metrics
+    assert out.loss == pytest.approx(float(loss), rel=1e-5, abs=1e-8) and out.loss == m["loss/policy"]
+    assert m["loss/policy_minibatches"] == pytest.approx([float(loss)], rel=1e-5, abs=1e-8)
+    assert m["actor/train_rollout_logprob_diff"] == pytest.approx(diff, rel=1e-4)
+    assert m["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert m["actor/clip_fraction"] == pytest.approx(pm["clip_fraction"])
+    assert 0.0 < m["actor/clip_fraction"] < 1.0  # the data exercises both branches
+    assert m["actor/clip_fraction_low"] + m["actor/clip_fraction_high"] == pytest.approx(m["actor/clip_fraction"])
+    assert m["actor/seq_ratio_mean"] == pytest.approx(float(seq.mean()), rel=1e-6)
+    assert m["actor/seq_ratio_min"] == pytest.approx(float(seq.min()), rel=1e-6)
+    assert m["actor/seq_ratio_max"] == pytest.approx(float(seq.max()), rel=1e-6)
+    assert out.optimizer_steps == 1 and not out.skipped and out.failed_checks == ()
+    assert out.grad_norm > 0 and out.grad_norm == m["actor/grad_norm_max"]
     # per response length: [sequences, sum of s_i, clipped, units], from the whole batch computed at once
     has = mask.any(-1)
     want: dict[int, list[float]] = {}
     for n, s_i, c in zip(per_seq.length[has].tolist(), seq.tolist(), per_seq.clipped[has].tolist()):
         acc = want.setdefault(n, [0.0, 0.0, 0.0, 0.0])
         acc[0], acc[1], acc[2], acc[3] = acc[0] + 1, acc[1] + s_i, acc[2] + c, acc[3] + 1
-    got = out["actor/by_response_length"]
+    got = out.by_response_length
+    assert "actor/by_response_length" not in m  # not a logged metric
     assert sorted(got) == sorted(want) and len(want) > 1
     for n in want:
         assert got[n] == pytest.approx(want[n], rel=1e-6)
-    assert sum(v[2] for v in got.values()) / sum(v[3] for v in got.values()) == pytest.approx(out["actor/clip_fraction"])
+    assert sum(v[2] for v in got.values()) / sum(v[3] for v in got.values()) == pytest.approx(m["actor/clip_fraction"])
 
 
 def test_recompute_old_log_probs_gives_unit_ratio(model_path, port):
@@ -174,9 +176,9 @@ def test_recompute_old_log_probs_gives_unit_ratio(model_path, port):
     learner = _rank(model_path, cfg, port)
     s, t = loss_normalisers(batch.response_mask)
     out = learner.train_rollout_batch([batch], [s], [t])
-    assert out["actor/clip_fraction"] == 0.0
-    assert out["actor/seq_ratio_mean"] == 1.0 and out["actor/seq_ratio_max"] == 1.0
-    assert out["actor/train_rollout_logprob_diff"] > 0.02  # noise 0.05 => mean |diff| ~ 0.04
+    assert out.metrics["actor/clip_fraction"] == 0.0
+    assert out.metrics["actor/seq_ratio_mean"] == 1.0 and out.metrics["actor/seq_ratio_max"] == 1.0
+    assert out.metrics["actor/train_rollout_logprob_diff"] > 0.02  # noise 0.05 => mean |diff| ~ 0.04
     ref_grads, ref_params = reference_step(model_path, [batch], cfg, old_source="recompute")
     assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
 
@@ -226,8 +228,8 @@ def test_sft_step_lr_and_reset(model_path, port):
     learner.set_lr(5e-3)
     before = learner.state_checksum()
     out = learner.sft_step(sft, int(sft.loss_mask.sum()))
-    assert out["loss/sft"] == pytest.approx(want, rel=1e-5)
-    assert out["grad_norm"] > 0 and out["lr"] == pytest.approx(5e-3)
+    assert out.loss == pytest.approx(want, rel=1e-5) and out.num_tokens == int(sft.loss_mask.sum())
+    assert out.grad_norm > 0 and out.lr == pytest.approx(5e-3)
     assert learner.state_checksum() != before
     assert len(learner.replica.base_optimizer().state) > 0
     learner.reset_optimizer_state()
@@ -235,7 +237,7 @@ def test_sft_step_lr_and_reset(model_path, port):
     learner.set_lr(1e-6)
     assert learner.get_lr() == pytest.approx(1e-6)
     out2 = learner.sft_step(sft, int(sft.loss_mask.sum()))
-    assert out2["loss/sft"] < out["loss/sft"]
+    assert out2.loss < out.loss
     with pytest.raises(ValueError, match="num_tokens"):
         learner.sft_step(sft, int(sft.loss_mask.sum()) + 1)
     with pytest.raises(ValueError, match="lr"):
@@ -279,11 +281,11 @@ def test_kl_penalty_against_frozen_reference(model_path, port):
     learner.capture_gradients(True)
     norms = [loss_normalisers(b.response_mask) for b in batches]
     out = learner.train_rollout_batch(batches[:1], [norms[0][0]], [norms[0][1]])
-    assert out["loss/kl"] == 0.0
+    assert out.metrics["loss/kl"] == 0.0
     ref_grads, _ = reference_step(model_path, batches[:1], cfg)  # KL gradient is 0 at the reference
     assert_grads_close(learner.captured_gradients()[0], ref_grads)
     out = learner.train_rollout_batch(batches[1:], [norms[1][0]], [norms[1][1]])
-    assert out["loss/kl"] > 0.0
+    assert out.metrics["loss/kl"] > 0.0
 
 
 def test_bf16_training_runs(model_path, port):
@@ -294,11 +296,11 @@ def test_bf16_training_runs(model_path, port):
     learner = _rank(model_path, cfg, port)
     before = learner.state_checksum()
     out = learner.train_rollout_batch([b], [s], [t])
-    # (moe/expert_load is a list of lists, moe/layers a list, actor/by_response_length a dict of per-length sums;
-    # every other value is a float)
-    assert all(torch.isfinite(torch.tensor(list(v.values()) if isinstance(v, dict) else v)).all()
-               for k, v in out.items() if k != "moe/layers")
-    assert out["actor/grad_norm"] > 0
+    # (moe/expert_load is a list of lists, moe/layers a list, loss/policy_minibatches a list; every other value
+    # is a float)
+    assert all(torch.isfinite(torch.tensor(v)).all() for k, v in out.metrics.items() if k != "moe/layers")
+    assert torch.isfinite(torch.tensor(list(out.by_response_length.values()))).all()
+    assert out.metrics["actor/grad_norm"] > 0
     assert learner.state_checksum() != before
     assert all(v.dtype == torch.bfloat16 for v in learner.checkpoint_state_dict().values())
     assert learner.compute_log_probs(b).dtype == torch.float32
@@ -319,7 +321,7 @@ def test_bf16_accumulates_gradients_in_fp32(model_path, port, zero_stage):
         assert learner.engine.optimizer.gradient_accumulation_dtype == torch.float32
     before = learner.state_checksum()
     out = learner.train_rollout_batch([b], [s], [t])
-    assert math.isfinite(out["actor/grad_norm"]) and out["actor/grad_norm"] > 0
+    assert math.isfinite(out.grad_norm) and out.grad_norm > 0
     assert learner.state_checksum() != before
 
 
@@ -369,7 +371,7 @@ def test_two_ranks_equal_single_process_full_batch(model_path, ray_cluster, algo
     shards = [batch.select(list(range(0, split[0]))), batch.select(list(range(split[0], sum(split))))]
     outs, ref_grads, exported = two_ranks_match_reference(ray, model_path, cfg, batch, shards)
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
-    assert outs[0]["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert outs[0].grad_norm == pytest.approx(ref_norm, rel=1e-5)
     assert all(torch.equal(v, exported[1][k]) for k, v in exported[0].items())
 
 

@@ -34,8 +34,9 @@ def _rank(model_path: str, cfg: LearnerConfig):
 
 
 def _train(learner, batch: TrainBatch, monitor: bool | None = None) -> dict:
+    """One rollout batch; its logged metrics (``RolloutTrainResult.metrics``)."""
     s, t = loss_normalisers(batch.response_mask)
-    return learner.train_rollout_batch([batch], [s], [t], guard={"max_grad_norm": 1000.0}, monitor=monitor)
+    return learner.train_rollout_batch([batch], [s], [t], guard={"max_grad_norm": 1000.0}, monitor=monitor).metrics
 
 
 def _broken_sync_log_probs(model_path: str, batch: TrainBatch) -> torch.Tensor:

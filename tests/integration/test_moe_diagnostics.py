@@ -22,28 +22,28 @@ def test_expert_load_and_volatility_metrics(model_path):
     cfg = LearnerConfig(algorithm="grpo", zero_stage=2, micro_batch_size=2, lr=1e-2, num_minibatches=3)
     out = _train(_rank(model_path, cfg), batches)
     want = reference_expert_load(model_path, batches)
-    got = torch.tensor(out["moe/expert_load"], dtype=torch.float64)
+    got = torch.tensor(out.metrics["moe/expert_load"], dtype=torch.float64)
     assert got.shape == (2, 8) and torch.allclose(got.sum(-1), torch.ones(2, dtype=torch.float64))
     assert torch.equal(got, want)  # counts are integers: the shares are exact
     imb = (want.max(-1).values * 8).tolist()
-    assert out["moe/layer0/load_imbalance"] == pytest.approx(imb[0])
-    assert out["moe/layer1/load_imbalance"] == pytest.approx(imb[1])
-    assert out["moe/load_imbalance"] == pytest.approx(sum(imb) / 2)
-    assert out["moe/load_imbalance_max"] == pytest.approx(max(imb))
+    assert out.metrics["moe/layer0/load_imbalance"] == pytest.approx(imb[0])
+    assert out.metrics["moe/layer1/load_imbalance"] == pytest.approx(imb[1])
+    assert out.metrics["moe/load_imbalance"] == pytest.approx(sum(imb) / 2)
+    assert out.metrics["moe/load_imbalance_max"] == pytest.approx(max(imb))
     cv = (want.std(-1, unbiased=False) * 8).tolist()
-    assert out["moe/load_cv"] == pytest.approx(sum(cv) / 2)
-    assert out["moe/layers"] == [0, 1]
-    assert out["moe/routing_volatility_passes"] == 2.0
-    assert 0.0 < out["moe/routing_volatility"] <= 1.0
-    assert out["moe/routing_volatility"] == out["moe/routing_volatility_unreplayed"]  # no replay
+    assert out.metrics["moe/load_cv"] == pytest.approx(sum(cv) / 2)
+    assert out.metrics["moe/layers"] == [0, 1]
+    assert out.metrics["moe/routing_volatility_passes"] == 2.0
+    assert 0.0 < out.metrics["moe/routing_volatility"] <= 1.0
+    assert out.metrics["moe/routing_volatility"] == out.metrics["moe/routing_volatility_unreplayed"]  # no replay
     # per update: pass 2 after 1 update, pass 3 after 2 => mean(v2, v3/2) is below mean(v2, v3)
-    assert 0.0 < out["moe/routing_volatility_per_update"] < out["moe/routing_volatility"]
+    assert 0.0 < out.metrics["moe/routing_volatility_per_update"] < out.metrics["moe/routing_volatility"]
 
     one = _train(_rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1)), batches[:1])
-    assert one["moe/routing_volatility_passes"] == 0.0 and one["moe/routing_volatility"] == 0.0
+    assert one.metrics["moe/routing_volatility_passes"] == 0.0 and one.metrics["moe/routing_volatility"] == 0.0
 
     quiet = LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=1, moe_diagnostics=False)
-    assert not any(k.startswith("moe/") for k in _train(_rank(model_path, quiet), batches[:1]))
+    assert not any(k.startswith("moe/") for k in _train(_rank(model_path, quiet), batches[:1]).metrics)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
@@ -56,9 +56,9 @@ def test_routing_replay_keeps_recorded_experts_and_is_exact_at_unchanged_weights
     cfg = LearnerConfig(algorithm="grpo", zero_stage=zero_stage, micro_batch_size=2, lr=1e-2, num_minibatches=3,
                         routing_replay=True, zero3_param_persistence_threshold=0 if zero_stage == 3 else None)
     out = _train(_rank(model_path, cfg), batches)
-    assert out["moe/routing_volatility_passes"] == 2.0
-    assert out["moe/routing_volatility"] == 0.0
-    assert out["moe/routing_volatility_unreplayed"] > 0.0
+    assert out.metrics["moe/routing_volatility_passes"] == 2.0
+    assert out.metrics["moe/routing_volatility"] == 0.0
+    assert out.metrics["moe/routing_volatility_unreplayed"] > 0.0
     if zero_stage == 3:
         return
 
@@ -69,7 +69,7 @@ def test_routing_replay_keeps_recorded_experts_and_is_exact_at_unchanged_weights
         learner = _rank(model_path, c)
         learner.capture_gradients(True)
         o = _train(learner, batches[:1])
-        results[replay] = (o["loss/policy"], learner.captured_gradients()[0], learner.state_digest())
+        results[replay] = (o.loss, learner.captured_gradients()[0], learner.state_digest())
     assert results[True][0] == results[False][0]
     for name, g in results[False][1].items():
         assert torch.equal(results[True][1][name], g), name
@@ -91,4 +91,4 @@ def test_routing_replay_needs_an_moe_model(tmp_path):
     dense = _rank(str(tmp_path / "dense"), LearnerConfig(zero_stage=0, micro_batch_size=4, num_minibatches=1))
     b = make_batch(str(tmp_path / "dense"), 3, seed=1)
     out = _train(dense, [b])
-    assert not any(k.startswith("moe/") for k in out)
+    assert not any(k.startswith("moe/") for k in out.metrics)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
+from learner.contracts import RolloutTrainResult
 from learner.objectives import loss_normalisers
 from tests.helpers.learner import TEMPERATURE, make_batch
 
@@ -25,8 +26,8 @@ def _rank(model_path: str, cfg: LearnerConfig):
                        seed=0, temperature=TEMPERATURE)
 
 
-def _step(learner, batch) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One rollout batch with gradient capture: (metrics, the gradient of its one optimizer step)."""
+def _step(learner, batch) -> tuple[RolloutTrainResult, dict[str, torch.Tensor]]:
+    """One rollout batch with gradient capture: (its result, the gradient of its one optimizer step)."""
     s, t = loss_normalisers(batch.response_mask)
     learner.capture_gradients(True)
     out = learner.train_rollout_batch([batch], [s], [t])
@@ -75,11 +76,11 @@ def test_offloaded_step_equals_torch_adamw(model_path, zero_stage, dtype):
     assert [g["lr"] for g in off.replica.base_optimizer().param_groups] == pytest.approx([1e-3, 2e-3])
     assert off.engine.zero_cpu_offload() and not plain.engine.zero_cpu_offload()
     assert off.engine.get_data_types()[1] == torch.float32  # gradients still accumulated in fp32
-    assert out_off["actor/num_optimizer_steps"] == 1.0
+    assert out_off.optimizer_steps == 1
     # ZeRO-3's offload path sums the squared norm in float32 (complete_grad_norm_calculation_for_cpu_offload),
     # the device path in float64; the clip factor then differs by about 1e-8 relative, which moves an Adam
     # update lr g / (|g| + eps) by at most a quarter of that, far inside the bound below.
-    assert out_off["actor/grad_norm"] == pytest.approx(out["actor/grad_norm"], rel=1e-6)
+    assert out_off.grad_norm == pytest.approx(out.grad_norm, rel=1e-6)
     for name, g in grads.items():
         assert torch.equal(grads_off[name], g), f"{name}: the offload path got another gradient"
     assert sum(not torch.equal(after_off[n], before[n]) for n in before) >= len(before) // 2
@@ -138,13 +139,13 @@ def _host_offload_bytes(learner) -> tuple[int, int]:
 
 @pytest.mark.parametrize("zero_stage,dtype", [(3, "bfloat16"), (2, "bfloat16"), (2, "float32")])
 def test_plan_counts_the_offloaded_buffers(model_path, zero_stage, dtype):
-    """cluster.planning.plan.learner_host_offload_gib against a real engine after a step of 3 micro-batches (one rank,
+    """cluster.planning.memory_model.learner_host_offload_gib against a real engine after a step of 3 micro-batches (one rank,
     so N = 1): 12 bytes a parameter of optimizer state, 4 or 8 of gradients; at ZeRO-3 DeepSpeed's optimizer
     device, where it also puts the gradient partitions, is the host. DeepSpeed pads partitions for alignment,
     hence 1 %."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-    from cluster.planning.plan import learner_host_offload_gib
+    from cluster.planning.memory_model import learner_host_offload_gib
 
     cfg = LearnerConfig(zero_stage=zero_stage, dtype=dtype, micro_batch_size=2, lr=1e-3, num_minibatches=1,
                         offload_optimizer="cpu")

@@ -47,4 +47,4 @@ def test_packed_learner_equals_the_padded_one(model_path, zero_stage):
     assert_grads_close(g1[0], ref, rtol=3e-5)
     for key in ("loss/policy", "actor/clip_fraction", "actor/entropy", "actor/train_rollout_logprob_diff",
                 "actor/seq_ratio_mean", "actor/grad_norm"):
-        assert out1[key] == pytest.approx(out0[key], rel=1e-5, abs=1e-7), key
+        assert out1.metrics[key] == pytest.approx(out0.metrics[key], rel=1e-5, abs=1e-7), key

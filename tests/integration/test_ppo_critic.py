@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from learner.config import LearnerConfig
+from learner.contracts import RolloutTrainResult
 from learner.objectives import loss_normalisers
 from tests.helpers.learner import TEMPERATURE, make_batch, port  # noqa: F401 - port: pytest fixture
 
@@ -38,9 +39,9 @@ def test_ppo_trains_policy_and_critic_and_resumes_the_critic_exactly(ray_cluster
     ranks = [cls.remote(model_path, cfg, rank=r, world_size=2, master_addr="127.0.0.1", master_port=port, seed=0,
                         temperature=TEMPERATURE) for r in range(2)]
 
-    def step() -> dict:
+    def step() -> RolloutTrainResult:
         outs = ray.get([a.train_rollout_batch.remote(s, n_seq, n_tok) for a, s in zip(ranks, shards)])
-        assert outs[0]["critic/value_loss"] == outs[1]["critic/value_loss"]  # all-reduced: one value
+        assert outs[0].metrics["critic/value_loss"] == outs[1].metrics["critic/value_loss"]  # all-reduced: one value
         return outs[0]
 
     def digests() -> list:
@@ -49,14 +50,14 @@ def test_ppo_trains_policy_and_critic_and_resumes_the_critic_exactly(ray_cluster
     try:
         policy0 = ray.get([a.state_digest.remote() for a in ranks])
         first = step()
-        assert 0.0 < abs(first["loss/policy"]) < 10.0  # the critic's whitened advantages drove the policy
+        assert 0.0 < abs(first.loss) < 10.0  # the critic's whitened advantages drove the policy
         critic1 = digests()
         outs = [first] + [step() for _ in range(STEPS - 1)]
-        losses = [o["critic/value_loss_first"] for o in outs]
+        losses = [o.metrics["critic/value_loss_first"] for o in outs]
         # values start at 0 (zero head) with returns in {0, 1}: the loss at the first update is 0.5 E[R^2]
         assert 0.1 < losses[0] < 0.5
         assert losses[-1] < 0.5 * losses[0], losses
-        assert all(o["actor/num_optimizer_steps"] == 2.0 and o["critic/num_optimizer_steps"] == 2.0 for o in outs)
+        assert all(o.optimizer_steps == 2 and o.metrics["critic/num_optimizer_steps"] == 2.0 for o in outs)
         assert ray.get([a.state_digest.remote() for a in ranks]) != policy0  # the policy trained
         assert digests()[0]["weights"] != critic1[0]["weights"]  # and the critic
         assert len({d["weights"] for d in digests()}) == 1  # one critic on both ranks

@@ -16,9 +16,9 @@ def test_learner_step_logs_mismatch_and_drops_sequences(model_path):
     batch = make_batch(model_path, 4, seed=51, noise=0.05)
     off = _train(_rank(model_path, LearnerConfig(algorithm="gspo", zero_stage=2, micro_batch_size=2,
                                                  num_minibatches=1)), [batch])
-    assert off["mismatch/log_ratio_abs_max"] > 0.01 and off["mismatch/masked_seq_share"] == 0.0
+    assert off.metrics["mismatch/log_ratio_abs_max"] > 0.01 and off.metrics["mismatch/masked_seq_share"] == 0.0
     cfg = LearnerConfig(algorithm="gspo", zero_stage=2, micro_batch_size=2, num_minibatches=1,
                         rollout_correction="seq_geo_rs", rollout_correction_low=1.0, rollout_correction_high=1.0)
     on = _train(_rank(model_path, cfg), [batch])
-    assert on["mismatch/masked_seq_share"] == 1.0 and on["loss/policy"] == 0.0
-    assert on["mismatch/log_ratio_mean"] == pytest.approx(off["mismatch/log_ratio_mean"])
+    assert on.metrics["mismatch/masked_seq_share"] == 1.0 and on.loss == 0.0
+    assert on.metrics["mismatch/log_ratio_mean"] == pytest.approx(off.metrics["mismatch/log_ratio_mean"])

@@ -66,14 +66,14 @@ def test_learner_forwards_run_the_engine_experts(model_path):
         cfg = LearnerConfig(algorithm="grpo", zero_stage=2, micro_batch_size=2, lr=1e-5, num_minibatches=2,
                             routing_replay=mode)
         res[mode] = _train(_rank(model_path, cfg), [TrainBatch(**vars(b)) for b in batches])
-    assert res["rollout"]["actor/train_rollout_logprob_diff"] < 1e-5
-    assert res["off"]["actor/train_rollout_logprob_diff"] > 1e-2
+    assert res["rollout"].metrics["actor/train_rollout_logprob_diff"] < 1e-5
+    assert res["off"].metrics["actor/train_rollout_logprob_diff"] > 1e-2
     # the hand-made sets differ from the tiny model's own top-2 on most (token, layer) pairs
-    assert res["rollout"]["moe/rollout_routing_mismatch"] > 0.5
-    assert res["rollout"]["moe/rollout_routing_mismatch"] == res["off"]["moe/rollout_routing_mismatch"]
+    assert res["rollout"].metrics["moe/rollout_routing_mismatch"] > 0.5
+    assert res["rollout"].metrics["moe/rollout_routing_mismatch"] == res["off"].metrics["moe/rollout_routing_mismatch"]
     # training forwards used the forced sets: far from the router's own pre-update choice
-    assert res["rollout"]["moe/routing_volatility"] > 0.5
-    assert res["off"]["moe/routing_volatility"] < 0.1  # lr 1e-5: one update barely moves the router
+    assert res["rollout"].metrics["moe/routing_volatility"] > 0.5
+    assert res["off"].metrics["moe/routing_volatility"] < 0.1  # lr 1e-5: one update barely moves the router
 
 
 def test_rollout_replay_refuses_a_batch_without_engine_routing(model_path):

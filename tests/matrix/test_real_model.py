@@ -140,7 +140,7 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
             batch, seqs, toks, sampled = rollout_batch(ray, engine, prompts, step, eos)
             gap = sampled_gap(ray, learner, batch)
             out = ray.get(learner.train_rollout_batch.remote([batch], [seqs], [toks]))
-            assert out["actor/num_optimizer_steps"] == 1
+            assert out.optimizer_steps == 1
             report = ray.get(learner.sync_weights.remote([engine], step, 0.05, 2))
             assert not report.failed_engines and ray.get(engine.weight_version.remote()) == step
             new_weights = ray.get(learner.checkpoint_state_dict.remote())
@@ -148,7 +148,7 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
             diff, new_lp = max_diff(ray, learner, engine, fixed)
             moved = (new_lp - engine_lp).abs().max().item()
             print(f"smollm2 step {step}: sampled-token max|diff|={gap:.3g} fixed max|diff|={diff:.3g} "
-                  f"train_rollout={out['actor/train_rollout_logprob_diff']:.3g} weight_change={change:.3g} "
+                  f"train_rollout={out.metrics['actor/train_rollout_logprob_diff']:.3g} weight_change={change:.3g} "
                   f"engine_logprob_change={moved:.3g}")
             assert gap < KERNEL_TOL and diff < KERNEL_TOL, (step, gap, diff)
             assert change > 1e-5 and moved > 1e-4, (step, change, moved)

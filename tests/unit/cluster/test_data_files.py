@@ -9,12 +9,13 @@ import logging
 
 import pytest
 
-from cluster.config import ConfigError, DataConfig, load_config
+from cluster.config import ConfigError, load_config
+from cluster.config_sections import DataConfig
 from cluster.data.files import file_rows
 from cluster.data.prompting import PromptEncoder, PromptError, tokenizer_adds_bos
 from cluster.data.prompts import DataError, resolve_data_path
 from cluster.models.tiny_model import build_char_tokenizer
-from rollout.engine import eos_token_ids
+from rollout.vllm_setup import eos_token_ids
 from tests.helpers import REPO_ROOT
 from tests.helpers.data_files import BOS, EOS, chars, write_jsonl
 

@@ -12,7 +12,7 @@ from cluster.runtime.devices import device_problems, learner_first
 from cluster.runtime.services import actor_env
 from learner.config import LearnerConfig
 from rollout.config import RolloutConfig
-from rollout.engine import runner_environment
+from rollout.vllm_setup import runner_environment
 
 
 def _cfg(learner_gpus: float, engine_gpus: float, **learner) -> Config:

@@ -2,8 +2,9 @@
 
 - the services (``learner/``, ``rollout/``, ``reward/``) import nothing from ``cluster/``, and one service
   imports another only for type annotations (under ``if TYPE_CHECKING:``);
-- the algorithm core (``learner/objectives.py``, ``objective_names.py``, ``advantages.py``, ``logprobs.py``)
-  imports no Ray, vLLM, DeepSpeed or config classes (CONTRIBUTING.md);
+- the algorithm core (``learner/objectives.py``, ``policy_metrics.py``, ``kl.py``, ``objective_names.py``,
+  ``advantages.py``, ``logprobs.py``, ``gae.py``) imports no Ray, vLLM, DeepSpeed or config classes
+  (CONTRIBUTING.md);
 - loading the config (``cluster.config``, what ``--dry-run`` and ``cluster.submit`` do) does not import torch
   (checked in a fresh interpreter: the one exception to "nothing imported");
 - no import circle anywhere in the project, lazy imports included;
@@ -29,8 +30,8 @@ SERVICES = ("learner", "rollout", "reward")
 PACKAGES = (*SERVICES, "cluster")
 
 
-CORE = ("learner/objectives.py", "learner/objective_names.py", "learner/advantages.py", "learner/logprobs.py",
-        "learner/gae.py")
+CORE = ("learner/objectives.py", "learner/policy_metrics.py", "learner/kl.py", "learner/objective_names.py",
+        "learner/advantages.py", "learner/logprobs.py", "learner/gae.py")
 
 
 CORE_FORBIDDEN = ("ray", "vllm", "deepspeed", "pydantic", "cluster", "learner.config", "rollout", "reward")

@@ -2,7 +2,8 @@
 scripted fleet (``BesideFleet``: the learner's step lasts a set number of rounds beside it) and a stand-in learner
 and sync. The segment default lets every sample finish within the bound, no rounds run beside the learner before
 a monitored step or after the last step, and an error in the rollout thread stops the step before the sync.
-The real engines are in tests/integration/test_partial_rollouts.py. (Written from a review's harness.)"""
+The real engines are in tests/integration/test_partial_rollouts.py. (Written from a review's harness.) On the same
+harness: how the step logs the learner's ``RolloutTrainResult``."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +15,8 @@ import pytest
 from cluster.driver.partial_rollout import segment_tokens
 from cluster.driver.resume import DriverState
 from cluster.driver.trainer import Trainer, monitor_step
+from cluster.driver.guard import GuardPolicy
+from learner.contracts import BY_LENGTH_KEY, RolloutTrainResult
 from tests.helpers.partial import ScriptedFleet, collector
 
 
@@ -69,7 +72,7 @@ def make_trainer(tmp_path: Path, *extra: str, budget: int = 100) -> tuple[Traine
             fleet.learner_done.wait(timeout=5)
         t.batches.append([t.weight_version - x.weight_version for x in c.completions])
         t.monitored.append(monitor_step(t.cfg, t.step + 1))
-        return {}, 0.0
+        return RolloutTrainResult(loss=0.0, optimizer_steps=1, grad_norm=0.0), 0.0
 
     def sync(version):
         fleet.version = t.state.weight_version = version
@@ -77,7 +80,7 @@ def make_trainer(tmp_path: Path, *extra: str, budget: int = 100) -> tuple[Traine
         return 0.01
 
     t.train, t._sync_weights = train, sync
-    t.after_train = lambda m: sync(t.weight_version + 1)
+    t.after_train = lambda result, m: sync(t.weight_version + 1)
     return t, fleet
 
 
@@ -119,3 +122,26 @@ def test_no_rounds_beside_the_last_step(tmp_path):
     calls = len(fleet.calls)
     assert t.collector.beside.rounds == 0 and len(fleet.calls) == calls
     assert all(max(b) <= 2 for b in t.batches)
+
+
+def test_the_learner_result_is_logged_as_it_came_and_its_length_sums_are_not(tmp_path):
+    """The step's metrics hold the learner result's ``metrics`` in their order after the staleness keys, then the
+    guard's count of the refused step (the real ``after_train``: no rollback yet); the per-length sums become the
+    length slices and are not logged themselves."""
+    t, _ = make_trainer(tmp_path, "trainer.total_steps=2", "trainer.length_buckets=2")
+    result = RolloutTrainResult.from_metrics({
+        "loss/policy": 0.5, "actor/grad_norm": 2.0, "actor/num_optimizer_steps": 0.0,
+        BY_LENGTH_KEY: {3: [2.0, 3.0, 1.0, 2.0]}, "health/skipped": 1.0, "health/failed_checks": "max_grad_norm",
+        "health/reasons": "max_grad_norm: actor/grad_norm=2 > 1"})
+    t.train = lambda c, rewards: (result, 0.0)
+    t.guard = GuardPolicy(t.cfg, tmp_path)  # health.rollback_after=3: a first refusal only counts
+    t.after_train = Trainer.after_train.__get__(t)
+    m = t.rl_step()
+    keys = list(m)
+    assert keys[:10] == ["step", "rollout/staleness_mean", "rollout/staleness_max", "loss/policy", "actor/grad_norm",
+                         "actor/num_optimizer_steps", "health/skipped", "health/failed_checks", "health/reasons",
+                         "health/consecutive_failures"], keys
+    assert m["health/failed_checks"] == "max_grad_norm" and m["health/consecutive_failures"] == 1.0
+    assert BY_LENGTH_KEY not in m and not any(k.startswith("sync/") for k in m)  # refused: no sync
+    assert m["length/0-6/seq_ratio_mean"] == 1.5 and m["length/0-6/clip_fraction"] == 0.5
+    assert t.weight_version == 0 and t.guard.failures == 1

@@ -2,7 +2,7 @@
 
 The references below are written in plain Python floats (float64), one sequence and one token at a time,
 straight from GSPO Eq. 5-7 / section 4.3 and the GRPO / DAPO token objectives; they share no code with
-learner.objectives.
+learner.objectives, learner.policy_metrics or learner.kl.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import math
 import pytest
 import torch
 
+from learner.kl import kl_penalty
 from learner.objectives import (
     LOG_RATIO_CLAMP,
     Objective,
-    combine_policy_metrics,
-    kl_penalty,
     loss_normalisers,
     policy_loss,
     resolve_objective,
     sequence_log_ratio,
 )
+from learner.policy_metrics import combine_policy_metrics
 
 NAN, INF = float("nan"), float("inf")
 

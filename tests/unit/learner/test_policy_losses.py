@@ -17,7 +17,8 @@ import torch
 from learner.loss_registry import LossInputs, LossTerms, RatioUnits, get_policy_loss, register_policy_loss
 from learner.loss_settings import BUILTIN_LOSSES, build_settings
 from learner.objective_names import ALGORITHMS
-from learner.objectives import combine_policy_metrics, loss_normalisers, policy_loss, resolve_objective
+from learner.objectives import loss_normalisers, policy_loss, resolve_objective
+from learner.policy_metrics import combine_policy_metrics
 
 NEW = ("cispo", "sapo", "gmpo", "dr_grpo")
 OPTIONS = {"dr_grpo": {"norm_length": 4}}

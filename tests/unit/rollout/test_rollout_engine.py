@@ -69,7 +69,7 @@ def test_llm_kwargs_executor_and_kv_by_device():
     import pytest
 
     from rollout.config import RolloutConfig
-    from rollout.engine import llm_kwargs
+    from rollout.vllm_setup import llm_kwargs
 
     cpu = llm_kwargs(RolloutConfig(kv_cache_gb=0.25), seed=3)
     assert cpu["kv_cache_memory_bytes"] == 2**28 and cpu["distributed_executor_backend"] == "uni" and cpu["seed"] == 3
@@ -86,7 +86,7 @@ def test_llm_kwargs_executor_and_kv_by_device():
 
 def test_engine_tmp_folder_keeps_ipc_socket_paths_short(tmp_path):
     """vLLM's multiprocess engine names ZMQ sockets ``ipc://<TMPDIR>/<uuid4>``; Unix allows 107 bytes."""
-    from rollout.engine import _IPC_NAME_BYTES, _short_tmp
+    from rollout.vllm_setup import _IPC_NAME_BYTES, _short_tmp
 
     short = tmp_path / "t"
     assert _short_tmp(short) == short and short.is_dir()
