@@ -45,6 +45,35 @@ def _gpu_slots(gpus: float, what: str, field: str) -> tuple[int, float]:
     return int(round(gpus)), 1.0
 
 
+def _place_learner(cfg: Config, gpus_per_node: int, node, where: dict[str, list[tuple[int, list[int]]]]) -> None:
+    """Learner ranks as ``cluster/runtime/learner_group.py`` starts them: on GPUs one STRICT_PACK group per
+    node's worth of ranks (``gpus_per_node / learner.num_gpus_per_rank``), group ``g`` on node ``g``; on the
+    CPU one PACK group on node 0. ``node(i)`` returns node ``i`` (made on first use)."""
+    lc = cfg.learner
+    if not lc.num_gpus_per_rank:
+        n0 = node(0)
+        where["learner"] = [(0, []) for _ in range(lc.world_size)]
+        n0.cpus += lc.world_size * lc.num_cpus_per_rank
+        n0.actors += [f"learner rank {r}" for r in range(lc.world_size)]
+        return
+    count, share = _gpu_slots(lc.num_gpus_per_rank, "a learner rank", "learner.num_gpus_per_rank")
+    per_group = learner_ranks_per_group(cfg, gpus_per_node)
+    for r in range(lc.world_size):
+        n = node(r // per_group)
+        got = n.take_gpus(count, share)
+        if got is None:
+            raise PlanError(
+                f"learner.num_gpus_per_rank={lc.num_gpus_per_rank} does not fit one node of {gpus_per_node} GPUs: "
+                "a rank's GPUs are on one node. Use fewer GPUs per rank, or nodes with more GPUs."
+            )
+        for g in got:
+            n.gpu_free[g] -= share
+            n.gpu_users[g].append(f"learner rank {r}")
+        where["learner"].append((n.index, got))
+        n.cpus += lc.num_cpus_per_rank
+        n.actors.append(f"learner rank {r}")
+
+
 def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list[tuple[int, list[int]]]]]:
     """Assign learner ranks, engines and reward workers to nodes and GPU indices (first fit)."""
     lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
@@ -56,27 +85,7 @@ def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list
             nodes.append(_Node(len(nodes), gpus_per_node))
         return nodes[i]
 
-    # Learner: one STRICT_PACK group, so every rank on node 0.
-    if lc.num_gpus_per_rank:
-        count, share = _gpu_slots(lc.num_gpus_per_rank, "a learner rank", "learner.num_gpus_per_rank")
-        n0 = node(0)
-        for r in range(lc.world_size):
-            got = n0.take_gpus(count, share)
-            if got is None:
-                raise PlanError(
-                    f"learner.world_size={lc.world_size} x learner.num_gpus_per_rank={lc.num_gpus_per_rank} "
-                    f"does not fit one node of {gpus_per_node} GPUs: the learner's placement group is STRICT_PACK "
-                    "(all ranks on one node). Use fewer ranks, or nodes with more GPUs."
-                )
-            for g in got:
-                n0.gpu_free[g] -= share
-                n0.gpu_users[g].append(f"learner rank {r}")
-            where["learner"].append((0, got))
-    else:
-        node(0)
-        where["learner"] = [(0, []) for _ in range(lc.world_size)]
-    nodes[0].cpus += lc.world_size * lc.num_cpus_per_rank
-    nodes[0].actors += [f"learner rank {r}" for r in range(lc.world_size)]
+    _place_learner(cfg, gpus_per_node, node, where)
 
     # Rollout engines: one STRICT_PACK group each, tensor_parallel_size devices on one node.
     for e in range(rc.num_engines):
@@ -114,12 +123,23 @@ def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list
     return nodes, where
 
 
-def _placement_groups(cfg: Config) -> dict[str, Any]:
+def learner_ranks_per_group(cfg: Config, gpus_per_node: int) -> int:
+    """Learner ranks in one placement group, as ``cluster/runtime/learner_group.py`` groups them: a node's worth
+    on GPUs (``gpus_per_node / learner.num_gpus_per_rank``, at least 1), all of them on the CPU."""
+    lc = cfg.learner
+    if not lc.num_gpus_per_rank:
+        return lc.world_size
+    return max(1, min(lc.world_size, int(gpus_per_node / lc.num_gpus_per_rank)))
+
+
+def _placement_groups(cfg: Config, gpus_per_node: int) -> dict[str, Any]:
     """The placement groups as ``cluster/runtime/services.py`` requests them (bundles and strategy per service)."""
     lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
+    per_group = learner_ranks_per_group(cfg, gpus_per_node)
     return {
         "learner": {"bundles": [{"CPU": lc.num_cpus_per_rank, "GPU": lc.num_gpus_per_rank} for _ in range(lc.world_size)],
-                    "strategy": "STRICT_PACK" if lc.num_gpus_per_rank else "PACK"},
+                    "groups": -(-lc.world_size // per_group), "ranks_per_group": per_group,
+                    "strategy": "STRICT_PACK" if lc.num_gpus_per_rank else "PACK"},  # one group per node
         "rollout": {"bundles_per_engine": {"CPU": rc.num_cpus_per_engine, "GPU": rc.num_gpus_per_engine * rc.tensor_parallel_size},
                     "engines": rc.num_engines, "tensor_parallel_size": rc.tensor_parallel_size,
                     "strategy": "STRICT_PACK (one group per engine)",

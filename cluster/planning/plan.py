@@ -38,7 +38,7 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
         and KV cache per engine GPU, the fullest GPU, headroom, warnings).
 
     Raises:
-        PlanError: the learner group does not fit one node, a tensor-parallel engine asks for GPU fractions, or
+        PlanError: a learner rank does not fit one node, a tensor-parallel engine asks for GPU fractions, or
             the memory of some GPU is over budget (the message names the numbers).
     """
     if gpu_memory_gib <= 0 or gpus_per_node < 1:
@@ -46,7 +46,7 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
     lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
     uses_gpus = bool(lc.num_gpus_per_rank or rc.num_gpus_per_engine)
     out: dict[str, Any] = {
-        "placement": _placement_groups(cfg),
+        "placement": _placement_groups(cfg, gpus_per_node),
         "logical_cpus": lc.world_size * lc.num_cpus_per_rank + rc.num_engines * rc.num_cpus_per_engine
         + wc.num_workers * wc.num_cpus_per_worker,
         "gpus_total": lc.world_size * lc.num_gpus_per_rank

@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.common import free_port
 from cluster.config import Config
+from cluster.planning.actor_placement import learner_ranks_per_group
 from cluster.runtime.services import actor_env, get_fail_fast, wait_ready
 from learner.contracts import RolloutTrainResult, SFTBatch, SFTStepResult, SyncReport
 
@@ -56,9 +57,7 @@ class LearnerGroup:
         bundle = {"CPU": lc.num_cpus_per_rank, **lc.node_resources}
         if lc.num_gpus_per_rank:
             bundle["GPU"] = lc.num_gpus_per_rank
-        per_group = lc.world_size
-        if lc.num_gpus_per_rank:
-            per_group = max(1, min(lc.world_size, int(cfg.cluster.gpus_per_node / lc.num_gpus_per_rank)))
+        per_group = learner_ranks_per_group(cfg, cfg.cluster.gpus_per_node)  # the plan places them alike
         self.groups: list[Any] = []
         for start in range(0, lc.world_size, per_group):
             bundles = [dict(bundle) for _ in range(min(per_group, lc.world_size - start))]

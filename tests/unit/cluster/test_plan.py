@@ -190,12 +190,19 @@ def test_rollout_weights_over_vllm_share():
         plan(cfg)
 
 
-def test_learner_group_must_fit_one_node():
+def test_learner_ranks_span_nodes_a_group_per_node_as_the_runtime_places_them():
+    """16 ranks of one GPU on nodes of 8: ranks 0-7 on node 0, 8-15 on node 1 (one STRICT_PACK group per node,
+    cluster/runtime/learner_group.py), the engines after them; not every rank on node 0."""
     cfg = load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml",
                       ["learner.world_size=16", "trainer.prompts_per_step=128"])
-    with pytest.raises(PlanError, match="learner.world_size=16 .* one node of 8 GPUs: .*STRICT_PACK"):
-        plan(cfg)
-    assert plan(cfg, gpus_per_node=16)["nodes_needed"] == 2
+    out = plan(cfg)
+    ranks = {n["node"]: [a for a in n["actors"] if a.startswith("learner")] for n in out["nodes"]}
+    assert ranks[0] == [f"learner rank {r}" for r in range(8)]
+    assert ranks[1] == [f"learner rank {r}" for r in range(8, 16)]
+    assert out["placement"]["learner"]["groups"] == 2 and out["placement"]["learner"]["ranks_per_group"] == 8
+    assert out["nodes_needed"] == 3 and plan(cfg, gpus_per_node=16)["nodes_needed"] == 2
+    with pytest.raises(PlanError, match=r"learner.num_gpus_per_rank=16(\.0)? does not fit one node of 8 GPUs"):
+        plan(load_config(REPO_ROOT / "configs/qwen3_30b_a3b_gsm8k.yaml", ["learner.num_gpus_per_rank=16"]))
 
 
 def test_fractional_gpus_share_a_device():
