@@ -56,6 +56,10 @@ class Completion:
         token_versions: None (every token sampled by ``weight_version``), or, for a partial rollout that spanned
             weight syncs, the version that sampled each response token (length R; ``weight_version`` is then
             the oldest of them).
+        response_mask: None (every response token was sampled by an engine), or, for a multi-turn episode, 1
+            where the engine sampled the token and 0 where the environment's reply put it (length R): the loss,
+            GSPO's length |y_i| and every per-token metric count the 1s only. ``response_logprobs`` holds 0.0 at
+            the 0s.
     """
 
     prompt_uid: str
@@ -68,11 +72,63 @@ class Completion:
     weight_version: int
     routed_experts: Any = None
     token_versions: list[int] | None = None
+    response_mask: list[int] | None = None
+
+    @property
+    def sampled_tokens(self) -> int:
+        """How many response tokens an engine sampled (all of them unless ``response_mask`` says otherwise)."""
+        return len(self.response_token_ids) if self.response_mask is None else int(sum(self.response_mask))
 
     @property
     def truncated(self) -> bool:
         """True when the response was cut at the length limit."""
         return self.finish_reason == "length"
+
+
+@dataclass
+class TurnRequest:
+    """One assistant turn to sample for an episode (``RolloutEngine.sample_turns``).
+
+    Attributes:
+        episode_id: the episode's id (``<prompt uid>#<sample index>``).
+        context_ids: every token id of the episode so far, exactly as trained: the prompt's, then each earlier
+            turn's sampled ids and each environment reply's ids (never a re-tokenized history).
+        max_tokens: the turn's token limit (what is left of ``rollout.max_response_tokens`` and
+            ``rollout.max_model_len``), >= 1.
+        stop: strings that end the turn right after them (a tool call's closing tag; kept in the output).
+        seed: None, or the turn's sampler seed (reproducible episodes).
+    """
+
+    episode_id: str
+    context_ids: list[int]
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class SampledTurn:
+    """One sampled assistant turn (``RolloutEngine.sample_turns``).
+
+    Attributes:
+        episode_id: ``TurnRequest.episode_id``.
+        token_ids: the sampled ids (length T >= 0), exactly as the engine sampled them; they end with an EOS id,
+            with the token that completed a stop string (``stop_reason``), or at the limit.
+        logprobs: post-temperature behaviour log-probs of ``token_ids`` (nats, length T), as ``Completion``'s.
+        text: ``token_ids`` decoded (special tokens removed), cut after a stop string.
+        finish_reason: ``"stop"`` (an EOS id or a stop string) or ``"length"``.
+        stop_reason: the stop string that ended the turn, the EOS id (int), or None (EOS not among the stop
+            strings, or cut at the limit).
+        weight_version: the engine's weight version when the turn was sampled.
+    """
+
+    episode_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    weight_version: int
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rollout.config import RolloutConfig
-from rollout.contracts import BucketLoad, Completion, PromptRow
+from rollout.contracts import BucketLoad, Completion, PromptRow, SampledTurn, TurnRequest
 from rollout.routing_capture import RoutingStore
 from rollout.vllm_setup import _short_tmp, checkpoint_weight_names, eos_token_ids, llm_kwargs, runner_environment
 
@@ -238,6 +238,56 @@ class RolloutEngine:
             for i in range(len(prompts))
         ]
         return self._sample(prompts, params, n)
+
+    def sample_turns(self, requests: list[TurnRequest], temperature: float | None = None) -> list[SampledTurn]:
+        """Sample one assistant turn of each episode in ``requests``, continuing its exact token ids.
+
+        ``SamplingParams(n=1, temperature, top_p=1, top_k=-1, logprobs=0, stop_token_ids=<every EOS id>,
+        stop=request.stop, include_stop_str_in_output=True)``: the same post-temperature log-probs as
+        ``generate``. The context goes in as token ids (never as text), so the ids trained on stay the ids sampled.
+        Episodes that share a prefix (a group's prompt, an episode's earlier turns) reuse it from vLLM's prefix
+        cache.
+
+        Returns:
+            One ``SampledTurn`` per request, in order, with this engine's current ``weight_version``.
+
+        Raises:
+            ValueError: temperature <= 0, a request with max_tokens < 1 or an empty context, or a context plus
+                max_tokens past ``rollout.max_model_len``.
+            RuntimeError: a weight sync is under way, or routing capture is on (an episode's routing per turn
+                is not recorded).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._syncing:
+            raise RuntimeError("engine is between weight versions (a weight sync did not finish): no sampling")
+        if self._routing_layers:
+            raise RuntimeError("rollout.return_routed_experts: an episode's routing per turn is not recorded")
+        temperature = self.cfg.temperature if temperature is None else float(temperature)
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 for sampling")
+        limit = self.cfg.max_model_len
+        for r in requests:
+            if r.max_tokens < 1 or not r.context_ids or len(r.context_ids) + r.max_tokens > limit:
+                raise ValueError(f"episode {r.episode_id}: {len(r.context_ids)} context tokens and max_tokens="
+                                 f"{r.max_tokens} must be >= 1 each and fit rollout.max_model_len={limit}")
+        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=r.max_tokens,
+                                 logprobs=0, stop_token_ids=self.stop_token_ids, stop=list(r.stop) or None,
+                                 include_stop_str_in_output=True, seed=r.seed) for r in requests]
+        inputs = [TokensPrompt(prompt_token_ids=list(r.context_ids)) for r in requests]
+        outputs = self._llm.generate(inputs, params, use_tqdm=False) if requests else []
+        return [self._turn(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
+
+    def _turn(self, request: TurnRequest, sample: Any) -> SampledTurn:
+        token_ids = list(sample.token_ids)
+        if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
+            raise RuntimeError(f"episode {request.episode_id}: vLLM returned no log-prob for some sampled tokens")
+        return SampledTurn(
+            episode_id=request.episode_id, token_ids=token_ids,
+            logprobs=[float(step[tok].logprob) for tok, step in zip(token_ids, sample.logprobs, strict=True)],
+            text=sample.text, finish_reason="length" if sample.finish_reason == "length" else "stop",
+            stop_reason=sample.stop_reason, weight_version=self._version)
 
     @staticmethod
     def _request_seed(seed: int, prompt_index: int, n: int) -> int:

@@ -26,10 +26,13 @@ def build_train_batch(
 
     Returns:
         TrainBatch with targets aligned to ``input_ids[:, 1:]``: ``response_mask[i, t]`` is True where
-        ``input_ids[i, t+1]`` is a response token, ``old_log_probs[i, t]`` its behaviour log-prob.
+        ``input_ids[i, t+1]`` is a response token an engine sampled (``Completion.response_mask``: an
+        environment's tokens in an episode are context, not response), ``old_log_probs[i, t]`` its behaviour
+        log-prob.
 
     Raises:
-        ValueError: lengths disagree (rewards/advantages vs completions, or log-probs vs response tokens).
+        ValueError: lengths disagree (rewards/advantages vs completions, or log-probs or a response mask vs
+            response tokens).
     """
     n = len(completions)
     if rewards.shape != (n,) or advantages.shape != (n,):
@@ -52,7 +55,7 @@ def build_train_batch(
         if r:
             input_ids[i, p : p + r] = torch.tensor(c.response_token_ids, dtype=torch.long)
             # Target t predicts token t+1: response token j sits at p+j, so its target index is p+j-1.
-            response_mask[i, p - 1 : p - 1 + r] = True
+            response_mask[i, p - 1 : p - 1 + r] = True if c.response_mask is None else _sampled(c)
             old[i, p - 1 : p - 1 + r] = torch.tensor(c.response_logprobs, dtype=torch.float32)
         attention_mask[i, : p + r] = 1
     return TrainBatch(
@@ -66,6 +69,14 @@ def build_train_batch(
         weight_versions=torch.tensor([c.weight_version for c in completions], dtype=torch.long),
         rollout_routes=rollout_routes(completions, L),
     )
+
+
+def _sampled(c: Completion) -> torch.Tensor:
+    """bool ``[R]``: ``c.response_mask`` checked against the response's length."""
+    if len(c.response_mask) != len(c.response_token_ids):
+        raise ValueError(f"completion {c.prompt_uid}#{c.sample_index}: a response mask of {len(c.response_mask)} "
+                         f"for {len(c.response_token_ids)} tokens")
+    return torch.tensor(c.response_mask, dtype=torch.bool)
 
 
 def rollout_routes(completions: list[Completion], width: int) -> torch.Tensor | None:

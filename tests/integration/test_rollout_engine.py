@@ -154,3 +154,29 @@ def test_seeded_prompts_beyond_the_step_token_budget(ray_cluster, engine, tokeni
     samples = [c.response_token_ids for c in out]
     assert len(out) == len(prompts) * n and len({tuple(s) for s in samples}) > n
     assert samples == [c.response_token_ids for c in again] == [c.response_token_ids for c in pieces]
+
+
+def test_turns_continue_the_exact_ids_with_stop_strings(ray_cluster, engine, tokenizer):
+    """An episode's two turns: the first stops right after a stop string (kept in its text and ids), the second
+    continues from the first's sampled ids plus an environment reply's ids, never from re-tokenized text; its
+    log-probs are a transformers forward's of exactly that sequence."""
+    from rollout.contracts import TurnRequest
+
+    prompt = tokenizer("12+34=")["input_ids"]
+    stops = list("0123456789abcdefghij")  # a random tiny model writes one of these within a few tokens
+    first = TurnRequest("p#0", prompt, max_tokens=12, stop=stops, seed=3)
+    (t1,) = ray_cluster.get(engine.sample_turns.remote([first]))
+    assert t1.episode_id == "p#0" and len(t1.token_ids) == len(t1.logprobs) >= 1
+    assert t1.weight_version == _current["version"] and t1.finish_reason in ("stop", "length")
+    if isinstance(t1.stop_reason, str):
+        assert t1.stop_reason in stops and t1.text.endswith(t1.stop_reason)
+    reply = tokenizer("<result>46</result>", add_special_tokens=False)["input_ids"]
+    context = prompt + t1.token_ids + reply
+    (t2,) = ray_cluster.get(engine.sample_turns.remote([TurnRequest("p#0", context, max_tokens=12, seed=4)]))
+    assert t2.stop_reason in (None, tokenizer.eos_token_id) or t2.finish_reason == "length"
+    want = hf_logprobs(_current["model"], context, t2.token_ids, TEMPERATURE)
+    assert (want - torch.tensor(t2.logprobs)).abs().max().item() < TOL
+    (again,) = ray_cluster.get(engine.sample_turns.remote([first]))
+    assert again.token_ids == t1.token_ids  # seeded: the same turn
+    with pytest.raises(Exception, match="max_model_len"):
+        ray_cluster.get(engine.sample_turns.remote([TurnRequest("p#1", prompt, max_tokens=400)]))

@@ -13,6 +13,7 @@ from cluster.data.files import gsm8k_rows
 from cluster.data.prompts import DataError, PromptStream, arithmetic_rows
 from cluster.driver import checkpoint
 from cluster.driver.batching import build_sft_batch, build_train_batch, split_for_ranks
+from learner.objectives import loss_normalisers
 from rollout.contracts import Completion
 from tests.helpers import REPO_ROOT
 
@@ -116,6 +117,22 @@ def test_train_batch_alignment():
     assert b.weight_versions.tolist() == [3, 3] and math.isnan(float(b.rewards[1]))
     with pytest.raises(ValueError, match="2 log-probs for 3 tokens"):
         build_train_batch([_comp([1], [2, 3, 4], [0.0, 0.0])], torch.zeros(1), torch.zeros(1), 0)
+
+
+def test_an_episode_trains_on_its_sampled_tokens_only():
+    """Turn 1 sampled (7, 8), the environment's reply (20, 21) as context, turn 2 sampled (9): the targets of
+    the reply's tokens are not response tokens, so the loss, GSPO's |y_i| (3, not 5) and the token metrics
+    count the sampled ones only."""
+    episode = _comp([5, 6], [7, 8, 20, 21, 9], [-0.1, -0.2, 0.0, 0.0, -0.3])
+    episode.response_mask = [1, 1, 0, 0, 1]
+    b = build_train_batch([episode], torch.ones(1), torch.ones(1), pad_token_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 20, 21, 9]]
+    assert b.response_mask.tolist() == [[False, True, True, False, False, True]]
+    assert torch.allclose(b.old_log_probs[0], torch.tensor([0.0, -0.1, -0.2, 0.0, 0.0, -0.3]))
+    assert loss_normalisers(b.response_mask) == (1, 3) and episode.sampled_tokens == 3
+    episode.response_mask = [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="a response mask of 4 for 5 tokens"):
+        build_train_batch([episode], torch.ones(1), torch.ones(1), pad_token_id=0)
 
 
 def test_sft_batch_masks_only_response():
