@@ -151,3 +151,70 @@ class RewardConfig(Section):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"reward.{name}={getattr(self, name)} must be finite")
         return self
+
+
+class EnvConfig(Section):
+    """Multi-turn environments (section ``env``): which environment an episode runs in and how the env workers
+    run it (``reward/environment.py``, ``reward/env_worker.py``).
+
+    The section is on when ``cls`` or ``tools`` is set (``enabled``), and then exactly one of them is:
+    ``cls`` names an ``Environment`` subclass; ``tools`` names tool functions for a ``ToolsEnvironment``,
+    whose episode reward is the row's verifier on the final assistant text.
+    """
+
+    cls: str | None = Field(
+        None, description="'module.path:Class', a subclass of reward.environment.Environment; None = not used",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="'module.path:function' tools for a ToolsEnvironment (typed, with Google-style docstrings); "
+        "the episode is scored by the row's verifier on the final answer. [] = not used",
+    )
+    max_turns: int = Field(8, ge=1, description="assistant turns per episode; the episode ends after the last one")
+    tool_timeout_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False,
+        description="deadline of one tool call, seconds; also of the environment's start, reward and close, and of "
+        "a whole step once more than its tool calls; a call past it ends its episode with status timeout",
+    )
+    on_error: Literal["zero", "drop"] = Field(
+        "zero",
+        description="an episode that ended with an environment error or timeout: zero = reward 0; drop = reward "
+        "NaN (an invalid sample: advantage 0, left out of its group's statistics)",
+    )
+    max_abandoned_threads: int = Field(
+        4, ge=1,
+        description="timed-out calls whose threads still run (they cannot be killed) that an env worker may hold "
+        "before the driver replaces it",
+    )
+    num_workers: int = Field(1, ge=1, description="env worker actors")
+    num_cpus_per_worker: float = Field(0.25, gt=0, description="Ray CPUs reserved per env worker")
+    node_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources (name: amount) each env worker's placement bundle asks for beside its "
+        "CPUs (as reward.node_resources). {} = any node",
+    )
+    tool_format: str = Field(
+        "hermes", description="how tool calls are written in the model's text (the rollout's tool-call parser)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """True when episodes run in environments (``cls`` or ``tools`` is set)."""
+        return self.cls is not None or bool(self.tools)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnvConfig":
+        if self.cls is not None and self.tools:
+            raise ValueError(f"env.cls={self.cls!r} and env.tools={self.tools} are both set: set exactly one (an "
+                             "Environment subclass, or tool functions scored by the row's verifier)")
+        named = ([("env.cls", self.cls)] if self.cls is not None else []) + [
+            (f"env.tools[{i}]", name) for i, name in enumerate(self.tools)]
+        for key, name in named:
+            module, _, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
+            if not module or not attr or ":" in attr:
+                raise ValueError(f"{key}={name!r} must be 'module.path:name' (one colon, both parts non-empty)")
+        if len(set(self.tools)) != len(self.tools):
+            raise ValueError(f"env.tools={self.tools} names a tool more than once")
+        if not self.tool_format:
+            raise ValueError(f"env.tool_format={self.tool_format!r} must be a non-empty format name")
+        return self
