@@ -26,7 +26,7 @@ from cluster.config_sections import (
 from cluster.models.hub_model import is_hub_id
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.loss_settings import AUDITED_ALGORITHMS
-from reward.config import RewardConfig
+from reward.config import EnvConfig, RewardConfig
 from rollout.config import RolloutConfig
 
 
@@ -44,6 +44,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
@@ -122,7 +123,29 @@ class Config(Section):
         self._check_routing_replay()
         self._check_partial_rollouts()
         self._check_transport()
+        self._check_env()
         return self
+
+    def _check_env(self) -> None:
+        """Multi-turn episodes (``env``): a known tool-call format, and what the agent loop does not carry yet
+        refused by name (per-turn routing capture, partial rollouts, rows already rendered by a chat template:
+        the loop renders an episode's first messages with the tools itself)."""
+        if not self.env.enabled:
+            if self.data.task == "agent_calc":
+                raise ValueError("data.task='agent_calc' needs env.tools (e.g. [reward.envs.calculator:calc]) and "
+                                 "env.tool_format='tag': its problems are solved with a calculator tool")
+            return
+        from rollout.tool_calls import get_format
+
+        get_format(self.env.tool_format)  # ValueError naming the known formats
+        for key, on in (("rollout.return_routed_experts", self.rollout.return_routed_experts),
+                        ("trainer.partial_rollouts", self.trainer.partial_rollouts)):
+            if on:
+                raise ValueError(f"{key}=true is refused with env.{'cls' if self.env.cls else 'tools'} set: "
+                                 "multi-turn episodes do not support it yet")
+        if self.data.apply_chat_template is True:
+            raise ValueError("data.apply_chat_template=true is refused with env set: the agent loop renders an "
+                             "episode's first messages with the chat template and the tools itself (use auto)")
 
     def _check_transport(self) -> None:
         """``sync.transport=collective`` broadcasts from learner rank 0 to the engine workers over one group:

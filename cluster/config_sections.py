@@ -82,11 +82,12 @@ class DataConfig(Section):
     settings. ``task: gsm8k`` is that loader with GSM8K's fields (``question``, ``answer`` with a ``####``
     line), its prompt template and the ``math`` verifier."""
 
-    task: Literal["arithmetic", "gsm8k", "files", "code"] = Field(
+    task: Literal["arithmetic", "gsm8k", "files", "code", "agent_calc"] = Field(
         "arithmetic",
         description="arithmetic = generated 2-operand additions; files = your own rows (train_path, test_path); "
         "gsm8k = files with GSM8K's fields, prompt template and the math verifier; code = generated tiny Python "
-        "functions judged by unit tests in the sandbox (cluster/data/code_task.py)",
+        "functions judged by unit tests in the sandbox (cluster/data/code_task.py); agent_calc = sums of "
+        "data.num_terms 2-digit numbers for a calculator tool (cluster/data/agent_calc.py; needs env)",
     )
     train_path: str | None = Field(
         None, description="files/gsm8k: training rows: a .jsonl/.json/.parquet/.csv file, a glob of them, or a "
@@ -133,10 +134,12 @@ class DataConfig(Section):
     seed: int = Field(1234, description="arithmetic, code: seed of the generated train/held-out prompts; files: of the "
                       "eval_fraction split")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
+    num_terms: int = Field(4, ge=2, description="agent_calc: addends of 10..99 per problem")
     demo_slip_rate: float = Field(
         0.0, ge=0, le=1,
         description="arithmetic: share of warm-start demonstrations that drop the units carry; code: share that carry "
-        "their family's classic bug (imperfect cold-start data)",
+        "their family's classic bug; agent_calc: share whose calculator call leaves out the last addend (imperfect "
+        "cold-start data)",
     )
     long_tail_fraction: float = Field(
         0.0, ge=0, lt=1, description="arithmetic: share of problems (prompt 'a+b#') whose answer is the sum written "

@@ -252,7 +252,8 @@ class RolloutEngine:
             One ``SampledTurn`` per request, in order, with this engine's current ``weight_version``.
 
         Raises:
-            ValueError: temperature <= 0, a request with max_tokens < 1 or an empty context, or a context plus
+            ValueError: temperature < 0 (0 samples greedy turns, for evaluation; their log-probs are those of
+                the unscaled logits), a request with max_tokens < 1 or an empty context, or a context plus
                 max_tokens past ``rollout.max_model_len``.
             RuntimeError: a weight sync is under way, or routing capture is on (an episode's routing per turn
                 is not recorded).
@@ -265,8 +266,8 @@ class RolloutEngine:
         if self._routing_layers:
             raise RuntimeError("rollout.return_routed_experts: an episode's routing per turn is not recorded")
         temperature = self.cfg.temperature if temperature is None else float(temperature)
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 for sampling")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy turns, for evaluation)")
         limit = self.cfg.max_model_len
         for r in requests:
             if r.max_tokens < 1 or not r.context_ids or len(r.context_ids) + r.max_tokens > limit:

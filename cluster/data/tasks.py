@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from cluster.config import Config, ConfigError
 from cluster.data import prompts as data
+from cluster.data.agent_calc import agent_calc_rows
 from cluster.data.code_task import code_rows
 from cluster.data.files import file_rows
 from cluster.data.long_tail import long_tail_rows
@@ -39,7 +40,8 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
     """
     d = cfg.data
     try:
-        encoder = PromptEncoder(tokenizer, d.apply_chat_template, d.system_prompt)
+        # with env set the rows stay raw text: the agent loop renders an episode's first messages with the tools
+        encoder = PromptEncoder(tokenizer, False if cfg.env.enabled else d.apply_chat_template, d.system_prompt)
     except PromptError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None
     if d.task == "arithmetic":
@@ -51,6 +53,9 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
             train, held_out = (long_tail_rows(rows, encoder.ids, fraction=d.long_tail_fraction, repeat=d.long_tail_repeat,
                                               seed=d.seed + k) for k, rows in ((2, train), (3, held_out)))
         return train, held_out
+    if d.task == "agent_calc":
+        return agent_calc_rows(encoder.ids, num_terms=d.num_terms, num_train=d.num_train, num_eval=d.num_eval,
+                               seed=d.seed, demo_slip_rate=d.demo_slip_rate)
     if d.task == "code":
         return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
                          demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)

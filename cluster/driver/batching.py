@@ -105,9 +105,11 @@ def rollout_routes(completions: list[Completion], width: int) -> torch.Tensor | 
     return out
 
 
-def build_sft_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int) -> SFTBatch:
+def build_sft_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+                    response_masks: list[list[int]] | None = None) -> SFTBatch:
     """Right-pad supervised examples; the loss covers the response tokens only (targets aligned to
-    ``input_ids[:, 1:]``)."""
+    ``input_ids[:, 1:]``), and of a multi-turn demonstration only its assistant tokens: ``response_masks[i]``
+    (length of ``responses[i]``) is 1 where the model is to write the token, 0 where an environment did."""
     n = len(prompts)
     L = max(max(len(p) + len(r) for p, r in zip(prompts, responses)), 2)
     input_ids = torch.full((n, L), pad_token_id, dtype=torch.long)
@@ -117,7 +119,8 @@ def build_sft_batch(prompts: list[list[int]], responses: list[list[int]], pad_to
         seq = p + r
         input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention_mask[i, : len(seq)] = 1
-        loss_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = True
+        loss_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = (
+            True if response_masks is None else torch.tensor(response_masks[i], dtype=torch.bool))
     return SFTBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 

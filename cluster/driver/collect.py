@@ -51,6 +51,7 @@ class Collected:
     reward_metrics: dict[str, float] = field(default_factory=dict)
     start_position: int = 0
     end_position: int = 0
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # episodes: the engines' ids by episode id
 
 
 def score(rewards, rows_by_uid: dict[str, PromptRow], completions: list[Completion]) -> list[RewardResult]:
@@ -69,16 +70,26 @@ class Collector:
         stream: the training prompt stream (its position advances by the prompts taken).
         fleet: the ``cluster.runtime.services.EngineFleet``.
         rewards: the ``reward.pool.RewardPool``.
+        episodes: None, or (``env`` set) the ``cluster.driver.agent_loop.EpisodeRunner`` that plays multi-turn
+            episodes in place of single answers; their environments score them.
     """
 
-    def __init__(self, cfg: Config, stream: PromptStream, fleet, rewards):
-        self.cfg, self.stream, self.fleet, self.rewards = cfg, stream, fleet, rewards
+    def __init__(self, cfg: Config, stream: PromptStream, fleet, rewards, episodes=None):
+        self.cfg, self.stream, self.fleet, self.rewards, self.episodes = cfg, stream, fleet, rewards, episodes
 
     def _generate_and_score(self, rows: list[PromptRow], seed: int,
                             c: Collected) -> tuple[list[Completion], list[RewardResult]]:
         """All completions of ``rows`` and their verdicts, in prompt order; the scoring of a piece overlaps the
         generation of the next pieces. Adds the timings and token count to ``c``."""
         G = self.cfg.trainer.group_size
+        if self.episodes is not None:
+            t0 = time.perf_counter()
+            comps, scored, metrics, sampled = self.episodes.run(rows, G, seed)
+            c.rollout_s += time.perf_counter() - t0
+            c.generated_tokens += sum(x.sampled_tokens for x in comps)
+            c.reward_metrics.update(metrics)
+            c.sampled.update(sampled)
+            return comps, scored
         comps: list[Completion | None] = [None] * (len(rows) * G)
         scored: list[RewardResult | None] = [None] * (len(rows) * G)
         by_uid = {r.uid: r for r in rows}

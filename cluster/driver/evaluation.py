@@ -85,12 +85,16 @@ def evaluate_sampled(fleet: Any, rewards: Any, rows: list[PromptRow], k: int, se
     return out
 
 
-def evaluate(cfg: Config, fleet: Any, rewards: Any, rows: list[PromptRow]) -> dict[str, float]:
+def evaluate(cfg: Config, fleet: Any, rewards: Any, rows: list[PromptRow], episodes: Any = None) -> dict[str, float]:
     """Greedy decoding on the held-out ``rows``; accuracy = share judged correct by the verifier. With
     ``trainer.eval_samples`` = k > 0 also k samples per prompt at the rollout temperature (the same seed at
     every evaluation): ``eval/pass@j`` and ``eval/mean@k``. ``fleet``: ``cluster.runtime.services.EngineFleet``;
-    ``rewards``: ``reward.pool.RewardPool``. Returns the ``eval/*`` metrics and ``timing/eval_s``."""
+    ``rewards``: ``reward.pool.RewardPool``; ``episodes``: None, or the ``agent_loop.EpisodeRunner`` whose greedy
+    episodes are evaluated instead (judged by their environments; ``eval/turns_mean``, ``eval/tool_calls_mean``).
+    Returns the ``eval/*`` metrics and ``timing/eval_s``."""
     t = time.perf_counter()
+    if episodes is not None:
+        return {**evaluate_episodes(cfg, episodes, rows), "timing/eval_s": time.perf_counter() - t}
     comps = fleet.generate(rows, 1, greedy=True)
     results = score(rewards, {r.uid: r for r in rows}, comps)
     rewards.metrics()  # eval's counters are not the step's
@@ -103,4 +107,18 @@ def evaluate(cfg: Config, fleet: Any, rewards: Any, rows: list[PromptRow]) -> di
     if k:
         out.update(evaluate_sampled(fleet, rewards, rows, k, seed=cfg.rollout.seed + EVAL_SAMPLING_SEED))
     out["timing/eval_s"] = time.perf_counter() - t
+    return out
+
+
+def evaluate_episodes(cfg: Config, episodes: Any, rows: list[PromptRow]) -> dict[str, float]:
+    """``evaluate`` for multi-turn episodes: one greedy episode per held-out row, and with
+    ``trainer.eval_samples`` = k > 0 k episodes at the rollout temperature (``sampled_metrics``)."""
+    comps, results, agent, _ = episodes.run(rows, 1, EVAL_SAMPLING_SEED, temperature=0.0)
+    out = {"eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]), "eval/num_prompts": float(len(rows)),
+           "eval/response_length_mean": mean([float(len(c.response_token_ids)) for c in comps]),
+           "eval/turns_mean": agent["agent/turns_mean"], "eval/tool_calls_mean": agent["agent/tool_calls_mean"]}
+    k = cfg.trainer.eval_samples
+    if k:
+        _, sampled, _, _ = episodes.run(rows, k, cfg.rollout.seed + EVAL_SAMPLING_SEED)
+        out.update(sampled_metrics([[bool(r.correct) for r in sampled[i * k: (i + 1) * k]] for i in range(len(rows))]))
     return out

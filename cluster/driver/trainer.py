@@ -28,7 +28,7 @@ import yaml
 from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
-from cluster.driver import audit_dump, checkpoint, length_slices, partial_rollout, step_metrics
+from cluster.driver import agent_loop, audit_dump, checkpoint, length_slices, partial_rollout, step_metrics
 from cluster.driver.batching import build_train_batch, split_for_ranks
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.evaluation import evaluate
@@ -109,6 +109,8 @@ class Trainer:
         self.reward_groups: services.RewardGroups | None = None
         self.rewards: RewardPool | None = None
         self.collector: Collector | None = None
+        self.episodes: agent_loop.EpisodeRunner | None = None  # env set: multi-turn episodes
+        self.env_groups: services.RewardGroups | None = None  # the env workers' placement groups
         self.rl_lr: RLLearningRate | None = None
         self.placement: placement.PlacementRecord | None = None  # placement.json
         self.logger: MetricsLogger | None = None
@@ -138,6 +140,7 @@ class Trainer:
         self.user_modules = user_code.check_user_verifiers(
             user_code.verifier_names(cfg, self.train_rows + self.eval_rows))
         self.user_modules += [m for m in user_code.check_user_loss(cfg) if m not in self.user_modules]
+        self.user_modules += [m for m in user_code.check_user_env(cfg) if m not in self.user_modules]
         data.dump_rows(self.eval_rows, self.run_dir / "eval_prompts.jsonl")
         log.info("data: %d training prompts, %d held-out prompts", len(self.train_rows), len(self.eval_rows))
         self.data_fingerprint = checkpoint.data_fingerprint(self.train_rows)
@@ -147,7 +150,7 @@ class Trainer:
             self.state.restore_rng(self.sft_rng)
         self.stream = data.PromptStream(self.train_rows, seed=cfg.trainer.seed, position=self.state.stream_position)
         self._start_services()
-        self.collector = Collector(cfg, self.stream, self.fleet, self.rewards)
+        self.collector = Collector(cfg, self.stream, self.fleet, self.rewards, self.episodes)
         if cfg.trainer.partial_rollouts:  # rounds of bounded length; samples continue across syncs
             self.collector = partial_rollout.PartialCollector(cfg, self.stream, self.fleet, self.rewards,
                                                               lambda: self.weight_version)
@@ -177,6 +180,11 @@ class Trainer:
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources,
                                                    cfg.cluster.placement_timeout_s)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
+        if cfg.env.enabled:  # multi-turn episodes: env workers beside the reward workers
+            self.env_groups = services.RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources,
+                                                    cfg.cluster.placement_timeout_s)
+            self.episodes = agent_loop.EpisodeRunner(cfg, self.fleet, agent_loop.EnvPool(cfg, self.env_groups),
+                                                     self.tokenizer)
         self.learners.wait_ready()
         self.placement = placement.PlacementRecord(self.run_dir)  # placement.json, rewritten at every sync
         self.placement.update(self.learners, self.fleet, self.reward_groups)
@@ -198,7 +206,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics (``cluster.driver.evaluation.evaluate``)."""
-        return evaluate(self.cfg, self.fleet, self.rewards, self.eval_rows)
+        return evaluate(self.cfg, self.fleet, self.rewards, self.eval_rows, self.episodes)
 
     def warm_start(self) -> dict[str, float]:
         """Supervised warm start (``cluster.driver.warm_start``), then the engines receive the new weights."""
@@ -213,6 +221,10 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.trainer
         advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.advantage_std())
         batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
+        if self.episodes is not None:  # the ids trained on are the ids sampled (must be 0)
+            c.reward_metrics["agent/token_mismatch"] = float(agent_loop.token_mismatch(
+                batch.input_ids, batch.response_mask,
+                [c.sampled[f"{x.prompt_uid}#{x.sample_index}"] for x in c.completions]))
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = None
         if self.step + 1 in tc.audit_steps:
@@ -372,5 +384,8 @@ class Trainer:
             self.rewards.shutdown()
             self.reward_groups.remove_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.episodes is not None:
+            self.episodes.pool.shutdown()
+            self.env_groups.remove_all()
         if self.learners is not None:
             self.learners.shutdown()

@@ -15,6 +15,7 @@ from typing import Any
 from cluster.config import Config
 from cluster.driver.batching import build_sft_batch
 from cluster.runtime.learner_group import LearnerGroup
+from rollout.chat_delta import TurnEnd, reply_ids
 from rollout.contracts import PromptRow
 
 log = logging.getLogger("cluster.train")
@@ -51,6 +52,36 @@ class RLLearningRate:
         self.last = None
 
 
+def demonstration(row: PromptRow, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids a warm start trains on after ``row``'s prompt, and which of them carry loss (1) or are context (0).
+
+    ``meta["solution"]``: its text and EOS, all with loss. ``meta["solution_turns"]`` (a multi-turn episode's
+    demonstration, plain mode): ``["assistant", text]`` turns with loss and ``["tool" | "user", content]`` replies
+    without, each reply rendered and tokenized as the agent loop renders it (``rollout.chat_delta.reply_ids``),
+    the last turn followed by EOS.
+
+    Raises:
+        KeyError: a row with neither.
+        ValueError: a turn of another role.
+    """
+    eos = tokenizer.eos_token_id
+    if "solution_turns" not in row.meta:
+        ids = tokenizer(row.meta["solution"], add_special_tokens=False)["input_ids"] + [eos]
+        return ids, [1] * len(ids)
+    ids, mask = [], []
+    for role, text in row.meta["solution_turns"]:
+        if role == "assistant":
+            part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif role in ("tool", "user"):
+            part = reply_ids(tokenizer, [{"role": role, "content": text}], TurnEnd("stop"), chat=False)
+        else:
+            raise ValueError(f"row {row.uid}: a demonstration turn's role must be assistant, tool or user, "
+                             f"got {role!r}")
+        ids += part
+        mask += [1 if role == "assistant" else 0] * len(part)
+    return ids + [eos], mask + [1]
+
+
 def warm_start(learners: LearnerGroup, cfg: Config, rows: list[PromptRow], tokenizer: Any, pad_id: int,
                rng: random.Random) -> dict[str, float]:
     """Supervised warm start: ``warm_start.steps`` cross-entropy steps on ``warm_start.batch_size`` rows drawn
@@ -61,18 +92,18 @@ def warm_start(learners: LearnerGroup, cfg: Config, rows: list[PromptRow], token
         ``warm_start/loss_final``, ``warm_start/steps``, ``timing/warm_start_s``.
 
     Raises:
-        KeyError: a row without ``meta["solution"]``.
+        KeyError: a row without ``meta["solution"]`` or ``meta["solution_turns"]`` (``demonstration``).
     """
     ws, lc = cfg.warm_start, cfg.learner
-    eos = tokenizer.eos_token_id
     t = time.perf_counter()
     losses: list[float] = []
     current_lr = None
     for s in range(ws.steps):
         batch_rows = [rng.choice(rows) for _ in range(ws.batch_size)]
         prompts = [r.prompt_token_ids for r in batch_rows]
-        responses = [tokenizer(r.meta["solution"], add_special_tokens=False)["input_ids"] + [eos] for r in batch_rows]
-        batch = build_sft_batch(prompts, responses, pad_id)
+        demos = [demonstration(r, tokenizer) for r in batch_rows]
+        masks = [m for _, m in demos] if any("solution_turns" in r.meta for r in batch_rows) else None
+        batch = build_sft_batch(prompts, [ids for ids, _ in demos], pad_id, masks)
         lr = linear_warmup(ws.lr, s, ws.warmup_steps)
         if lr != current_lr:  # one round trip to the ranks only when the schedule changes the lr
             learners.call("set_lr", lr, False)  # router_lr_scale acts in RL only

@@ -171,3 +171,33 @@ def check_user_loss(cfg: Config, cwd: Path | None = None) -> list[str]:
         raise ConfigError(_not_found(f"learner.algorithm={lc.algorithm!r}", err, "loss", lc.algorithm, cwd)) from None
     src = _shipped_source(lc.algorithm)
     return [] if src is None else [src]
+
+
+def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
+    """Import the environment class (``env.cls``) or tool functions (``env.tools``) on the driver, with their
+    tools' schemas, and list their modules for the workers (the env workers import them), as for a verifier.
+
+    Returns:
+        ``[]`` without ``env``; otherwise the paths for the runtime env's ``py_modules`` (none for modules inside
+        the repository or installed).
+
+    Raises:
+        ConfigError: a module cannot be imported, has no such class or function, or a tool has no usable schema
+            (type hints and a docstring); the message names the key.
+    """
+    from reward.environment import load_environment_class, load_tools, tool_schemas
+
+    ec = cfg.env
+    if not ec.enabled:
+        return []
+    cwd = with_working_dir_on_path(cwd)
+    names = [ec.cls] if ec.cls is not None else list(ec.tools)
+    try:
+        if ec.cls is not None:
+            load_environment_class(ec.cls)
+        else:
+            tool_schemas(load_tools(ec.tools))
+    except ValueError as err:
+        key = "env.cls" if ec.cls is not None else "env.tools"
+        raise ConfigError(_not_found(f"{key}={ec.cls or ec.tools!r}", err, "environment", names[0], cwd)) from None
+    return sorted({src for name in names if (src := _shipped_source(name)) is not None})

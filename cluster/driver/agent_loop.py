@@ -1,0 +1,316 @@
+"""Multi-turn episodes: the loop that interleaves the rollout engines and the env workers (docs/agents.md).
+
+``EpisodeRunner.run`` plays the G episodes of each prompt to their end and returns them as ``Completion``s with
+their verdicts, the seam where single answers come from ``EngineFleet.generate_stream`` and the reward pool.
+
+One episode: the env worker ``start``s its environment (the G episodes of a group share a seed, so the same
+initial state); the first ids are the task's prompt ids (an environment that starts from the row's prompt) or
+the environment's first messages rendered (the chat template with the tools' schemas, or plain text); then
+turns: an engine samples an assistant turn from the episode's exact ids (``RolloutEngine.sample_turns``, the
+tool-call format's closing tag as a stop string), the turn is parsed (``rollout.tool_calls``) and goes to the
+env worker's ``step`` with its calls and malformed calls; the environment's reply is rendered as the chat
+template's delta after the turn (``rollout.chat_delta``) and appended with loss mask 0. The episode ends when
+the environment says done (a turn without a call is a final answer), fails, or reaches ``env.max_turns``, or
+when a turn is cut at its token limit or the next one has no room left in ``rollout.max_model_len``; ``finish``
+gives its reward.
+
+Engines never wait on tools: whenever an engine is idle it samples every episode that is ready, while others
+wait for their environment; the loop waits on whichever call ends first. The share of the rollout's wall time
+the engines spent sampling is ``agent/engine_busy_share``.
+
+The ids trained on are the ids sampled: ``token_mismatch`` compares every trained row of the learner's batch
+with the turns the engines returned (``agent/token_mismatch``, which must be 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from cluster.config import Config
+from reward.contracts import RewardResult
+from rollout.chat_delta import TurnEnd, reply_ids
+from rollout.contracts import Completion, PromptRow, SampledTurn, TurnRequest
+from rollout.tool_calls import TAG_ARGUMENT_KEY, error_observation, parse, stop_strings
+
+log = logging.getLogger("cluster.train")
+
+FAILED = ("timeout", "error")
+
+
+@dataclass
+class Episode:
+    """One episode under way (the driver's record; ``EpisodeRunner`` owns it).
+
+    ``response_ids`` / ``mask`` / ``logprobs`` / ``versions`` grow turn by turn: sampled ids (mask 1, the
+    engine's log-probs and weight version) and the environment's reply ids (mask 0, log-prob 0.0, the version of
+    the turn before). ``sampled`` keeps every turn's ids as the engine returned them, for ``token_mismatch``.
+    """
+
+    episode_id: str
+    row: PromptRow
+    sample_index: int
+    seed: int
+    worker: int
+    prompt_ids: list[int] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: Counter = field(default_factory=Counter)
+    env_s: float = 0.0
+    status: str = "running"
+    final_text: str = ""
+    truncated: bool = False
+    turn_end: TurnEnd | None = None
+
+    def add(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
+        """Append sampled ids (with their log-probs) or, with ``logprobs`` None, an environment reply's ids."""
+        self.response_ids += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+        if logprobs is not None:
+            self.sampled += ids
+
+    def completion(self) -> Completion:
+        """The episode as the learner trains on it: the prompt ids, then every turn and reply, masked."""
+        versions = [v for v, m in zip(self.versions, self.mask) if m] or [0]
+        return Completion(
+            prompt_uid=self.row.uid, sample_index=self.sample_index, prompt_token_ids=list(self.prompt_ids),
+            response_token_ids=list(self.response_ids), response_logprobs=list(self.logprobs),
+            response_text=self.final_text, finish_reason="length" if self.truncated else "stop",
+            weight_version=min(versions), token_versions=list(self.versions), response_mask=list(self.mask))
+
+
+def token_mismatch(input_ids: torch.Tensor, response_mask: torch.Tensor, sampled: list[list[int]]) -> int:
+    """How many trained tokens differ from the ids the engines sampled, over a batch.
+
+    Args:
+        input_ids: long ``[N, L]``, the learner's batch (``TrainBatch.input_ids``).
+        response_mask: bool ``[N, L-1]``: target ``t`` (token ``t+1``) is a sampled token.
+        sampled: per row, the ids the engines returned for its turns, in order (``Episode.sampled``).
+
+    Returns:
+        The number of positions where they differ, plus the difference in count where a row trains more or
+        fewer tokens than were sampled (0 when every trained id is a sampled one, in order).
+    """
+    bad = 0
+    for i, want in enumerate(sampled):
+        got = input_ids[i, 1:][response_mask[i]].tolist()
+        bad += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+    return bad
+
+
+class EnvPool:
+    """``env.num_workers`` env workers (``reward.env_worker.EnvWorker`` actors) in their placement groups."""
+
+    def __init__(self, cfg: Config, scheduling_strategy_factory):
+        from reward.env_worker import EnvWorker
+
+        ec = cfg.env
+        cls = ray.remote(EnvWorker)
+        self.workers = [cls.options(num_cpus=ec.num_cpus_per_worker, max_concurrency=64,
+                                    scheduling_strategy=scheduling_strategy_factory(i)).remote(ec, cfg.reward)
+                        for i in range(ec.num_workers)]
+        ray.get([w.pid.remote() for w in self.workers])  # started (an env class that does not import fails here)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def shutdown(self) -> None:
+        """Close every open episode and end the workers."""
+        for w in self.workers:
+            try:
+                ray.get(w.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a dead worker has nothing left to close
+                pass
+            ray.kill(w)
+        self.workers = []
+
+
+class EpisodeRunner:
+    """Plays episodes on the engines of ``fleet`` and the env workers of ``pool`` (module docstring).
+
+    Args:
+        cfg: the run config (``env`` enabled).
+        fleet: the ``cluster.runtime.services.EngineFleet``.
+        pool: the ``EnvPool``.
+        tokenizer: the model's tokenizer (renders the environment's replies and first messages).
+    """
+
+    def __init__(self, cfg: Config, fleet, pool: EnvPool, tokenizer):
+        self.cfg, self.fleet, self.pool, self.tokenizer = cfg, fleet, pool, tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.stops = stop_strings(cfg.env.tool_format)
+        self.temperature: float | None = None  # of the round under way (run)
+
+    def run(self, rows: list[PromptRow], G: int, seed: int, temperature: float | None = None) -> tuple[
+            list[Completion], list[RewardResult], dict[str, float], dict[str, list[int]]]:
+        """The G episodes of every row in ``rows``, in prompt order: their completions and verdicts, the
+        ``agent/*`` metrics of the round, and each episode's sampled ids by episode id (``<uid>#<k>``, for
+        ``token_mismatch``). ``seed`` seeds the environments (one seed per group) and the sampling;
+        ``temperature``: None = ``rollout.temperature``, 0 = greedy (evaluation)."""
+        self.fleet.settle()
+        self.temperature = temperature
+        episodes = [Episode(f"{row.uid}#{k}", row, k, seed * 1_000_003 + i, (i * G + k) % len(self.pool))
+                    for i, row in enumerate(rows) for k in range(G)]
+        t0 = time.perf_counter()
+        self._start(episodes)
+        busy = self._play(episodes)
+        results = self._finish(episodes)
+        wall = time.perf_counter() - t0
+        metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
+        return [e.completion() for e in episodes], results, metrics, {e.episode_id: e.sampled for e in episodes}
+
+    # -- the episode's phases ---------------------------------------------------------------------------------
+    def _start(self, episodes: list[Episode]) -> None:
+        starts = ray.get([self.pool.workers[e.worker].start.remote(e.episode_id, _row_dict(e.row), e.seed)
+                          for e in episodes])
+        for e, s in zip(episodes, starts):
+            e.env_s += s.seconds
+            if s.status in FAILED:
+                e.status = s.status
+                continue
+            e.tools = list(s.tool_schemas)
+            e.prompt_ids = self._first_ids(e.row, s.messages, e.tools)
+
+    def _first_ids(self, row: PromptRow, messages: list[dict], tools: list[dict]) -> list[int]:
+        """The environment's first messages rendered: with the chat template and the tools' schemas, or, for a
+        tokenizer without a template, the task's own prompt ids when the environment starts from the row's prompt
+        (the ids single answers train on) and else the messages' text."""
+        if self.chat:
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        if len(messages) == 1 and messages[0].get("role") == "user" and messages[0].get("content") == row.prompt:
+            return list(row.prompt_token_ids)
+        return self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
+
+    def _play(self, episodes: list[Episode]) -> float:
+        """Turns until every episode ended; returns the engines' busy seconds (summed over engines)."""
+        ready = [e for e in episodes if e.status == "running"]
+        by_id = {e.episode_id: e for e in episodes}
+        engines = list(self.fleet.engines)
+        sampling: dict[Any, tuple[int, float]] = {}  # ref -> (engine slot, submit time)
+        stepping: dict[Any, Episode] = {}
+        busy, turn_seed = 0.0, Counter()
+        while ready or sampling or stepping:
+            idle = [j for j in range(len(engines)) if j not in {s for s, _ in sampling.values()}]
+            for n, j in enumerate(idle):
+                share = ready[n::len(idle)]
+                if share:
+                    reqs = [self._request(e, turn_seed) for e in share]
+                    sampling[engines[j].sample_turns.remote(reqs, self.temperature)] = (j, time.perf_counter())
+            ready = []
+            done, _ = ray.wait(list(sampling) + list(stepping), num_returns=1)
+            ref = done[0]
+            if ref in sampling:
+                _, t = sampling.pop(ref)
+                busy += time.perf_counter() - t
+                for turn in ray.get(ref):
+                    self._on_turn(by_id[turn.episode_id], turn, stepping)
+            else:
+                e = stepping.pop(ref)
+                if self._on_step(e, ray.get(ref)):
+                    ready.append(e)
+        return busy
+
+    def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
+        turn_seed[e.episode_id] += 1
+        room = self.cfg.rollout.max_model_len - len(e.prompt_ids) - len(e.response_ids)
+        return TurnRequest(e.episode_id, e.prompt_ids + e.response_ids,
+                           max_tokens=min(self.cfg.rollout.max_response_tokens, room), stop=list(self.stops),
+                           seed=(e.seed * 64 + e.sample_index) * 64 + turn_seed[e.episode_id])
+
+    def _on_turn(self, e: Episode, turn: SampledTurn, stepping: dict) -> None:
+        e.add(turn.token_ids, turn.logprobs, turn.weight_version)
+        e.turns += 1
+        last = turn.token_ids[-1] if turn.token_ids else None
+        e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason, last)
+        parsed = parse(self.cfg.env.tool_format, turn.text)
+        e.tool_calls += len(parsed.calls)
+        e.final_text = parsed.content if parsed.calls or parsed.errors else turn.text
+        if turn.finish_reason == "length":
+            e.status, e.truncated = "cut_tokens", True
+            return
+        # every turn goes to the environment, the final answer too (a turn without a call: it says done)
+        calls = [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, e.tools)} for c in parsed.calls]
+        errors = [error_observation(err) for err in parsed.errors]
+        ref = self.pool.workers[e.worker].step.remote(e.episode_id, turn.text, calls, errors)
+        stepping[ref] = e
+
+    def _on_step(self, e: Episode, s) -> bool:
+        """Apply the environment's answer; True when the episode goes on to another turn."""
+        e.env_s += s.seconds
+        e.tool_errors.update(s.tool_errors)
+        if s.status in FAILED:
+            e.status = s.status
+            return False
+        if s.done:
+            e.status = "max_turns" if s.status == "max_turns" else "ok"
+            return False
+        ids = reply_ids(self.tokenizer, s.messages, e.turn_end, tools=e.tools or None, chat=self.chat)
+        if len(e.prompt_ids) + len(e.response_ids) + len(ids) + 1 >= self.cfg.rollout.max_model_len:
+            e.status, e.truncated = "cut_tokens", True  # no room for the reply and one more sampled token
+            return False
+        e.add(ids, None, e.versions[-1] if e.versions else 0)
+        return True
+
+    def _finish(self, episodes: list[Episode]) -> list[RewardResult]:
+        outcomes = ray.get([self.pool.workers[e.worker].finish.remote(e.episode_id) for e in episodes])
+        results = []
+        for e, o in zip(episodes, outcomes):
+            e.env_s += o.seconds
+            detail = {"episode": e.status, "env": o.status, "turns": e.turns, **o.detail}
+            results.append(RewardResult(score=float(o.reward), correct=bool(o.correct),
+                                        status="ok" if o.status not in FAILED else o.status, detail=detail,
+                                        elapsed_s=e.env_s))
+            if o.status in FAILED:
+                log.warning("episode %s (row %s): environment %s: %s", e.episode_id, e.row.uid, o.status,
+                            o.detail)
+        return results
+
+
+def _named_argument(arguments: dict, name: str, tools: list[dict]) -> dict:
+    """The ``tag`` format's one argument (``{TAG_ARGUMENT_KEY: text}``) under the name of the tool's only
+    parameter (from its JSON schema); other arguments, and tools with another number of parameters, as they are."""
+    if set(arguments) != {TAG_ARGUMENT_KEY}:
+        return arguments
+    for t in tools:
+        fn = t.get("function", t)
+        params = list((fn.get("parameters") or {}).get("properties") or {})
+        if fn.get("name") == name and len(params) == 1:
+            return {params[0]: arguments[TAG_ARGUMENT_KEY]}
+    return arguments
+
+
+def _row_dict(row: PromptRow) -> dict:
+    return {"uid": row.uid, "prompt": row.prompt, "answer": row.answer, "verifier": row.verifier, "meta": row.meta}
+
+
+def episode_metrics(episodes: list[Episode], busy_share: float) -> dict[str, float]:
+    """The ``agent/*`` metrics of a round of episodes (turns per episode, tool calls and errors by kind, episodes
+    cut by the turn or token budget, failed environments, environment seconds, the engines' busy share)."""
+    n = max(len(episodes), 1)
+    turns = [e.turns for e in episodes]
+    errors = Counter()
+    for e in episodes:
+        errors.update(e.tool_errors)
+    m = {"agent/turns_mean": sum(turns) / n, "agent/turns_max": float(max(turns, default=0)),
+         "agent/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+         "agent/cut_turns": float(sum(e.status == "max_turns" for e in episodes)),
+         "agent/cut_tokens": float(sum(e.status == "cut_tokens" for e in episodes)),
+         "agent/env_failed": float(sum(e.status in FAILED for e in episodes)),
+         "agent/env_s": sum(e.env_s for e in episodes), "agent/engine_busy_share": float(busy_share)}
+    m.update({f"agent/tool_errors/{k}": float(v) for k, v in sorted(errors.items())})
+    return m

@@ -1,0 +1,89 @@
+"""The agent loop's pure parts: an episode's record and its completion, the always-on token check, the tag
+format's argument, the calculator task's rows and the warm start's multi-turn demonstrations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.data.agent_calc import agent_calc_rows, calc_turns
+from cluster.driver.agent_loop import Episode, _named_argument, episode_metrics, token_mismatch
+from cluster.driver.batching import build_sft_batch, build_train_batch
+from cluster.driver.warm_start import demonstration
+from rollout.contracts import PromptRow
+
+CALC_SCHEMA = {"type": "function", "function": {"name": "calc", "description": "d", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def _episode() -> Episode:
+    e = Episode("p#1", PromptRow("p", "1+2=", [5, 6], "3"), 1, seed=7, worker=0, prompt_ids=[5, 6])
+    e.add([7, 8], [-0.5, -0.25], version=3)  # turn 1, sampled at version 3
+    e.add([20, 21], None, version=3)  # the environment's reply
+    e.add([9], [-0.125], version=4)  # turn 2, after a weight sync
+    return e
+
+
+def test_an_episode_becomes_a_masked_completion_with_each_tokens_version():
+    c = _episode().completion()
+    assert c.prompt_token_ids == [5, 6] and c.response_token_ids == [7, 8, 20, 21, 9]
+    assert c.response_mask == [1, 1, 0, 0, 1] and c.response_logprobs == [-0.5, -0.25, 0.0, 0.0, -0.125]
+    assert c.token_versions == [3, 3, 3, 3, 4] and c.weight_version == 3  # the oldest sampled token's
+    assert (c.prompt_uid, c.sample_index, c.sampled_tokens) == ("p", 1, 3)
+
+
+def test_token_mismatch_is_zero_for_the_sampled_ids_and_counts_a_drift():
+    e = _episode()
+    b = build_train_batch([e.completion()], torch.ones(1), torch.ones(1), pad_token_id=0)
+    assert token_mismatch(b.input_ids, b.response_mask, [e.sampled]) == 0
+    drifted = b.input_ids.clone()
+    drifted[0, 3] = 99  # a re-tokenized history would put another id where the engine sampled 8
+    assert token_mismatch(drifted, b.response_mask, [e.sampled]) == 1
+    assert token_mismatch(b.input_ids, b.response_mask, [e.sampled + [1]]) == 1  # one sampled id not trained
+
+
+def test_the_tag_formats_argument_takes_the_tools_parameter_name():
+    assert _named_argument({"input": "1+2"}, "calc", [CALC_SCHEMA]) == {"expression": "1+2"}
+    assert _named_argument({"input": "1+2"}, "other", [CALC_SCHEMA]) == {"input": "1+2"}  # unknown: as it is
+    assert _named_argument({"expression": "1"}, "calc", [CALC_SCHEMA]) == {"expression": "1"}
+
+
+def test_episode_metrics():
+    a, b = _episode(), _episode()
+    a.turns, a.tool_calls, a.status, a.env_s = 2, 1, "ok", 0.5
+    b.turns, b.status, b.env_s = 3, "max_turns", 0.25
+    b.tool_errors.update({"parse": 2})
+    m = episode_metrics([a, b], busy_share=0.75)
+    assert m["agent/turns_mean"] == 2.5 and m["agent/turns_max"] == 3.0 and m["agent/tool_calls_mean"] == 0.5
+    assert m["agent/cut_turns"] == 1.0 and m["agent/cut_tokens"] == 0.0 and m["agent/env_failed"] == 0.0
+    assert m["agent/tool_errors/parse"] == 2.0 and m["agent/env_s"] == 0.75 and m["agent/engine_busy_share"] == 0.75
+
+
+def test_calc_rows_are_disjoint_and_the_slip_leaves_out_the_last_addend():
+    train, held = agent_calc_rows(lambda s: [ord(ch) for ch in s], num_terms=4, num_train=200, num_eval=50, seed=1,
+                                  demo_slip_rate=0.5)
+    assert len(train) == 200 and len(held) == 50 and not {r.uid for r in train} & {r.uid for r in held}
+    r = train[0]
+    terms = [int(t) for t in r.prompt[:-1].split("+")]
+    assert len(terms) == 4 and all(10 <= t <= 99 for t in terms) and r.answer == str(sum(terms))
+    assert calc_turns([12, 34, 56]) == [["assistant", "<call>calc 12+34+56</call>"], ["tool", "102"],
+                                        ["assistant", "102"]]
+    assert calc_turns([12, 34, 56], slip=True)[2] == ["assistant", "46"]
+    slips = sum(row.meta["solution_turns"][2][1] != row.answer for row in train)
+    assert 70 <= slips <= 130 and all("solution_turns" not in row.meta for row in held)
+    with pytest.raises(ValueError, match="data.num_terms=1"):
+        agent_calc_rows(lambda s: [1], num_terms=1, num_train=1, num_eval=1, seed=0)
+
+
+def test_a_multi_turn_demonstration_trains_on_the_assistant_turns_only():
+    from cluster.models.tiny_model import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    row = PromptRow("t", "12+34+56=", tok("12+34+56=")["input_ids"], "102",
+                    meta={"solution_turns": calc_turns([12, 34, 56])})
+    ids, mask = demonstration(row, tok)
+    assert tok.decode(ids, skip_special_tokens=False) == "<call>calc 12+34+56</call><result>102</result>102<eos>"
+    call, reply = len("<call>calc 12+34+56</call>"), len("<result>102</result>")
+    assert mask == [1] * call + [0] * reply + [1] * 4  # "102" and EOS
+    batch = build_sft_batch([row.prompt_token_ids], [ids], pad_token_id=0, response_masks=[mask])
+    assert int(batch.loss_mask.sum()) == call + 4
