@@ -196,6 +196,8 @@ def progress_line(m: dict[str, Any]) -> str:
         f"clip {f('actor/clip_fraction', '.3f')}",
         f"{f('timing/step_s', '.1f')} s/step",
     ]
+    if m.get("agent/turns_mean") is not None:  # multi-turn episodes
+        parts.insert(2, f"turns {f('agent/turns_mean', '.2f')}")
     if m.get("eval/accuracy") is not None:
         parts.append(f"eval {m['eval/accuracy']:.3f}")
     return " | ".join(parts)

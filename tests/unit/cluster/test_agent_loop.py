@@ -87,3 +87,11 @@ def test_a_multi_turn_demonstration_trains_on_the_assistant_turns_only():
     assert mask == [1] * call + [0] * reply + [1] * 4  # "102" and EOS
     batch = build_sft_batch([row.prompt_token_ids], [ids], pad_token_id=0, response_masks=[mask])
     assert int(batch.loss_mask.sum()) == call + 4
+
+
+def test_the_progress_line_shows_turns_per_episode_for_episodes_only():
+    from cluster.driver.tracking import progress_line
+
+    single = {"reward/mean": 0.5, "reward/accuracy": 0.25, "actor/clip_fraction": 0.0, "timing/step_s": 2.0}
+    assert "turns" not in progress_line(single)
+    assert progress_line({**single, "agent/turns_mean": 2.25}).startswith("reward 0.500 | acc 0.250 | turns 2.25 |")
