@@ -168,6 +168,8 @@ class EpisodeRunner:
         t0 = time.perf_counter()
         self._start(episodes)
         busy = self._play(episodes)
+        if lost := [e.episode_id for e in episodes if e.status == "running"]:
+            raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         results = self._finish(episodes)
         wall = time.perf_counter() - t0
         metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
@@ -206,12 +208,13 @@ class EpisodeRunner:
         busy, turn_seed = 0.0, Counter()
         while ready or sampling or stepping:
             idle = [j for j in range(len(engines)) if j not in {s for s, _ in sampling.values()}]
-            for n, j in enumerate(idle):
+            for n, j in enumerate(idle):  # every ready episode goes to an idle engine; the rest wait for one
                 share = ready[n::len(idle)]
                 if share:
                     reqs = [self._request(e, turn_seed) for e in share]
                     sampling[engines[j].sample_turns.remote(reqs, self.temperature)] = (j, time.perf_counter())
-            ready = []
+            if idle:
+                ready = []
             done, _ = ray.wait(list(sampling) + list(stepping), num_returns=1)
             ref = done[0]
             if ref in sampling:

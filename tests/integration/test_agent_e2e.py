@@ -44,6 +44,8 @@ def test_episodes_train_on_exactly_the_sampled_ids(trainer):
     text = t.tokenizer.decode(with_reply[0].response_token_ids)
     assert "<call>calc " in text and "<result>" in text
     assert c.reward_metrics["agent/turns_mean"] > 1.0 and c.reward_metrics["agent/env_failed"] == 0.0
+    for x, r in zip(c.completions, c.results):  # a reply is always followed by a turn, unless cut for room
+        assert x.response_mask[-1] == 1 or r.detail["episode"] == "cut_tokens", (x, r)
     t.pending = c
     m = t.rl_step()
     assert m["agent/token_mismatch"] == 0.0
