@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO_ROOT, TEST_ENV  # noqa: E402 - read before any heavy import
+from tests.helpers import budget
 
 for _key, _value in TEST_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -42,6 +43,31 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{path}: tests live in tests/unit/<room>/, tests/integration/ or tests/matrix/")
         for name in FOLDER_MARKERS.get(kind, ()):
             item.add_marker(getattr(pytest.mark, name))
+
+
+SETUP_S = pytest.StashKey[float]()  # a test's set-up seconds, until its call is reported
+BUDGET = pytest.StashKey[tuple[float, dict[str, str]]]()  # (budget in seconds, {node id: reason} over it)
+
+
+def pytest_configure(config):
+    """Read the test budget and the tests allowed over it once (``tests.helpers.budget``); a bad list or
+    ``GSPO_TEST_BUDGET_S`` stops the session before any test runs."""
+    config.stash[BUDGET] = (budget.budget_s(), budget.slow_tests())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fail a passing test of the default set (not ``matrix``) whose set-up and call took longer than the budget
+    and that ``tests/slow_tests.toml`` does not list (``tests.helpers.budget``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[SETUP_S] = report.duration
+    elif report.when == "call" and report.passed and item.get_closest_marker("matrix") is None:
+        limit, allowed = item.config.stash[BUDGET]
+        why = budget.over_budget(item.nodeid, item.stash.get(SETUP_S, 0.0) + report.duration, limit, allowed)
+        if why is not None:
+            report.outcome, report.longrepr = "failed", why
 
 
 @pytest.fixture(scope="session")
