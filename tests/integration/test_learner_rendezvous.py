@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from cluster.common import REPO_ROOT
 
 
@@ -17,6 +19,7 @@ def _config(world_size: int):
     ])
 
 
+@pytest.mark.matrix  # wide case: the default set starts ranks once (test_a_single_rank_binds_its_own_port)
 def test_a_taken_port_starts_the_ranks_again(ray_cluster, model_path, monkeypatch):
     import cluster.runtime.learner_group as lg
 
@@ -36,6 +39,7 @@ def test_a_taken_port_starts_the_ranks_again(ray_cluster, model_path, monkeypatc
         taken.close()
 
 
+@pytest.mark.matrix  # wide case: the default set starts ranks once (test_a_single_rank_binds_its_own_port)
 def test_every_attempt_taken_raises_the_ranks_error(ray_cluster, model_path, monkeypatch):
     import ray
 

@@ -95,6 +95,7 @@ def _engine_routing(trainer, token_ids: list[int]):
     return c.routed_experts[: len(token_ids)]
 
 
+@pytest.mark.matrix  # wide case: the default set runs one partial rollout across a sync (test_a_sample_spanning_a_sync_...)
 def test_r3_replays_each_token_under_the_experts_of_the_version_that_sampled_it(tmp_path, ray_session):
     """R3 with partial rollouts: a trained sample that spans a sync carries, for the positions that sampled its
     v0 tokens (and the prompt), the experts of the v0 engine, and for the positions that sampled its v0+1 tokens
@@ -134,6 +135,7 @@ def test_r3_replays_each_token_under_the_experts_of_the_version_that_sampled_it(
         t.shutdown()
 
 
+@pytest.mark.matrix  # wide case: the default set runs one partial rollout across a sync (test_a_sample_spanning_a_sync_...)
 def test_a_rollback_samples_the_in_flight_prompts_again_without_losing_or_repeating_one(tmp_path, ray_session):
     """Partial rollouts under the health guard: after a rollback to a checkpoint, the samples in flight (sampled
     by the weights rolled over) are thrown away and their groups sampled again from their prompts, in order."""
@@ -160,6 +162,7 @@ def test_a_rollback_samples_the_in_flight_prompts_again_without_losing_or_repeat
         t.shutdown()
 
 
+@pytest.mark.matrix  # wide case: the default set runs one partial rollout across a sync (test_a_sample_spanning_a_sync_...)
 def test_rounds_beside_the_learner_keep_the_engines_sampling_within_the_staleness_bound(tmp_path, ray_session):
     """trainer.partial_rollout_overlap: while the learner trains, the engines run rounds at the weights it started
     from; the next steps train on samples begun there (their first tokens one version older than the learner's

@@ -41,6 +41,7 @@ def test_trivial_job_mechanics(head):
     assert submit.EXIT_CODES["FAILED"] == 1
 
 
+@pytest.mark.matrix  # wide case: the default set submits one job (test_trivial_job_mechanics)
 @pytest.mark.timeout(600)
 def test_cli_no_wait_status_stop_logs(head):
     env = _env(RAY_ADDRESS=head.dashboard_url, **head.auth_env())
@@ -68,6 +69,7 @@ def test_cli_no_wait_status_stop_logs(head):
     assert r.returncode != 0
 
 
+@pytest.mark.matrix  # wide case: the default set submits one job (test_trivial_job_mechanics)
 @pytest.mark.timeout(600)
 def test_cli_starts_and_stops_its_own_head():
     temp = _private_temp()
@@ -81,6 +83,7 @@ def test_cli_starts_and_stops_its_own_head():
         stop_head_processes(temp)
 
 
+@pytest.mark.matrix  # wide case: the default set submits one job (test_trivial_job_mechanics)
 @pytest.mark.timeout(1800)
 def test_submit_tiny_moe_two_steps(tmp_path):
     """The default config, 2 RL steps, submitted to a local head through the Jobs API; the relative
@@ -104,6 +107,7 @@ def test_submit_tiny_moe_two_steps(tmp_path):
         stop_head_processes(temp)
 
 
+@pytest.mark.matrix  # wide case: the default set submits one job (test_trivial_job_mechanics)
 @pytest.mark.timeout(600)
 def test_cli_keep_cluster_then_stop_head():
     temp = _private_temp()

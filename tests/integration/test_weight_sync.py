@@ -60,11 +60,12 @@ class HungEngine:
         time.sleep(600)
 
 
+# every case in `make test-matrix`: the default set's sync is test_deferred_sync_... (the shipped default's,
+# the engines loading beside the learner), exact against the learner too
 @pytest.mark.parametrize("kind,zero_stage,transport", [
-    ("moe", 3, "object_store"), ("moe_tied", 2, "object_store"), ("dense_tied", 2, "object_store"),
-    ("moe", 3, "collective"),
-    # the tied model over the collective: in `make test-matrix` (keeps `make test` under 40 minutes)
-    pytest.param("moe_tied", 2, "collective", marks=pytest.mark.matrix)])
+    pytest.param(kind, zero, transport, marks=pytest.mark.matrix) for kind, zero, transport in [
+        ("moe", 3, "object_store"), ("moe_tied", 2, "object_store"), ("dense_tied", 2, "object_store"),
+        ("moe", 3, "collective"), ("moe_tied", 2, "collective")]])
 def test_streamed_sync_is_exact_after_training(ray_cluster, tmp_path, kind, zero_stage, transport):
     from learner.service import LearnerRank
     from rollout.engine import RolloutEngine
@@ -136,6 +137,7 @@ class DyingEngine:
         return self.engine.pid()
 
 
+@pytest.mark.matrix  # wide case: the default set syncs through the object store (test_deferred_sync_...)
 def test_collective_sync_survives_an_engine_dying_mid_sync(ray_cluster, tmp_path):
     """``sync.transport=collective``: an engine process that dies half-way through a sync breaks the broadcast.
     Group ranks: learner 0, live engines 1 and 2, the dying engine 3; gloo's broadcast is a tree in which rank 1

@@ -70,10 +70,13 @@ def test_engine_and_reward_worker_death_and_scaling(tmp_path, ray_session):
         t._sync_weights(t.weight_version + 1)  # both engines again, the new one included: a new group
         assert t.last_sync["sync/collective"] == 1.0
         assert ray.get([e.weight_version.remote() for e in t.fleet.engines]) == [t.weight_version] * 2
-        # a reward worker dies: replaced, its share rescored, nothing lost
-        _kill(t.rewards.worker_pids()[0])
+        # a reward worker dies between steps: restarted, every completion scored, nothing lost. Whether the step's
+        # call meets the dead process (fault/reward_restarts 1, its share rescored) or Ray's restart first (0)
+        # is a race; the death in the middle of a call is test_reward_pool's, which waits for the call to start
+        dead = t.rewards.worker_pids()[0]
+        _kill(dead)
         m5 = t.rl_step()
-        assert m5["fault/reward_restarts"] >= 1
+        assert t.rewards.worker_pids()[0] != dead and m5["fault/reward_restarts"] in (0.0, 1.0)
         assert m5["reward/invalid"] == 0
         steps = t.trained_uids
         assert [len(s) for s in steps] == [8] * 5

@@ -2,7 +2,7 @@
 (``cluster.driver.audit_dump``, from the few things it needs: config, run folder, learner group, model folder, rows,
 weight version) read back by the audit's own loader, and the health guard's policy on a refused
 ``RolloutTrainResult`` (``cluster.driver.guard``). The learner group is a stand-in that answers the collective
-calls as rank 0 would; the real run is tests/integration/test_audit.py and test_health_guard.py."""
+calls as rank 0 would; the real run is tests/matrix/test_audit.py and tests/integration/test_health_guard.py."""
 
 from __future__ import annotations
 
