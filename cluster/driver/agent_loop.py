@@ -93,6 +93,23 @@ class Episode:
             weight_version=min(versions), token_versions=list(self.versions), response_mask=list(self.mask))
 
 
+def check_template(tokenizer) -> None:
+    """Refuse, before any service starts, a chat template that cannot give exact-token deltas (one that is not
+    prefix-stable, e.g. that drops earlier turns' reasoning, or whose reply text does not survive tokenize ->
+    decode): ``rollout.chat_delta.prefix_stability_problem``. A tokenizer without a template renders replies
+    as plain text and passes.
+
+    Raises:
+        ConfigError: the template's problem, naming it.
+    """
+    from cluster.config import ConfigError
+    from rollout.chat_delta import prefix_stability_problem
+
+    if getattr(tokenizer, "chat_template", None) and (problem := prefix_stability_problem(tokenizer, None)):
+        raise ConfigError(f"env is set, but the model's chat template cannot continue an episode on its sampled "
+                          f"ids: {problem}")
+
+
 def token_mismatch(input_ids: torch.Tensor, response_mask: torch.Tensor, sampled: list[list[int]]) -> int:
     """How many trained tokens differ from the ids the engines sampled, over a batch.
 

@@ -135,6 +135,8 @@ class Trainer:
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **m.build_kwargs()))
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if cfg.env.enabled:  # episodes continue on their sampled ids: the template must allow it
+            agent_loop.check_template(self.tokenizer)
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
         self.user_modules = user_code.check_user_verifiers(

@@ -95,3 +95,15 @@ def test_the_progress_line_shows_turns_per_episode_for_episodes_only():
     single = {"reward/mean": 0.5, "reward/accuracy": 0.25, "actor/clip_fraction": 0.0, "timing/step_s": 2.0}
     assert "turns" not in progress_line(single)
     assert progress_line({**single, "agent/turns_mean": 2.25}).startswith("reward 0.500 | acc 0.250 | turns 2.25 |")
+
+
+def test_a_template_that_drops_earlier_turns_is_refused_before_any_service_starts():
+    from cluster.config import ConfigError
+    from cluster.driver.agent_loop import check_template
+    from cluster.models.tiny_model import build_char_tokenizer
+    from tests.helpers.chat_tokenizers import REASONING_STRIPPING_TEMPLATE, build_bpe_tokenizer
+
+    check_template(build_bpe_tokenizer())  # ChatML with tools: prefix-stable
+    check_template(build_char_tokenizer())  # no template: plain replies
+    with pytest.raises(ConfigError, match="cannot continue an episode on its sampled ids"):
+        check_template(build_bpe_tokenizer(REASONING_STRIPPING_TEMPLATE, name="stripping"))
