@@ -71,7 +71,7 @@ def test_ppo_trains_policy_and_critic_and_resumes_the_critic_exactly(ray_cluster
         assert digests() == saved  # weights, optimizer state and counters of every rank
         again = step()
         for key in ("critic/value_loss", "critic/values_mean", "loss/policy", "actor/grad_norm"):
-            assert again[key] == after_save[key], key
+            assert again.metrics[key] == after_save.metrics[key], key
     finally:
         ray.get([a.shutdown.remote() for a in ranks])
         for a in ranks:
