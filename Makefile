@@ -53,16 +53,18 @@ endif
 train: setup
 	$(BIN)/python -m cluster.train $(CONFIG) $(ARGS)
 
-# The whole suite: unit tests and the integration tests that start real Ray, vLLM and DeepSpeed (the wide
-# matrices aside: `make test-matrix`).
+# The default suite: unit tests and one real run per capability on real Ray, vLLM and DeepSpeed (tests/integration/);
+# the wide cases are `make test-matrix`. A test over its budget (90 s; tests/helpers/budget.py) fails unless
+# tests/slow_tests.toml lists it with its reason.
 test: setup
 	$(BIN)/python -m pytest -q --timeout=1800 --durations=15 -m "not matrix" $(ARGS)
 
-# The wide matrices kept out of CI's time budget (marked `matrix`): every architecture
-# (tests/integration/test_architectures.py, a real 3-step run with weight sync per tiny random architecture of
-# cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case; 3-5 min an arch on 2 busy cores, about 25 min
-# for all seven), the tied-MoE collective sync, a tensor-parallel engine, and nodes lost and added under a run on
-# a local multi-node cluster (tests/matrix/).
+# The wide cases kept out of `make test` (marked `matrix`: tests/matrix/ and the cases so marked in
+# tests/integration/): every architecture (a real 3-step run with weight sync per tiny random architecture of
+# cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case), the streamed syncs per model and transport, a
+# tensor-parallel engine, nodes lost and added under a run on a local multi-node cluster, faults and resume, the
+# two-rank end-to-end run, code RL, user files, the audit, compare, the local cluster CLI, submit's CLI cases,
+# partial rollouts' wide cases, the GPU-path checks on the CPU and the real model (CONTRIBUTING.md has the times).
 # One file: `make test-matrix ARGS=tests/integration/test_architectures.py`.
 test-matrix: setup
 	$(BIN)/python -m pytest -q --timeout=3600 --durations=30 -m matrix $(ARGS)
