@@ -1,0 +1,109 @@
+"""Do the engines wait on tools? Multi-turn episodes with a slow tool, our loop against turn-round by turn-round.
+
+    python bench/agent_tools.py [--rounds 3] [--prompts 16] [--group 4] [--delay 0.2] [dotted.key=value ...]
+
+Runs the real services (``configs/tiny_agent_calc.yaml``'s model after a short warm start on its demonstrations,
+so that each turn writes a call and stops on its closing tag; one engine; an env worker) with
+``reward.envs.slow_tool:SlowTool``: every turn waits like a tool call of about ``--delay`` seconds (0.5-1.5x per
+episode), 3-4 turns an episode. In the same invocation it plays the same episodes (same seeds) twice per round:
+
+- **ours** (``EpisodeRunner``): whenever the engine is idle it samples every episode that is ready, while
+  others wait for their tool;
+- **lockstep** (the baseline): every episode's turn t, then every tool of turn t, then turn t+1 (a rollout that
+  batches by turn, as a loop without per-episode scheduling does).
+
+Prints seconds per rollout of each, their ratio (lockstep / ours: above 1 means ours is faster) and each one's
+engine busy share (the share of the rollout's wall time the engine spent sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def lockstep_runner(base):
+    """An ``EpisodeRunner`` whose ``_play`` goes turn-round by turn-round (the baseline)."""
+    import ray
+
+    from cluster.driver.agent_loop import EpisodeRunner
+
+    class Lockstep(EpisodeRunner):
+        def _play(self, episodes):
+            from collections import Counter
+
+            by_id, seeds, busy = {e.episode_id: e for e in episodes}, Counter(), 0.0
+            live, engines = [e for e in episodes if e.status == "running"], list(self.fleet.engines)
+            while live:
+                t = time.perf_counter()
+                shares = [live[j::len(engines)] for j in range(len(engines))]
+                refs = [engines[j].sample_turns.remote([self._request(e, seeds) for e in share], self.temperature)
+                        for j, share in enumerate(shares) if share]
+                turns = [x for out in ray.get(refs) for x in out]
+                busy += (time.perf_counter() - t) * len(refs)
+                stepping: dict = {}
+                for turn in turns:
+                    self._on_turn(by_id[turn.episode_id], turn, stepping)
+                results = ray.get(list(stepping))
+                live = [e for e, s in zip(stepping.values(), results) if self._on_step(e, s)]
+            return busy
+
+    return Lockstep(base.cfg, base.fleet, base.pool, base.tokenizer)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--delay", type=float, default=0.2, help="the tool's mean seconds per call")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    from cluster.config import load_config
+    from cluster.driver.trainer import Trainer
+
+    out = tempfile.mkdtemp(prefix="bench_agent_")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny_agent_calc.yaml", [
+        f"trainer.output_dir={out}", "wandb.mode=disabled", "warm_start.steps=150",
+        "env.cls=reward.envs.slow_tool:SlowTool", "env.tools=[]", "env.max_turns=4", "env.num_workers=1",
+        "rollout.max_model_len=256",
+        f"trainer.prompts_per_step={args.prompts}", f"trainer.group_size={args.group}", "learner.micro_batch_size=4",
+        *args.overrides])
+    t = Trainer(cfg, verbose=False)
+    t.start()
+    try:
+        t.warm_start()  # the calculator task's demonstrations: each turn writes a call and stops on its closing tag
+        ours, base = t.episodes, lockstep_runner(t.episodes)
+        rows = [r for r in t.train_rows[: args.prompts]]
+        for r in rows:
+            r.meta["delay_s"] = args.delay
+        times: dict[str, list[float]] = {"ours": [], "lockstep": []}
+        busy: dict[str, list[float]] = {"ours": [], "lockstep": []}
+        ours.run(rows[:2], 1, seed=99)  # warm-up: the engine's first call, the worker's imports
+        for k in range(args.rounds):
+            for name, runner in (("ours", ours), ("lockstep", base)):
+                t0 = time.perf_counter()
+                _, _, m, _ = runner.run(rows, args.group, seed=k)
+                times[name].append(time.perf_counter() - t0)
+                busy[name].append(m["agent/engine_busy_share"])
+                print(f"round {k}: {name:8s} {times[name][-1]:6.2f} s, turns {m['agent/turns_mean']:.2f}, "
+                      f"engine busy {busy[name][-1]:.2f}", flush=True)
+    finally:
+        t.shutdown()
+    o, b = statistics.median(times["ours"]), statistics.median(times["lockstep"])
+    print(f"\n{args.prompts} prompts x {args.group} episodes, tool {args.delay:g} s (0.5-1.5x), 3-4 turns")
+    print(f"ours      {o:6.2f} s per rollout, engine busy {statistics.median(busy['ours']):.2f}")
+    print(f"lockstep  {b:6.2f} s per rollout, engine busy {statistics.median(busy['lockstep']):.2f}")
+    print(f"ratio lockstep / ours: {b / o:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
