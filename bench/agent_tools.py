@@ -35,7 +35,7 @@ def lockstep_runner(base):
     from cluster.driver.agent_loop import EpisodeRunner
 
     class Lockstep(EpisodeRunner):
-        def _play(self, episodes):
+        def _play(self, episodes, temperature):
             from collections import Counter
 
             by_id, seeds, busy = {e.episode_id: e for e in episodes}, Counter(), 0.0
@@ -43,7 +43,7 @@ def lockstep_runner(base):
             while live:
                 t = time.perf_counter()
                 shares = [live[j::len(engines)] for j in range(len(engines))]
-                refs = [engines[j].sample_turns.remote([self._request(e, seeds) for e in share], self.temperature)
+                refs = [engines[j].sample_turns.remote([self._request(e, seeds) for e in share], temperature)
                         for j, share in enumerate(shares) if share]
                 turns = [x for out in ray.get(refs) for x in out]
                 busy += (time.perf_counter() - t) * len(refs)

@@ -24,6 +24,7 @@ with the turns the engines returned (``agent/token_mismatch``, which must be 0).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -170,21 +171,22 @@ class EpisodeRunner:
         self.cfg, self.fleet, self.pool, self.tokenizer = cfg, fleet, pool, tokenizer
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.stops = stop_strings(cfg.env.tool_format)
-        self.temperature: float | None = None  # of the round under way (run)
+        self.rounds = itertools.count(1)  # rounds played: episode ids stay unique (a prompt may come twice)
 
     def run(self, rows: list[PromptRow], G: int, seed: int, temperature: float | None = None) -> tuple[
             list[Completion], list[RewardResult], dict[str, float], dict[str, list[int]]]:
         """The G episodes of every row in ``rows``, in prompt order: their completions and verdicts, the
-        ``agent/*`` metrics of the round, and each episode's sampled ids by episode id (``<uid>#<k>``, for
-        ``token_mismatch``). ``seed`` seeds the environments (one seed per group) and the sampling;
-        ``temperature``: None = ``rollout.temperature``, 0 = greedy (evaluation)."""
+        ``agent/*`` metrics of the round, and each episode's sampled ids by episode id (``<uid>#<k>@<round>.<i>``,
+        unique in a run; also in its verdict's ``detail["episode_id"]``; for ``token_mismatch``). ``seed`` seeds
+        the environments (one seed per group) and the sampling; ``temperature``: None = ``rollout.temperature``,
+        0 = greedy (evaluation)."""
         self.fleet.settle()
-        self.temperature = temperature
-        episodes = [Episode(f"{row.uid}#{k}", row, k, seed * 1_000_003 + i, (i * G + k) % len(self.pool))
-                    for i, row in enumerate(rows) for k in range(G)]
+        round_ = next(self.rounds)
+        episodes = [Episode(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
+                            (i * G + k) % len(self.pool)) for i, row in enumerate(rows) for k in range(G)]
         t0 = time.perf_counter()
         self._start(episodes)
-        busy = self._play(episodes)
+        busy = self._play(episodes, temperature)
         if lost := [e.episode_id for e in episodes if e.status == "running"]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         results = self._finish(episodes)
@@ -215,8 +217,9 @@ class EpisodeRunner:
             return list(row.prompt_token_ids)
         return self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
 
-    def _play(self, episodes: list[Episode]) -> float:
-        """Turns until every episode ended; returns the engines' busy seconds (summed over engines)."""
+    def _play(self, episodes: list[Episode], temperature: float | None) -> float:
+        """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``); returns
+        the engines' busy seconds (summed over engines)."""
         ready = [e for e in episodes if e.status == "running"]
         by_id = {e.episode_id: e for e in episodes}
         engines = list(self.fleet.engines)
@@ -229,7 +232,7 @@ class EpisodeRunner:
                 share = ready[n::len(idle)]
                 if share:
                     reqs = [self._request(e, turn_seed) for e in share]
-                    sampling[engines[j].sample_turns.remote(reqs, self.temperature)] = (j, time.perf_counter())
+                    sampling[engines[j].sample_turns.remote(reqs, temperature)] = (j, time.perf_counter())
             if idle:
                 ready = []
             done, _ = ray.wait(list(sampling) + list(stepping), num_returns=1)
@@ -291,7 +294,7 @@ class EpisodeRunner:
         results = []
         for e, o in zip(episodes, outcomes):
             e.env_s += o.seconds
-            detail = {"episode": e.status, "env": o.status, "turns": e.turns, **o.detail}
+            detail = {"episode_id": e.episode_id, "episode": e.status, "env": o.status, "turns": e.turns, **o.detail}
             results.append(RewardResult(score=float(o.reward), correct=bool(o.correct),
                                         status="ok" if o.status not in FAILED else o.status, detail=detail,
                                         elapsed_s=e.env_s))

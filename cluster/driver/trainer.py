@@ -226,7 +226,7 @@ class Trainer:
         if self.episodes is not None:  # the ids trained on are the ids sampled (must be 0)
             c.reward_metrics["agent/token_mismatch"] = float(agent_loop.token_mismatch(
                 batch.input_ids, batch.response_mask,
-                [c.sampled[f"{x.prompt_uid}#{x.sample_index}"] for x in c.completions]))
+                [c.sampled[r.detail["episode_id"]] for r in c.results]))
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = None
         if self.step + 1 in tc.audit_steps:

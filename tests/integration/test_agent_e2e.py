@@ -36,9 +36,10 @@ def test_episodes_train_on_exactly_the_sampled_ids(trainer):
     t.warm_start()
     c = t.collector.collect(t.step)
     assert len(c.completions) == 32 and len(c.results) == 32
-    for comp in c.completions:
+    for comp, r in zip(c.completions, c.results):
         assert len(comp.response_mask) == len(comp.response_token_ids) == len(comp.response_logprobs)
-        assert comp.sampled_tokens == len(c.sampled[f"{comp.prompt_uid}#{comp.sample_index}"])
+        assert r.detail["episode_id"].startswith(f"{comp.prompt_uid}#{comp.sample_index}@")
+        assert comp.sampled_tokens == len(c.sampled[r.detail["episode_id"]])
     with_reply = [x for x in c.completions if 0 in x.response_mask]  # the warm start taught the call
     assert with_reply, "no episode called the calculator after the warm start"
     text = t.tokenizer.decode(with_reply[0].response_token_ids)
