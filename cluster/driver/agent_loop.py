@@ -36,6 +36,7 @@ import torch
 
 from cluster.config import Config
 from reward.contracts import RewardResult
+from reward.env_worker import EnvOutcome
 from rollout.chat_delta import TurnEnd, reply_ids
 from rollout.contracts import Completion, PromptRow, SampledTurn, TurnRequest
 from rollout.tool_calls import TAG_ARGUMENT_KEY, error_observation, parse, stop_strings
@@ -74,6 +75,7 @@ class Episode:
     final_text: str = ""
     truncated: bool = False
     turn_end: TurnEnd | None = None
+    worker_lost: bool = False  # its env worker's process died under it
 
     def add(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
         """Append sampled ids (with their log-probs) or, with ``logprobs`` None, an environment reply's ids."""
@@ -131,17 +133,31 @@ def token_mismatch(input_ids: torch.Tensor, response_mask: torch.Tensor, sampled
 
 
 class EnvPool:
-    """``env.num_workers`` env workers (``reward.env_worker.EnvWorker`` actors) in their placement groups."""
+    """``env.num_workers`` env workers (``reward.env_worker.EnvWorker`` actors) in their placement groups; a
+    worker whose process died is replaced in a fresh group (``replace``)."""
 
     def __init__(self, cfg: Config, scheduling_strategy_factory):
+        self.cfg, self.factory = cfg, scheduling_strategy_factory
+        self.workers = [self._start(i) for i in range(cfg.env.num_workers)]
+        ray.get([w.pid.remote() for w in self.workers])  # started (an env class that does not import fails here)
+        self.restarts = 0  # workers replaced since the start
+
+    def _start(self, slot: int):
         from reward.env_worker import EnvWorker
 
-        ec = cfg.env
-        cls = ray.remote(EnvWorker)
-        self.workers = [cls.options(num_cpus=ec.num_cpus_per_worker, max_concurrency=64,
-                                    scheduling_strategy=scheduling_strategy_factory(i)).remote(ec, cfg.reward)
-                        for i in range(ec.num_workers)]
-        ray.get([w.pid.remote() for w in self.workers])  # started (an env class that does not import fails here)
+        ec = self.cfg.env
+        return ray.remote(EnvWorker).options(num_cpus=ec.num_cpus_per_worker, max_concurrency=64,
+                                             scheduling_strategy=self.factory(slot)).remote(ec, self.cfg.reward)
+
+    def replace(self, slot: int) -> None:
+        """End the worker in ``slot`` (its open episodes are lost) and start a new one there."""
+        try:
+            ray.kill(self.workers[slot], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.workers[slot] = self._start(slot)
+        ray.get(self.workers[slot].pid.remote())
+        self.restarts += 1
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -189,16 +205,29 @@ class EpisodeRunner:
         busy = self._play(episodes, temperature)
         if lost := [e.episode_id for e in episodes if e.status == "running"]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
+        restarts = self.pool.restarts
         results = self._finish(episodes)
         wall = time.perf_counter() - t0
         metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
+        metrics["agent/env_worker_restarts"] = float(self.pool.restarts - restarts)
         return [e.completion() for e in episodes], results, metrics, {e.episode_id: e.sampled for e in episodes}
 
     # -- the episode's phases ---------------------------------------------------------------------------------
+    def _env(self, e: Episode, ref):
+        """``ray.get(ref)`` of an env worker call for episode ``e``; None when the worker's process died (the
+        episode then ends with status ``error``, its worker is replaced after the round)."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError:
+            e.status, e.worker_lost = "error", True
+            return None
+
     def _start(self, episodes: list[Episode]) -> None:
-        starts = ray.get([self.pool.workers[e.worker].start.remote(e.episode_id, _row_dict(e.row), e.seed)
-                          for e in episodes])
-        for e, s in zip(episodes, starts):
+        refs = [self.pool.workers[e.worker].start.remote(e.episode_id, _row_dict(e.row), e.seed) for e in episodes]
+        for e, ref in zip(episodes, refs):
+            s = self._env(e, ref)
+            if s is None:
+                continue
             e.env_s += s.seconds
             if s.status in FAILED:
                 e.status = s.status
@@ -244,7 +273,8 @@ class EpisodeRunner:
                     self._on_turn(by_id[turn.episode_id], turn, stepping)
             else:
                 e = stepping.pop(ref)
-                if self._on_step(e, ray.get(ref)):
+                s = self._env(e, ref)
+                if s is not None and self._on_step(e, s):
                     ready.append(e)
         return busy
 
@@ -290,9 +320,17 @@ class EpisodeRunner:
         return True
 
     def _finish(self, episodes: list[Episode]) -> list[RewardResult]:
-        outcomes = ray.get([self.pool.workers[e.worker].finish.remote(e.episode_id) for e in episodes])
+        refs = {e.episode_id: self.pool.workers[e.worker].finish.remote(e.episode_id)
+                for e in episodes if not e.worker_lost}
+        outcomes = [self._env(e, refs[e.episode_id]) if e.episode_id in refs else None for e in episodes]
+        for slot in sorted({e.worker for e in episodes if e.worker_lost}):
+            log.warning("env worker %d died: its episodes of this round end with status error; replaced", slot)
+            self.pool.replace(slot)
         results = []
         for e, o in zip(episodes, outcomes):
+            if o is None:  # its worker died
+                o = EnvOutcome(reward=0.0 if self.cfg.env.on_error == "zero" else float("nan"), status="error",
+                               detail={"error": "EnvWorkerLost", "message": "the env worker's process died"})
             e.env_s += o.seconds
             detail = {"episode_id": e.episode_id, "episode": e.status, "env": o.status, "turns": e.turns, **o.detail}
             results.append(RewardResult(score=float(o.reward), correct=bool(o.correct),
