@@ -16,17 +16,15 @@ Tool schemas for the chat template's ``tools=`` come from ``transformers.utils.g
 and a Google-style docstring with an ``Args:`` line per argument); ``tool_schema`` turns its refusal into a
 ``ToolSchemaError`` naming the tool.
 
-``module:name`` strings are resolved here (``resolve_user_object``), on the reward side: the resolver of
-``reward.verifiers.get_verifier`` is private to verifiers, and ``cluster/runtime/user_code.py`` (which checks
-user code on the driver and ships its module to the workers) is in ``cluster/``, which ``reward/`` does not
-import.
+``module:name`` strings are resolved here (``resolve_user_object``; the module is imported as a user verifier's,
+``reward.verifiers.import_user_module``), on the reward side: ``cluster/runtime/user_code.py`` (which checks user
+code on the driver and ships its module to the workers) is in ``cluster/``, which ``reward/`` does not import.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -35,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from reward.verifiers import as_row_dict
+from reward.verifiers import as_row_dict, import_user_module
 
 if TYPE_CHECKING:
     from reward.deadline import DeadlineRunner
@@ -406,15 +404,9 @@ def resolve_user_object(name: str, key: str) -> Any:
         ValueError: ``name`` is not of that form, its module cannot be imported, or has no such attribute; the
             message names the key, the name and the module.
     """
-    module_name, _, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
-    if not module_name or not attr or ":" in attr:
-        raise ValueError(f"{key}={name!r} must be 'module.path:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"{key}={name!r}: cannot import module {module_name!r} ({err})") from None
+    module, attr = import_user_module(name, f"{key}={name!r}")
     if not hasattr(module, attr):
-        raise ValueError(f"{key}={name!r}: module {module_name!r} has no {attr!r}")
+        raise ValueError(f"{key}={name!r}: module {module.__name__!r} has no {attr!r}")
     return getattr(module, attr)
 
 

@@ -223,6 +223,26 @@ BUILTINS: dict[str, Verifier] = {
 }
 
 
+def import_user_module(name: str, what: str) -> tuple[Any, str]:
+    """The module of a user's ``"module.path:attr"`` (imported where ``python -m`` looks: ``sys.path``) and the
+    attribute's name; the caller checks the attribute (a verifier, an environment class, a tool).
+
+    Args:
+        name: ``"module.path:attr"``.
+        what: how messages name it (``"verifier 'm:f'"``, ``"env.cls='m:C'"``).
+
+    Raises:
+        ValueError: ``name`` is not of that form, or its module cannot be imported; the message starts with ``what``.
+    """
+    module_name, _, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(f"{what} must be 'module.path:name'")
+    try:
+        return importlib.import_module(module_name), attr
+    except ImportError as err:
+        raise ValueError(f"{what}: cannot import module {module_name!r} ({err})") from None
+
+
 def get_verifier(name: str, cfg: Any = None) -> Verifier:
     """The verifier called ``name``, with its options bound from ``cfg`` (a ``RewardConfig``, optional).
 
@@ -244,12 +264,8 @@ def get_verifier(name: str, cfg: Any = None) -> Verifier:
         return fn
     if ":" not in name:
         raise ValueError(f"unknown verifier {name!r}: use one of {sorted(BUILTINS)} or 'module.path:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"verifier {name!r}: cannot import module {module_name!r} ({err})") from None
+    module, attr = import_user_module(name, f"verifier {name!r}")
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"verifier {name!r}: {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"verifier {name!r}: {module.__name__!r} has no callable {attr!r}")
     return fn
