@@ -90,6 +90,7 @@ class RolloutEngine:
                                             getattr(hf_config, "eos_token_id", None),
                                             self._llm.get_tokenizer().eos_token_id)
         self._syncing = False  # between start_weight_update and a successful finish: no sampling
+        self._open_turns: dict[str, TurnRequest] = {}  # advance_turns' turns under way, by episode id
 
     def _set_environment(self, cache_dir: str | None) -> None:
         cfg = self.cfg
@@ -130,6 +131,7 @@ class RolloutEngine:
         return inputs
 
     def _sample(self, prompts: list[PromptRow], params: list[Any], n: int) -> list[Completion]:
+        self._check_no_open_turns("generate")
         if self._syncing:
             raise RuntimeError("engine is between weight versions (a weight sync did not finish): no sampling")
         if not prompts:
@@ -240,7 +242,8 @@ class RolloutEngine:
         return self._sample(prompts, params, n)
 
     def sample_turns(self, requests: list[TurnRequest], temperature: float | None = None) -> list[SampledTurn]:
-        """Sample one assistant turn of each episode in ``requests``, continuing its exact token ids.
+        """Sample one assistant turn of each episode in ``requests``, continuing its exact token ids, as one batch
+        that runs to its end (``advance_turns`` is the continuous-batching form the agent loop uses).
 
         ``SamplingParams(n=1, temperature, top_p=1, top_k=-1, logprobs=0, stop_token_ids=<every EOS id>,
         stop=request.stop, include_stop_str_in_output=True)``: the same post-temperature log-probs as
@@ -255,9 +258,70 @@ class RolloutEngine:
             ValueError: temperature < 0 (0 samples greedy turns, for evaluation; their log-probs are those of
                 the unscaled logits), a request with max_tokens < 1 or an empty context, or a context plus
                 max_tokens past ``rollout.max_model_len``.
-            RuntimeError: a weight sync is under way, or routing capture is on (an episode's routing per turn
-                is not recorded).
+            RuntimeError: a weight sync is under way, turns of ``advance_turns`` are still open, or routing
+                capture is on (an episode's routing per turn is not recorded).
         """
+        self._check_no_open_turns("sample_turns")
+        inputs, params = self._turn_inputs(requests, temperature)
+        outputs = self._llm.generate(inputs, params, use_tqdm=False) if requests else []
+        return [self._turn(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
+
+    def advance_turns(self, requests: list[TurnRequest], temperature: float | None = None,
+                      slice_s: float = 0.05) -> tuple[list[SampledTurn], float]:
+        """Continuous batching of episodes' turns: add ``requests`` to the turns already open on this engine, run
+        vLLM's scheduler steps (``LLMEngine.step``) until at least one open turn has ended or ``slice_s`` seconds
+        have passed, and return the turns that ended. The caller keeps one call in flight per engine and adds
+        each episode's next turn as soon as its tool has answered, so the engine samples while tools run and a
+        new turn joins the running batch at the next call, not after the whole batch. Sampling parameters,
+        validation and log-probs are ``sample_turns``'s.
+
+        Args:
+            requests: turns to open (possibly none: then only the open ones advance).
+            temperature: None = ``rollout.temperature``; 0 = greedy.
+            slice_s: seconds after which the call returns even though no turn ended (>= 0).
+
+        Returns:
+            ``(turns, busy_s)``: the turns that ended (in the order they ended) and the seconds spent in
+            scheduler steps (the engine's busy time).
+
+        Raises:
+            ValueError, RuntimeError: as ``sample_turns`` (nothing is added when a request is refused); a
+                request whose ``episode_id`` already has an open turn.
+        """
+        inputs, params = self._turn_inputs(requests, temperature)
+        for r in requests:
+            if r.episode_id in self._open_turns:
+                raise ValueError(f"episode {r.episode_id}: a turn of it is already open on this engine")
+        engine = self._llm.llm_engine
+        for r, prompt, p in zip(requests, inputs, params):
+            engine.add_request(r.episode_id, prompt, p)
+            self._open_turns[r.episode_id] = r
+        ended, busy, t0 = [], 0.0, time.perf_counter()
+        while self._open_turns and not ended:
+            t = time.perf_counter()
+            outputs = engine.step()
+            busy += time.perf_counter() - t
+            ended += [self._turn(self._open_turns.pop(out.request_id), out.outputs[0])
+                      for out in outputs if out.finished]
+            if time.perf_counter() - t0 > slice_s:
+                break
+        return ended, busy
+
+    def abort_turns(self) -> int:
+        """Abort every open turn of ``advance_turns`` (the caller gave up on its episodes); returns how many."""
+        ids = list(self._open_turns)
+        if ids:
+            self._llm.llm_engine.abort_request(ids)
+            self._open_turns.clear()
+        return len(ids)
+
+    def _check_no_open_turns(self, what: str) -> None:
+        if self._open_turns:
+            raise RuntimeError(f"{what}: {len(self._open_turns)} turns of advance_turns are still open on this "
+                               f"engine (finish them or abort_turns first)")
+
+    def _turn_inputs(self, requests: list[TurnRequest], temperature: float | None) -> tuple[list[Any], list[Any]]:
+        """vLLM's token prompts and sampling parameters of ``requests`` (``sample_turns``), after its checks."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -276,9 +340,7 @@ class RolloutEngine:
         params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=r.max_tokens,
                                  logprobs=0, stop_token_ids=self.stop_token_ids, stop=list(r.stop) or None,
                                  include_stop_str_in_output=True, seed=r.seed) for r in requests]
-        inputs = [TokensPrompt(prompt_token_ids=list(r.context_ids)) for r in requests]
-        outputs = self._llm.generate(inputs, params, use_tqdm=False) if requests else []
-        return [self._turn(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
+        return [TokensPrompt(prompt_token_ids=list(r.context_ids)) for r in requests], params
 
     def _turn(self, request: TurnRequest, sample: Any) -> SampledTurn:
         token_ids = list(sample.token_ids)
@@ -345,7 +407,12 @@ class RolloutEngine:
 
     def start_weight_update(self) -> None:
         """Open a weight-sync session (vLLM's ``start_weight_update``): sampling is refused until
-        ``finish_weight_update`` succeeds."""
+        ``finish_weight_update`` succeeds.
+
+        Raises:
+            RuntimeError: turns of ``advance_turns`` are still open (they would mix two weight versions).
+        """
+        self._check_no_open_turns("start_weight_update")
         self._syncing = True
         if self._routing_layers:
             self._llm.collective_rpc("rollout_take_routing")  # records of an interrupted call: old weights

@@ -188,6 +188,7 @@ class EpisodeRunner:
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.stops = stop_strings(cfg.env.tool_format)
         self.rounds = itertools.count(1)  # rounds played: episode ids stay unique (a prompt may come twice)
+        self.slice_s = 0.05  # an engine call returns after this long even when no turn ended (advance_turns)
 
     def run(self, rows: list[PromptRow], G: int, seed: int, temperature: float | None = None) -> tuple[
             list[Completion], list[RewardResult], dict[str, float], dict[str, list[int]]]:
@@ -248,35 +249,56 @@ class EpisodeRunner:
 
     def _play(self, episodes: list[Episode], temperature: float | None) -> float:
         """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``); returns
-        the engines' busy seconds (summed over engines)."""
-        ready = [e for e in episodes if e.status == "running"]
-        by_id = {e.episode_id: e for e in episodes}
+        the engines' busy seconds (summed over engines).
+
+        Continuous batching: each engine has one ``advance_turns`` call in flight while it has open turns; an
+        episode whose environment answered joins its engine's running batch at the next call (a group's
+        episodes stay on one engine, whose prefix cache holds their prompt and earlier turns). On an error the
+        engines' open turns are aborted, so the engines are left clean.
+        """
         engines = list(self.fleet.engines)
-        sampling: dict[Any, tuple[int, float]] = {}  # ref -> (engine slot, submit time)
-        stepping: dict[Any, Episode] = {}
+        by_id = {e.episode_id: e for e in episodes}
+        ready: dict[int, list[Episode]] = {j: [] for j in range(len(engines))}
+        for e in episodes:
+            if e.status == "running":
+                ready[self._engine_of(e, len(engines))].append(e)
+        open_turns, calls, stepping = Counter(), {}, {}  # calls: ref -> engine slot; stepping: ref -> Episode
         busy, turn_seed = 0.0, Counter()
-        while ready or sampling or stepping:
-            idle = [j for j in range(len(engines)) if j not in {s for s, _ in sampling.values()}]
-            for n, j in enumerate(idle):  # every ready episode goes to an idle engine; the rest wait for one
-                share = ready[n::len(idle)]
-                if share:
-                    reqs = [self._request(e, turn_seed) for e in share]
-                    sampling[engines[j].sample_turns.remote(reqs, temperature)] = (j, time.perf_counter())
-            if idle:
-                ready = []
-            done, _ = ray.wait(list(sampling) + list(stepping), num_returns=1)
-            ref = done[0]
-            if ref in sampling:
-                _, t = sampling.pop(ref)
-                busy += time.perf_counter() - t
-                for turn in ray.get(ref):
-                    self._on_turn(by_id[turn.episode_id], turn, stepping)
-            else:
-                e = stepping.pop(ref)
-                s = self._env(e, ref)
-                if s is not None and self._on_step(e, s):
-                    ready.append(e)
+        try:
+            while any(ready.values()) or any(open_turns.values()) or calls or stepping:
+                for j in set(range(len(engines))) - set(calls.values()):
+                    if ready[j] or open_turns[j]:
+                        reqs = [self._request(e, turn_seed) for e in ready[j]]
+                        open_turns[j] += len(reqs)
+                        ready[j] = []
+                        calls[engines[j].advance_turns.remote(reqs, temperature, self.slice_s)] = j
+                done, _ = ray.wait(list(calls) + list(stepping), num_returns=1)
+                done, _ = ray.wait(list(calls) + list(stepping), num_returns=len(calls) + len(stepping), timeout=0)
+                for ref in done:
+                    if ref in calls:
+                        j = calls.pop(ref)
+                        turns, seconds = ray.get(ref)
+                        busy += seconds
+                        open_turns[j] -= len(turns)
+                        for turn in turns:
+                            self._on_turn(by_id[turn.episode_id], turn, stepping)
+                    else:
+                        e = stepping.pop(ref)
+                        s = self._env(e, ref)
+                        if s is not None and self._on_step(e, s):
+                            ready[self._engine_of(e, len(engines))].append(e)
+        except BaseException:
+            try:
+                ray.get([engine.abort_turns.remote() for engine in engines], timeout=60)
+            except Exception:  # noqa: BLE001 - a dead engine has nothing open; the first error is the one to raise
+                log.warning("agent loop: could not abort the engines' open turns", exc_info=True)
+            raise
         return busy
+
+    @staticmethod
+    def _engine_of(e: Episode, n: int) -> int:
+        """The engine slot of an episode: its group's (``<uid>#<k>@<round>.<i>``: the row's index ``i``)."""
+        return int(e.episode_id.rsplit(".", 1)[1]) % n
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
         turn_seed[e.episode_id] += 1

@@ -180,3 +180,30 @@ def test_turns_continue_the_exact_ids_with_stop_strings(ray_cluster, engine, tok
     assert again.token_ids == t1.token_ids  # seeded: the same turn
     with pytest.raises(Exception, match="max_model_len"):
         ray_cluster.get(engine.sample_turns.remote([TurnRequest("p#1", prompt, max_tokens=400)]))
+
+
+def test_advance_turns_batches_continuously_and_matches_sample_turns(ray_cluster, engine, tokenizer):
+    """Turns opened on the engine at different times (continuous batching) end as the same seeded turns that
+    ``sample_turns`` gives in one batch: same ids, log-probs within float noise; while turns are open, generate
+    and a weight sync are refused; abort_turns closes them."""
+    from rollout.contracts import TurnRequest
+
+    reqs = [TurnRequest(f"e#{i}", tokenizer(f"{10 + i}+{i}=")["input_ids"], max_tokens=10, seed=20 + i)
+            for i in range(6)]
+    want = {t.episode_id: t for t in ray_cluster.get(engine.sample_turns.remote(reqs))}
+    got, pending, busy = {}, list(reqs), 0.0
+    while pending or len(got) < len(reqs):  # two turns join per call, the others run on
+        ended, b = ray_cluster.get(engine.advance_turns.remote(pending[:2], None, 0.0))
+        pending, busy = pending[2:], busy + b
+        got.update({t.episode_id: t for t in ended})
+    assert busy > 0.0 and set(got) == set(want)
+    for k, t in got.items():
+        assert t.token_ids == want[k].token_ids and t.finish_reason == want[k].finish_reason
+        assert max(abs(a - b) for a, b in zip(t.logprobs, want[k].logprobs)) < TOL
+    ended, _ = ray_cluster.get(engine.advance_turns.remote([reqs[0]], None, 0.0))
+    with pytest.raises(Exception, match="already open"):
+        ray_cluster.get(engine.advance_turns.remote([reqs[0]], None, 0.0))
+    with pytest.raises(Exception, match="still open"):
+        ray_cluster.get(engine.generate.remote(rows(tokenizer, ["1+1="]), 1, seed=1))
+    assert ray_cluster.get(engine.abort_turns.remote()) == (0 if ended else 1)
+    assert ray_cluster.get(engine.advance_turns.remote([], None, 0.0)) == ([], 0.0)
