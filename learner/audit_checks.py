@@ -106,6 +106,26 @@ def sequence_log_ratios(lp: Tensor, old: Tensor, mask: Tensor, lengths: Tensor |
     return diff.sum(-1) / n.clamp(min=1).to(torch.float64)
 
 
+def _gspo_token_per_token(lp: Tensor, a: Tensor, mask: Tensor, log_s: Tensor, clip: tuple[float, float],
+                          num_sequences: float) -> tuple[Tensor, Tensor]:
+    """GSPO-token's loss with per-token advantages ``a`` ``[B, T]`` (multi-turn episodes with per-turn rewards),
+    float64: token ``t``'s term is ``s_i,t A_i,t`` with ``s_i,t = sg[s_i] exp(lp_t - sg[lp_t])`` (value ``s_i``,
+    no gradient outside the clamp band), clipped per token when ``A_i,t > 0 and s_i > hi`` or ``A_i,t < 0 and
+    s_i < lo``; ``loss = -(1/S) sum_i (1/|y_i|) sum_t term_i,t``. Returns ``(loss, clipped share of the tokens of
+    each sequence with a response token)``."""
+    lo, hi = clip
+    zero = torch.zeros((), dtype=lp.dtype)
+    counts = mask.sum(-1)
+    s = torch.exp(log_s.clamp(-LOG_RATIO_BAND, LOG_RATIO_BAND)).detach()
+    inside = (log_s.abs() <= LOG_RATIO_BAND)[:, None] & mask
+    s_t = s[:, None] * torch.exp(torch.where(inside, lp - lp.detach(), zero))
+    clipped = (((a > 0) & (s_t > hi)) | ((a < 0) & (s_t < lo))) & mask
+    term = torch.where(mask, torch.where(clipped, s_t.detach().clamp(lo, hi) * a, s_t * a), zero)
+    loss = -(term.sum(-1) / counts.clamp(min=1).to(lp.dtype)).sum() / max(float(num_sequences), 1.0)
+    has = counts > 0
+    return loss, clipped.sum(-1)[has].to(lp.dtype) / counts[has].to(lp.dtype)
+
+
 def policy_objective(
     lp: Tensor,
     old: Tensor,
@@ -130,8 +150,11 @@ def policy_objective(
     ``seq_mean_token_sum``: ``/S``). Dr. GRPO (Liu et al., arXiv 2503.20783): GRPO's loss divided by the constant
     ``norm_length`` (with ``seq_mean_token_sum``: ``-(1/S) sum_i (1/L) sum_t term``).
 
+    GSPO-token with per-token advantages ``[B, T]``: ``_gspo_token_per_token``.
+
     Args:
-        lp: float ``[B, T]`` current log-probs (differentiable); old: behaviour log-probs; advantages: ``[B]``;
+        lp: float ``[B, T]`` current log-probs (differentiable); old: behaviour log-probs; advantages: ``[B]``
+            (``[B, T]`` for ``gspo_token`` only);
         mask: bool ``[B, T]``; num_sequences ``S`` and num_tokens ``N``: the minibatch's normalisers;
         norm_length: Dr. GRPO's ``L`` (``learner.loss_options.norm_length``), for ``dr_grpo`` only.
 
@@ -160,7 +183,12 @@ def policy_objective(
     a = advantages.to(f64)
     log_s = delta.sum(-1) / counts.clamp(min=1).to(f64)
     s = torch.exp(log_s.clamp(-LOG_RATIO_BAND, LOG_RATIO_BAND))
-    if algorithm in ("gspo", "gspo_token"):
+    if a.dim() == 2 and algorithm != "gspo_token":
+        raise ValueError(f"per-token advantages {tuple(a.shape)} are audited with algorithm='gspo_token' only")
+    if a.dim() == 2:  # GSPO-token with per-token advantages
+        loss, unit_clip = _gspo_token_per_token(lp.to(f64), a, mask, log_s, (lo, hi), num_sequences)
+        unit_ratio = s[has]
+    elif algorithm in ("gspo", "gspo_token"):
         clipped = ((a > 0) & (s > hi)) | ((a < 0) & (s < lo))
         term = torch.where(clipped, s.detach().clamp(lo, hi) * a, s * a)
         loss = -torch.where(has, term, zero).sum() / max(float(num_sequences), 1.0)
@@ -206,7 +234,7 @@ class SavedBatch:
     saved_mask: Tensor  # bool [N, L-1]: the response mask training used
     old: Tensor  # float64 [N, L-1]: the engines' behaviour log-probs
     learner_lp: Tensor  # float64 [N, L-1]: the learner's own pre-update log-probs
-    advantages: Tensor  # float64 [N]
+    advantages: Tensor  # float64 [N], or [N, L-1] per target token (gspo_token with per-turn rewards)
     prompt_lengths: Tensor  # int64 [N]; <= 0 where the row was not found in the dataset
 
     @classmethod

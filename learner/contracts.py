@@ -26,8 +26,12 @@ class TrainBatch:
             the loss.
         old_log_probs: float32 ``[N, L-1]``, behaviour-policy log-probs of the target tokens (from the
             rollout engine); 0 outside ``response_mask``.
-        advantages: float32 ``[N]``, one advantage per sequence (group-relative).
-        rewards: float32 ``[N]`` (NaN = invalid sample), for metrics.
+        advantages: float32 ``[N]``, one advantage per sequence (group-relative); or float32 ``[N, L-1]``, one
+            per target token (aligned with ``response_mask``: position ``t`` is token ``t + 1``'s advantage; 0 on
+            prompt and padding targets), only for ``gspo_token`` on multi-turn episodes with per-turn rewards
+            (``learner.advantages.turn_token_advantages``; the losses take ``[B, T]`` advantages except ``gspo``).
+        rewards: float32 ``[N]`` (NaN = invalid sample): each sequence's return, its reward plus any per-turn
+            rewards of its episode (``cluster.driver.batching.rollout_advantages``); for metrics and PPO's critic.
         prompt_uids: length-N list of ``PromptRow.uid``.
         weight_versions: int64 ``[N]``, weight version that generated each sequence.
         rollout_routes: None, or int16 ``[N, L, layers, k]``: the experts the rollout engine's MoE layers ran

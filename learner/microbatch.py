@@ -30,11 +30,12 @@ def batch_problem(batch: TrainBatch, name: str) -> str | None:
         ("attention_mask", batch.attention_mask, (n, length)),
         ("response_mask", batch.response_mask, (n, length - 1)),
         ("old_log_probs", batch.old_log_probs, (n, length - 1)),
-        ("advantages", batch.advantages, (n,)),
     ]
     for field, tensor, shape in checks:
         if tuple(tensor.shape) != shape:
             return f"{name}.{field} has shape {tuple(tensor.shape)}, expected {shape}"
+    if tuple(batch.advantages.shape) not in ((n,), (n, length - 1)):  # per sequence, or per target token
+        return f"{name}.advantages has shape {tuple(batch.advantages.shape)}, expected {(n,)} or {(n, length - 1)}"
     if n and length < 2:
         return f"{name} has sequence length {length}; at least 2 tokens are needed (prompt + response)"
     if bool((batch.response_mask.bool() & (batch.attention_mask[:, 1:] == 0)).any()):
@@ -65,7 +66,8 @@ class MicroBatch:
         self.mask = mask[:, : width - 1].to(device).bool()
         if isinstance(batch, TrainBatch):
             self.old_log_probs = batch.old_log_probs[lo:hi, : width - 1].to(device, torch.float32)
-            self.advantages = batch.advantages[lo:hi].to(device, torch.float32)
+            adv = batch.advantages[lo:hi]  # [b], or [b, L-1] per target token, trimmed as the log-probs
+            self.advantages = (adv if adv.dim() == 1 else adv[:, : width - 1]).to(device, torch.float32)
         else:
             self.old_log_probs = self.advantages = None
         routes = getattr(batch, "rollout_routes", None)

@@ -3,14 +3,101 @@ rollout batch into minibatches and data-parallel shards with their global normal
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from learner.advantages import group_advantages, turn_returns, turn_token_advantages
 from learner.contracts import SFTBatch, TrainBatch
 from rollout.contracts import Completion
 from learner.objectives import loss_normalisers
+
+log = logging.getLogger("cluster.train")
+
+#: the loss that trains on per-turn advantages (``learner.loss_registry``'s name for GSPO-token, section 4.3)
+PER_TURN_ALGORITHM = "gspo_token"
+_summed_logged = False  # sequence-level losses' sum of per-turn rewards is logged once per process
+
+
+@dataclass
+class RolloutAdvantages:
+    """What ``rollout_advantages`` gives ``build_train_batch``.
+
+    Attributes:
+        returns: float32 ``[N]``: each episode's return, its reward ``R_i`` plus its per-turn rewards
+            ``sum_k r_i,k`` (just ``R_i`` without them); NaN = invalid sample. ``TrainBatch.rewards``.
+        advantages: float32 ``[N]`` (one per sequence), or, with ``per_turn``, float32 ``[N, R]`` (``R`` the
+            longest response): entry ``[i, j]`` is the advantage of response token ``j`` of episode ``i``.
+        per_turn: the advantages are per response token (``gspo_token`` with per-turn rewards).
+        summed_turn_rewards: per-turn rewards were added into the sequence-level return (another algorithm).
+    """
+
+    returns: torch.Tensor
+    advantages: torch.Tensor
+    per_turn: bool = False
+    summed_turn_rewards: bool = False
+
+
+def rollout_advantages(completions: list[Completion], rewards: torch.Tensor, group_size: int, *, algorithm: str,
+                       normalize_std: bool) -> RolloutAdvantages:
+    """The group advantages of a rollout batch, per sequence or, for ``gspo_token`` episodes with per-turn rewards,
+    per turn.
+
+    - No completion with a nonzero ``Completion.turn_rewards`` (single answers; episodes whose environment gives
+      no per-turn reward): ``learner.advantages.group_advantages`` of ``rewards``, float32 ``[N]``, as always.
+    - ``algorithm == "gspo_token"`` and some nonzero per-turn reward: ``learner.advantages.turn_token_advantages``
+      (turn k of episode i carries ``(G_i,k - mean G_i,1) / (std G_i,1 + eps)`` on all its tokens, ``G_i,k = R_i +
+      sum_{j>=k} r_i,j``; our multi-turn extension of GSPO-token), float32 ``[N, R]`` per response token.
+    - Any other algorithm (sequence-level: ``gspo``, ``grpo``, ``ppo``, a user loss, ...) and some nonzero
+      per-turn reward: the per-turn rewards are summed into the episode's return, ``R_i + sum_k r_i,k``, whose
+      group advantage is taken as above (``[N]``); logged once per process.
+
+    Args:
+        completions: N completions (groups of ``group_size`` consecutive).
+        rewards: float32 ``[N]``, the episodes' rewards (``RewardResult.score``; NaN = invalid sample).
+        group_size: completions per prompt (G).
+        algorithm: ``learner.algorithm``.
+        normalize_std: ``learner.advantage_std()`` (z-score, or mean-only).
+
+    Raises:
+        ValueError: a completion's turn data that do not fit it (``Completion.turn_problem``), ``rewards`` not
+            ``[N]``, or the errors of ``learner.advantages``.
+    """
+    global _summed_logged
+    n = len(completions)
+    if tuple(rewards.shape) != (n,):
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be ({n},)")
+    for c in completions:
+        if problem := c.turn_problem():  # fields set after construction are checked here
+            raise ValueError(problem)
+    if not any(c.turn_rewards and any(r != 0.0 for r in c.turn_rewards) for c in completions):
+        return RolloutAdvantages(rewards, group_advantages(rewards, group_size, normalize_std=normalize_std))
+    returns = turn_returns(rewards, _turn_table(completions))[:, 0].to(torch.float32)  # R_i + sum_k r_i,k
+    if algorithm == PER_TURN_ALGORITHM:
+        adv = turn_token_advantages(rewards, [c.turn_rewards for c in completions],
+                                    [c.turn_starts for c in completions],
+                                    [len(c.response_token_ids) for c in completions], group_size,
+                                    normalize_std=normalize_std)
+        return RolloutAdvantages(returns, adv.to(torch.float32), per_turn=True)
+    if not _summed_logged:
+        _summed_logged = True
+        log.info("the environment gives per-turn rewards: learner.algorithm=%r trains on one advantage per "
+                 "episode, so they are added into each episode's return (R + sum of per-turn rewards); "
+                 "per-turn advantages need learner.algorithm=%r", algorithm, PER_TURN_ALGORITHM)
+    return RolloutAdvantages(returns, group_advantages(returns, group_size, normalize_std=normalize_std),
+                             summed_turn_rewards=True)
+
+
+def _turn_table(completions: list[Completion]) -> torch.Tensor:
+    """float64 ``[N, K]``: each completion's per-turn rewards, 0 where it has none."""
+    k = max([len(c.turn_rewards or ()) for c in completions] + [1])
+    out = torch.zeros((len(completions), k), dtype=torch.float64)
+    for i, c in enumerate(completions):
+        if c.turn_rewards:
+            out[i, : len(c.turn_rewards)] = torch.tensor(c.turn_rewards, dtype=torch.float64)
+    return out
 
 
 def build_train_batch(
@@ -20,8 +107,11 @@ def build_train_batch(
 
     Args:
         completions: N completions (groups consecutive).
-        rewards: float32 ``[N]`` (NaN = invalid sample).
-        advantages: float32 ``[N]``.
+        rewards: float32 ``[N]`` (NaN = invalid sample): the episodes' returns (``RolloutAdvantages.returns``).
+        advantages: float32 ``[N]``, one per sequence, or ``[N, R]`` with ``R`` >= the longest response, one per
+            response token (``RolloutAdvantages.advantages`` with ``per_turn``): laid out as
+            ``TrainBatch.advantages`` ``[N, L-1]``, target ``p - 1 + j`` taking response token ``j``'s value
+            (``p`` the prompt's length), 0 on prompt and padding targets.
         pad_token_id: id used for padding.
 
     Returns:
@@ -35,14 +125,19 @@ def build_train_batch(
             response tokens).
     """
     n = len(completions)
-    if rewards.shape != (n,) or advantages.shape != (n,):
-        raise ValueError(f"rewards {tuple(rewards.shape)} and advantages {tuple(advantages.shape)} must be ({n},)")
     lengths = [len(c.prompt_token_ids) + len(c.response_token_ids) for c in completions]
+    longest = max([len(c.response_token_ids) for c in completions] + [0])
+    per_token = advantages.dim() == 2
+    if rewards.shape != (n,) or advantages.shape[:1] != (n,) or advantages.dim() > 2 or (
+            per_token and advantages.shape[1] < longest):
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be ({n},) and advantages {tuple(advantages.shape)} "
+                         f"({n},) or ({n}, R >= {longest})")
     L = max(max(lengths), 2)
     input_ids = torch.full((n, L), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, L), dtype=torch.long)
     response_mask = torch.zeros((n, L - 1), dtype=torch.bool)
     old = torch.zeros((n, L - 1), dtype=torch.float32)
+    adv = torch.zeros((n, L - 1), dtype=torch.float32) if per_token else advantages.to(torch.float32)
     for i, c in enumerate(completions):
         p, r = len(c.prompt_token_ids), len(c.response_token_ids)
         if len(c.response_logprobs) != r:
@@ -57,13 +152,15 @@ def build_train_batch(
             # Target t predicts token t+1: response token j sits at p+j, so its target index is p+j-1.
             response_mask[i, p - 1 : p - 1 + r] = True if c.response_mask is None else _sampled(c)
             old[i, p - 1 : p - 1 + r] = torch.tensor(c.response_logprobs, dtype=torch.float32)
+            if per_token:
+                adv[i, p - 1 : p - 1 + r] = advantages[i, :r].to(torch.float32)
         attention_mask[i, : p + r] = 1
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
         old_log_probs=old,
-        advantages=advantages.to(torch.float32),
+        advantages=adv,
         rewards=rewards.to(torch.float32),
         prompt_uids=[c.prompt_uid for c in completions],
         weight_versions=torch.tensor([c.weight_version for c in completions], dtype=torch.long),

@@ -29,7 +29,7 @@ from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
 from cluster.driver import agent_loop, audit_dump, checkpoint, length_slices, partial_rollout, step_metrics
-from cluster.driver.batching import build_train_batch, split_for_ranks
+from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.evaluation import evaluate
 from cluster.driver.guard import GuardPolicy
@@ -37,12 +37,12 @@ from cluster.driver.progress import run_with_progress, summarize
 from cluster.driver.resume import DriverState, find_resume_point, save_checkpoint
 from cluster.driver.scaling import apply_control
 from cluster.driver.tracking import MetricsLogger, plot_curves
+from cluster.driver.trained_prompts import TrainedPromptLog
 from cluster.driver.warm_start import RLLearningRate, warm_start
 from cluster.models.resolve import ensure_model
 from cluster.runtime import devices, node_files, placement, services, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
-from learner.advantages import group_advantages
 from learner.contracts import RolloutTrainResult
 from reward.pool import RewardPool
 from rollout.contracts import PromptRow
@@ -80,6 +80,8 @@ class Trainer:
 
     ``start()`` loads the model, data and resume state and starts the services; ``run()`` trains;
     ``shutdown()`` stops everything. Attributes filled by ``start()`` are None before it."""
+
+    prompt_log: TrainedPromptLog | None = None  # trained_prompts.jsonl, the uids each step trained (start)
 
     def __init__(self, cfg: Config, verbose: bool = True):
         self.cfg = cfg
@@ -164,6 +166,7 @@ class Trainer:
             log.info("resumed from %s (step %d)", point.path, self.step)
         self.logger = MetricsLogger(self.run_dir, cfg.model_dump(mode="json"), wandb_mode=cfg.wandb.mode,
                                     project=cfg.wandb.project, resume_from_step=self.step if point else None)
+        self.prompt_log = TrainedPromptLog(self.run_dir, resume_from_step=self.step if point else None)
 
     def _start_services(self) -> None:
         cfg = self.cfg
@@ -221,8 +224,10 @@ class Trainer:
         """Prepare (group advantages, padded batch, split per rank and minibatch) and train on ``c``.
         Returns (the learner's result, learner seconds)."""
         cfg, tc = self.cfg, self.cfg.trainer
-        advantages = group_advantages(rewards, tc.group_size, normalize_std=cfg.learner.advantage_std())
-        batch = build_train_batch(c.completions, rewards, advantages, self.pad_id)
+        # per sequence, or per turn for gspo_token episodes with per-turn rewards (batching.rollout_advantages)
+        adv = rollout_advantages(c.completions, rewards, tc.group_size, algorithm=cfg.learner.algorithm,
+                                 normalize_std=cfg.learner.advantage_std())
+        batch = build_train_batch(c.completions, adv.returns, adv.advantages, self.pad_id)
         if self.episodes is not None:  # the ids trained on are the ids sampled (must be 0)
             c.reward_metrics["agent/token_mismatch"] = float(agent_loop.token_mismatch(
                 batch.input_ids, batch.response_mask,
@@ -311,6 +316,9 @@ class Trainer:
                 m.update(self.last_sync)
         self.state.step += 1
         self.trained_uids.append([r.uid for r in c.prompts])
+        if self.prompt_log is not None:
+            self.prompt_log.log(self.step, self.trained_uids[-1], c.start_position, c.end_position,
+                                skipped=result is None or result.skipped)
         m.update(step_metrics.rollout_metrics(self.cfg, c, rewards))
         m.update(self.run_metrics(learner_s, sync_s, restarts))
         by_length = result.by_response_length if result is not None else {}

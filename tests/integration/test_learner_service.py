@@ -99,6 +99,28 @@ def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm)
     assert out.metrics["actor/lr"] == pytest.approx(1e-3)
 
 
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_gspo_token_per_token_advantages_equal_full_batch(model_path, port, group_by_length):
+    """Per-turn advantages (``TrainBatch.advantages`` ``[N, L-1]``, multi-turn episodes with per-turn rewards)
+    through micro-batches trimmed to their own width (and reordered by length) = one full-minibatch step of
+    plain torch with ``policy_loss`` on the same ``[N, L-1]`` advantages."""
+    cfg = LearnerConfig(algorithm="gspo_token", zero_stage=1, micro_batch_size=2, lr=1e-3, grad_clip=1.0,
+                        num_minibatches=1, group_by_length=group_by_length)
+    batch = make_batch(model_path, 5, seed=1)
+    g = torch.Generator().manual_seed(7)
+    batch.advantages = torch.where(batch.response_mask, torch.randn(batch.response_mask.shape, generator=g), 0.0)
+    learner = _rank(model_path, cfg, port)
+    learner.capture_gradients(True)
+    s, t = loss_normalisers(batch.response_mask)
+    out = learner.train_rollout_batch([batch], [s], [t])
+    grads = learner.captured_gradients()
+    learner.capture_gradients(False)
+    ref_grads, ref_params = reference_step(model_path, [batch], cfg)
+    assert len(grads) == 1 and out.optimizer_steps == 1
+    assert_grads_close(grads[0], ref_grads)
+    assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
+
+
 def test_epochs_and_minibatches_give_one_step_each(model_path, port):
     cfg = LearnerConfig(algorithm="gspo", zero_stage=2, micro_batch_size=2, lr=1e-4, ppo_epochs=2,
                         num_minibatches=2)
