@@ -128,21 +128,25 @@ class Config(Section):
 
     def _check_env(self) -> None:
         """Multi-turn episodes (``env``): a known tool-call format, and what the agent loop does not carry yet
-        refused by name (per-turn routing capture, partial rollouts, rows already rendered by a chat template:
+        refused by name (partial rollouts, rows already rendered by a chat template:
         the loop renders an episode's first messages with the tools itself)."""
         if not self.env.enabled:
             if self.data.task == "agent_calc":
                 raise ValueError("data.task='agent_calc' needs env.tools (e.g. [reward.envs.calculator:calc]) and "
                                  "env.tool_format='tag': its problems are solved with a calculator tool")
+            if self.data.task == "agent_guess":
+                raise ValueError("data.task='agent_guess' needs env.cls (reward.envs.guess_number:GuessNumber) and "
+                                 "env.tool_format='tag': its rows are games played with a guess tool")
             return
+        if self.data.task == "agent_guess" and not self.env.cls:
+            raise ValueError("data.task='agent_guess' needs env.cls (reward.envs.guess_number:GuessNumber), not "
+                             "env.tools: its rows configure that environment's game (meta low, high, guess_bonus)")
         from rollout.tool_calls import get_format
 
         get_format(self.env.tool_format)  # ValueError naming the known formats
-        for key, on in (("rollout.return_routed_experts", self.rollout.return_routed_experts),
-                        ("trainer.partial_rollouts", self.trainer.partial_rollouts)):
-            if on:
-                raise ValueError(f"{key}=true is refused with env.{'cls' if self.env.cls else 'tools'} set: "
-                                 "multi-turn episodes do not support it yet")
+        if self.trainer.partial_rollouts:
+            raise ValueError(f"trainer.partial_rollouts=true is refused with env.{'cls' if self.env.cls else 'tools'} "
+                             "set: multi-turn episodes do not support it yet")
         if self.data.apply_chat_template is True:
             raise ValueError("data.apply_chat_template=true is refused with env set: the agent loop renders an "
                              "episode's first messages with the chat template and the tools itself (use auto)")

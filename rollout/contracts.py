@@ -9,6 +9,7 @@ nothing from Ray, vLLM or DeepSpeed. Flow of one step::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,14 @@ class Completion:
             where the engine sampled the token and 0 where the environment's reply put it (length R): the loss,
             GSPO's length |y_i| and every per-token metric count the 1s only. ``response_logprobs`` holds 0.0 at
             the 0s.
+        turn_starts: None (a single answer, or an episode without per-turn data), or, for a multi-turn episode,
+            the index in ``response_token_ids`` where each sampled assistant turn starts (length K >= 1, non-decreasing,
+            first 0, each <= R): turn k owns tokens ``turn_starts[k] .. turn_starts[k+1] - 1`` (the last turn: to
+            R), its sampled tokens then the environment's reply after them. Set together with ``turn_rewards``.
+        turn_rewards: None, or the environment's per-turn reward after each turn (``StepResult.reward``; length K,
+            finite floats, 0.0 where it gave none). Not part of the episode's reward (``RewardResult.score``):
+            ``gspo_token`` credits each turn with its reward-to-go, other algorithms add their sum to the
+            episode's return (``cluster.driver.batching.rollout_advantages``).
     """
 
     prompt_uid: str
@@ -73,6 +82,28 @@ class Completion:
     routed_experts: Any = None
     token_versions: list[int] | None = None
     response_mask: list[int] | None = None
+    turn_starts: list[int] | None = None
+    turn_rewards: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if problem := self.turn_problem():
+            raise ValueError(problem)
+
+    def turn_problem(self) -> str | None:
+        """Why ``turn_starts`` / ``turn_rewards`` do not fit this completion (see the attributes), or None."""
+        starts, rewards = self.turn_starts, self.turn_rewards
+        if starts is None and rewards is None:
+            return None
+        name = f"completion {self.prompt_uid}#{self.sample_index}"
+        if starts is None or rewards is None or len(starts) != len(rewards):
+            return (f"{name}: turn_starts ({None if starts is None else len(starts)}) and turn_rewards "
+                    f"({None if rewards is None else len(rewards)}) must be given together, one per turn")
+        r = len(self.response_token_ids)
+        if not starts or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) or starts[-1] > r:
+            return f"{name}: turn_starts {starts!r} must be ascending, start at 0 and stay within its {r} tokens"
+        if not all(math.isfinite(x) for x in rewards):
+            return f"{name}: turn_rewards {rewards!r} must be finite (0.0 where the environment gave none)"
+        return None
 
     @property
     def sampled_tokens(self) -> int:
@@ -120,6 +151,10 @@ class SampledTurn:
         stop_reason: the stop string that ended the turn, the EOS id (int), or None (EOS not among the stop
             strings, or cut at the limit).
         weight_version: the engine's weight version when the turn was sampled.
+        routed_experts: None, or (``rollout.return_routed_experts``) int16 numpy ``[C + T - 1, layers, k]``: the
+            experts the engine ran for every input position of the episode so far (context ``C`` and this
+            turn's ``T`` ids, the last one never fed back), each from the forward that computed it; the last
+            turn's covers the whole episode (``Completion.routed_experts``).
     """
 
     episode_id: str
@@ -129,6 +164,7 @@ class SampledTurn:
     finish_reason: str
     stop_reason: str | int | None
     weight_version: int
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True)

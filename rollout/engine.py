@@ -90,7 +90,7 @@ class RolloutEngine:
                                             getattr(hf_config, "eos_token_id", None),
                                             self._llm.get_tokenizer().eos_token_id)
         self._syncing = False  # between start_weight_update and a successful finish: no sampling
-        self._open_turns: dict[str, TurnRequest] = {}  # advance_turns' turns under way, by episode id
+        self._open_turns: dict[str, tuple[TurnRequest, str]] = {}  # advance_turns' turns: (request, vLLM id)
 
     def _set_environment(self, cache_dir: str | None) -> None:
         cfg = self.cfg
@@ -264,6 +264,8 @@ class RolloutEngine:
         self._check_no_open_turns("sample_turns")
         inputs, params = self._turn_inputs(requests, temperature)
         outputs = self._llm.generate(inputs, params, use_tqdm=False) if requests else []
+        if self._routing_layers and requests:
+            self._take_routing()
         return [self._turn(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
 
     def advance_turns(self, requests: list[TurnRequest], temperature: float | None = None,
@@ -294,24 +296,26 @@ class RolloutEngine:
                 raise ValueError(f"episode {r.episode_id}: a turn of it is already open on this engine")
         engine = self._llm.llm_engine
         for r, prompt, p in zip(requests, inputs, params):
-            engine.add_request(r.episode_id, prompt, p)
-            self._open_turns[r.episode_id] = r
+            self._open_turns[r.episode_id] = (r, engine.add_request(r.episode_id, prompt, p))
         ended, busy, t0 = [], 0.0, time.perf_counter()
         while self._open_turns and not ended:
             t = time.perf_counter()
-            outputs = engine.step()
+            ended += [out for out in engine.step() if out.finished]
             busy += time.perf_counter() - t
-            ended += [self._turn(self._open_turns.pop(out.request_id), out.outputs[0])
-                      for out in outputs if out.finished]
             if time.perf_counter() - t0 > slice_s:
                 break
-        return ended, busy
+        done = [self._open_turns.pop(out.request_id) for out in ended]
+        if self._routing_layers and done:  # each ended turn's routing, the running turns' kept for later
+            self._routing.add(self._llm.collective_rpc("rollout_take_routing", args=([rid for _, rid in done],))[0])
+        return [self._turn(r, out.outputs[0]) for (r, _), out in zip(done, ended)], busy
 
     def abort_turns(self) -> int:
         """Abort every open turn of ``advance_turns`` (the caller gave up on its episodes); returns how many."""
         ids = list(self._open_turns)
         if ids:
             self._llm.llm_engine.abort_request(ids)
+            if self._routing_layers:  # their partial routings: dropped
+                self._llm.collective_rpc("rollout_take_routing", args=([rid for _, rid in self._open_turns.values()],))
             self._open_turns.clear()
         return len(ids)
 
@@ -327,8 +331,6 @@ class RolloutEngine:
 
         if self._syncing:
             raise RuntimeError("engine is between weight versions (a weight sync did not finish): no sampling")
-        if self._routing_layers:
-            raise RuntimeError("rollout.return_routed_experts: an episode's routing per turn is not recorded")
         temperature = self.cfg.temperature if temperature is None else float(temperature)
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy turns, for evaluation)")
@@ -350,7 +352,19 @@ class RolloutEngine:
             episode_id=request.episode_id, token_ids=token_ids,
             logprobs=[float(step[tok].logprob) for tok, step in zip(token_ids, sample.logprobs, strict=True)],
             text=sample.text, finish_reason="length" if sample.finish_reason == "length" else "stop",
-            stop_reason=sample.stop_reason, weight_version=self._version)
+            stop_reason=sample.stop_reason, weight_version=self._version,
+            routed_experts=self._turn_routing(request, token_ids) if self._routing_layers else None)
+
+    def _turn_routing(self, request: TurnRequest, token_ids: list[int]) -> Any:
+        """The engine routing of an episode up to this turn: int16 ``[C + T - 1, layers, k]`` for the context's
+        ``C`` and the turn's ``T`` ids; the positions of earlier turns and replies come from the forwards that
+        computed their KV (the prefix cache's donors, ``RoutingStore``), so each sampled token keeps its own
+        turn's experts."""
+        try:
+            return self._routing.get(list(request.context_ids) + token_ids)
+        except KeyError as e:
+            raise RuntimeError(f"episode {request.episode_id}: rollout.return_routed_experts=true but the engine "
+                               f"recorded no complete routing for this turn ({e.args[0]})") from None
 
     @staticmethod
     def _request_seed(seed: int, prompt_index: int, n: int) -> int:

@@ -65,6 +65,7 @@ class RoutingCapture:
         for m in layers:
             m.router.set_capture_fn(self._make_fn(int(m.layer_id)))
         self._steps: list[dict[str, Any]] = []
+        self._parts: dict[str, list] = {}  # request -> (positions, tokens, ids) recorded but not taken yet
         self._prefix_tokens: dict[str, np.ndarray] = {}  # request -> input tokens it took from the prefix cache
 
     def _make_fn(self, layer_id: int):
@@ -104,8 +105,10 @@ class RoutingCapture:
             p0 = int(step["positions"][int(starts[r])])
             self._prefix_tokens[req_id] = np.array(token_ids[r, :p0], dtype=np.int32, copy=True)
 
-    def take(self) -> list[dict[str, Any]]:
-        """All routings recorded since the last ``take`` (then forgotten), one dict per request.
+    def take(self, only: list[str] | None = None) -> list[dict[str, Any]]:
+        """The routings recorded for requests (all, or the vLLM request ids in ``only``), then forgotten; the
+        other requests' records are kept for a later call (turns still running: ``RolloutEngine.advance_turns``
+        takes each turn's when it ends).
 
         Returns:
             ``[{"tokens": list of T ints, "ids": bytes of int16 [T, layers, k], "shape": [T, layers, k]}, ...]``:
@@ -114,31 +117,34 @@ class RoutingCapture:
             leading run ``0 .. p0-1``) have ids -1 and their input tokens; a position missing otherwise has
             token -1 and ids -1.
         """
-        per_req: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         for step in self._steps:
             if any(ids is None for ids in step["ids"]):
                 continue  # a forward interrupted between layers: nothing of it is trusted
             stacked = np.stack(step["ids"], axis=1)  # [tokens, layers, k]
             for r, req_id in enumerate(step["req_ids"]):
                 rows = step["req_index"] == r
-                per_req.setdefault(req_id, []).append((step["positions"][rows], step["tokens"][rows], stacked[rows]))
+                self._parts.setdefault(req_id, []).append(
+                    (step["positions"][rows], step["tokens"][rows], stacked[rows]))
         self._steps = []
-        out = []
-        prefix_tokens, self._prefix_tokens = self._prefix_tokens, {}
-        for req_id, parts in per_req.items():
-            length = int(max(int(p.max()) for p, _, _ in parts if len(p)) + 1) if any(len(p) for p, _, _ in parts) else 0
-            k = parts[0][2].shape[-1]
-            tokens = np.full(length, -1, dtype=np.int32)
-            ids = np.full((length, len(self.layer_ids), k), -1, dtype=np.int16)
-            prefix = prefix_tokens.get(req_id)
-            if prefix is not None and len(prefix) <= length:
-                tokens[: len(prefix)] = prefix  # their ids stay -1: served from the prefix cache
-            for pos, tok, rid in parts:
-                tokens[pos] = tok
-                ids[pos] = rid
-            # plain bytes and lists: they cross vLLM's msgpack hop in multi-process mode unchanged
-            out.append({"tokens": tokens.tolist(), "ids": ids.tobytes(), "shape": list(ids.shape)})
+        wanted = list(self._parts) if only is None else [r for r in only if r in self._parts]
+        out = [self._record(self._parts.pop(req_id), self._prefix_tokens.pop(req_id, None)) for req_id in wanted]
+        if only is None:
+            self._prefix_tokens = {}
         return out
+
+    def _record(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], prefix: np.ndarray | None) -> dict:
+        """One request's ``take`` record from its recorded parts and the tokens it took from the prefix cache."""
+        length = max((int(p.max()) + 1 for p, _, _ in parts if len(p)), default=0)
+        k = parts[0][2].shape[-1]
+        tokens = np.full(length, -1, dtype=np.int32)
+        ids = np.full((length, len(self.layer_ids), k), -1, dtype=np.int16)
+        if prefix is not None and len(prefix) <= length:
+            tokens[: len(prefix)] = prefix  # their ids stay -1: served from the prefix cache
+        for pos, tok, rid in parts:
+            tokens[pos] = tok
+            ids[pos] = rid
+        # plain bytes and lists: they cross vLLM's msgpack hop in multi-process mode unchanged
+        return {"tokens": tokens.tolist(), "ids": ids.tobytes(), "shape": list(ids.shape)}
 
 
 class RoutingStore:

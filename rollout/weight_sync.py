@@ -322,10 +322,11 @@ class RolloutWorkerExtension:
             self._routing_capture = RoutingCapture(self.model_runner)
         return list(self._routing_capture.layer_ids)
 
-    def rollout_take_routing(self) -> list[dict]:
-        """Per-request routings recorded since the last call (``RoutingCapture.take``); [] when capture is off."""
+    def rollout_take_routing(self, only: list[str] | None = None) -> list[dict]:
+        """Per-request routings recorded and not taken yet, of every request or of the vLLM request ids in
+        ``only`` (``RoutingCapture.take``); [] when capture is off."""
         capture = getattr(self, "_routing_capture", None)
-        return [] if capture is None else capture.take()
+        return [] if capture is None else capture.take(only)
 
 
 def register() -> None:

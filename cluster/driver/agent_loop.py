@@ -67,6 +67,9 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)  # where each sampled turn starts in response_ids
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's per-turn reward (0.0: none)
+    routed_experts: Any = None  # the last turn's engine routing: the whole episode's (R3), or None
     turns: int = 0
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
@@ -93,7 +96,9 @@ class Episode:
             prompt_uid=self.row.uid, sample_index=self.sample_index, prompt_token_ids=list(self.prompt_ids),
             response_token_ids=list(self.response_ids), response_logprobs=list(self.logprobs),
             response_text=self.final_text, finish_reason="length" if self.truncated else "stop",
-            weight_version=min(versions), token_versions=list(self.versions), response_mask=list(self.mask))
+            weight_version=min(versions), token_versions=list(self.versions), response_mask=list(self.mask),
+            turn_starts=list(self.turn_starts) or None, turn_rewards=list(self.turn_rewards) or None,
+            routed_experts=self.routed_experts)
 
 
 def check_template(tokenizer) -> None:
@@ -208,6 +213,7 @@ class EpisodeRunner:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         restarts = self.pool.restarts
         results = self._finish(episodes)
+        _fill_missing_routing(episodes)
         wall = time.perf_counter() - t0
         metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
         metrics["agent/env_worker_restarts"] = float(self.pool.restarts - restarts)
@@ -308,7 +314,10 @@ class EpisodeRunner:
                            seed=(e.seed * 64 + e.sample_index) * 64 + turn_seed[e.episode_id])
 
     def _on_turn(self, e: Episode, turn: SampledTurn, stepping: dict) -> None:
+        e.turn_starts.append(len(e.response_ids))
+        e.turn_rewards.append(0.0)
         e.add(turn.token_ids, turn.logprobs, turn.weight_version)
+        e.routed_experts = turn.routed_experts  # covers every earlier turn and reply (each from its own forward)
         e.turns += 1
         last = turn.token_ids[-1] if turn.token_ids else None
         e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason, last)
@@ -331,6 +340,8 @@ class EpisodeRunner:
         if s.status in FAILED:
             e.status = s.status
             return False
+        if s.reward is not None:
+            e.turn_rewards[-1] = float(s.reward)
         if s.done:
             e.status = "max_turns" if s.status == "max_turns" else "ok"
             return False
@@ -364,6 +375,19 @@ class EpisodeRunner:
         return results
 
 
+def _fill_missing_routing(episodes: list[Episode]) -> None:
+    """With routing capture on, an episode that sampled no turn (its environment failed at the start) gets an
+    all ``-1`` routing (no engine experts: the learner's replay uses its placeholder there; it has no sampled
+    token to train) so that the batch's rows agree."""
+    import numpy as np
+
+    shape = next((e.routed_experts.shape[1:] for e in episodes if e.routed_experts is not None), None)
+    for e in episodes:
+        if shape is not None and e.routed_experts is None:
+            n = max(len(e.prompt_ids) + len(e.response_ids) - 1, 0)
+            e.routed_experts = np.full((n, *shape), -1, dtype=np.int16)
+
+
 def _named_argument(arguments: dict, name: str, tools: list[dict]) -> dict:
     """The ``tag`` format's one argument (``{TAG_ARGUMENT_KEY: text}``) under the name of the tool's only
     parameter (from its JSON schema); other arguments, and tools with another number of parameters, as they are."""
@@ -394,6 +418,7 @@ def episode_metrics(episodes: list[Episode], busy_share: float) -> dict[str, flo
          "agent/cut_turns": float(sum(e.status == "max_turns" for e in episodes)),
          "agent/cut_tokens": float(sum(e.status == "cut_tokens" for e in episodes)),
          "agent/env_failed": float(sum(e.status in FAILED for e in episodes)),
-         "agent/env_s": sum(e.env_s for e in episodes), "agent/engine_busy_share": float(busy_share)}
+         "agent/env_s": sum(e.env_s for e in episodes), "agent/engine_busy_share": float(busy_share),
+         "agent/turn_reward_mean": sum(sum(e.turn_rewards) for e in episodes) / n}
     m.update({f"agent/tool_errors/{k}": float(v) for k, v in sorted(errors.items())})
     return m

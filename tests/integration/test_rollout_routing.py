@@ -54,3 +54,38 @@ def test_engine_reports_the_experts_it_ran_before_and_after_a_sync(ray_cluster, 
     finally:
         ray_cluster.get(engine.shutdown.remote())
         ray_cluster.kill(engine)
+
+
+def test_turns_of_an_episode_carry_each_positions_own_forward_experts(ray_cluster, tiny_moe, tmp_path):
+    """R3 for episodes: turns batched continuously (``advance_turns``) report the experts of every input position
+    of the episode so far; a later turn's earlier positions (served from the prefix cache) come from the turn that
+    computed them, and all agree with a transformers forward of the whole interleaved sequence."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.contracts import TurnRequest
+
+    tok = AutoTokenizer.from_pretrained(tiny_moe)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
+    cfg = RolloutConfig(max_model_len=256, max_response_tokens=8, return_routed_experts=True, seed=3)
+    engine = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(str(tiny_moe), cfg, cache_dir=str(tmp_path))
+    reply = tok("<result>46</result>", add_special_tokens=False)["input_ids"]
+    contexts = {f"e{i}": tok(p)["input_ids"] for i, p in enumerate(["12+34=", LONG_PROMPT, LONG_PROMPT])}
+    try:
+        for turn in range(2):
+            pending = [TurnRequest(k, ids, max_tokens=8, seed=7 * turn + i) for i, (k, ids) in
+                       enumerate(contexts.items())]
+            ended = {}
+            while len(ended) < len(contexts):  # one turn joins per call: the others are mid-decode
+                got, _ = ray_cluster.get(engine.advance_turns.remote(pending[:1], None, 0.0))
+                pending = pending[1:]
+                ended.update({t.episode_id: t for t in got})
+            for k, t in ended.items():
+                seq = contexts[k] + t.token_ids
+                assert t.routed_experts.shape == (len(seq) - 1, 2, 2), (k, turn)
+                assert np.array_equal(np.sort(t.routed_experts, -1), hf_routing(model, seq)), (k, turn)
+                contexts[k] = seq + reply  # the next turn continues the exact ids
+        stats = ray_cluster.get(engine.routing_stats.remote())
+        assert stats["filled_positions"] > 0 and stats["unresolved"] == 0, stats
+    finally:
+        ray_cluster.get(engine.shutdown.remote())
+        ray_cluster.kill(engine)

@@ -107,3 +107,50 @@ def test_a_template_that_drops_earlier_turns_is_refused_before_any_service_start
     check_template(build_char_tokenizer())  # no template: plain replies
     with pytest.raises(ConfigError, match="cannot continue an episode on its sampled ids"):
         check_template(build_bpe_tokenizer(REASONING_STRIPPING_TEMPLATE, name="stripping"))
+
+
+def test_per_turn_rewards_are_recorded_at_each_turns_start_and_reach_the_advantages():
+    """The loop records where each sampled turn starts and the environment's per-turn reward after it; the
+    completion carries them, and gspo_token's advantages become per token from them (hand-computed)."""
+    from types import SimpleNamespace
+
+    from cluster.driver.agent_loop import EpisodeRunner
+    from cluster.driver.batching import rollout_advantages
+    from reward.env_worker import EnvStep
+    from rollout.chat_delta import TurnEnd
+
+    runner = EpisodeRunner.__new__(EpisodeRunner)
+    runner.cfg = SimpleNamespace(rollout=SimpleNamespace(max_model_len=64))
+    runner.chat, runner.tokenizer = False, lambda text, **_: {"input_ids": [30 + len(text) % 7, 31]}
+
+    def episode(turn_reward: float | None, final_reward: float | None) -> Episode:
+        e = Episode("p#0", PromptRow("p", "1+2=", [5, 6], "3"), 0, seed=7, worker=0, prompt_ids=[5, 6])
+        for ids, step in (([7, 8], EnvStep([{"role": "tool", "content": "3"}], False, reward=turn_reward)),
+                          ([9], EnvStep([], True, reward=final_reward))):
+            e.turn_starts.append(len(e.response_ids))
+            e.turn_rewards.append(0.0)
+            e.add(ids, [-0.5] * len(ids), version=1)
+            e.turn_end = TurnEnd.from_sampling("stop", None, ids[-1])
+            runner._on_step(e, step)
+        return e
+
+    a, b = episode(-0.5, None), episode(None, None)
+    ca, cb = a.completion(), b.completion()
+    assert ca.turn_starts == [0, 4] and ca.turn_rewards == [-0.5, 0.0] and ca.response_mask == [1, 1, 0, 0, 1]
+    assert cb.turn_rewards == [0.0, 0.0]
+    rewards = torch.tensor([1.0, 1.0])  # equal episode rewards: only the per-turn reward separates them
+    adv = rollout_advantages([ca, cb], rewards, 2, algorithm="gspo_token", normalize_std=False)
+    # returns G_1 = (0.5, 1.0), mean 0.75: a's turn 1 (G = 0.5) gets -0.25, its turn 2 (G = 1.0) +0.25; b: 0.25
+    assert adv.per_turn and adv.advantages.tolist() == [[-0.25] * 4 + [0.25], [0.25] * 5]
+    seq = rollout_advantages([ca, cb], rewards, 2, algorithm="gspo", normalize_std=False)
+    assert not seq.per_turn and seq.advantages.tolist() == [-0.25, 0.25] and seq.returns.tolist() == [0.5, 1.0]
+
+
+def test_episodes_take_routing_capture_and_refuse_partial_rollouts_at_config_load():
+    from cluster.config import load_config
+    from tests.helpers import REPO_ROOT
+
+    path = REPO_ROOT / "configs" / "tiny_agent_calc.yaml"
+    assert load_config(path, ["rollout.return_routed_experts=true"]).rollout.return_routed_experts
+    with pytest.raises(ValueError, match="trainer.partial_rollouts=true is refused with env.tools set"):
+        load_config(path, ["trainer.partial_rollouts=true"])
