@@ -139,7 +139,9 @@ def token_mismatch(input_ids: torch.Tensor, response_mask: torch.Tensor, sampled
 
 class EnvPool:
     """``env.num_workers`` env workers (``reward.env_worker.EnvWorker`` actors) in their placement groups; a
-    worker whose process died is replaced in a fresh group (``replace``)."""
+    worker whose process died, or that holds more than ``env.max_abandoned_threads`` abandoned tool threads
+    (``maintain``, between rounds), is replaced in a fresh group (``replace``); ``resize`` follows
+    ``control.yaml``'s ``env.num_workers`` between steps."""
 
     def __init__(self, cfg: Config, scheduling_strategy_factory):
         self.cfg, self.factory = cfg, scheduling_strategy_factory
@@ -163,6 +165,34 @@ class EnvPool:
         self.workers[slot] = self._start(slot)
         ray.get(self.workers[slot].pid.remote())
         self.restarts += 1
+
+    def maintain(self) -> int:
+        """Between rounds (no episode open): replace every worker holding more than ``env.max_abandoned_threads``
+        abandoned threads (tool calls past their deadline that never returned); returns how many."""
+        limit, replaced = self.cfg.env.max_abandoned_threads, 0
+        for slot, held in enumerate(ray.get([w.abandoned_threads.remote() for w in self.workers])):
+            if held > limit:
+                log.warning("env worker %d holds %d abandoned tool threads (> env.max_abandoned_threads=%d): "
+                            "replaced", slot, held, limit)
+                self.replace(slot)
+                replaced += 1
+        return replaced
+
+    def resize(self, n: int) -> None:
+        """Grow or shrink to ``n`` workers between steps (no episode open; new ones are ready when this returns).
+
+        Raises:
+            ValueError: ``n < 1``.
+        """
+        if n < 1:
+            raise ValueError(f"env.num_workers must be >= 1, got {n}")
+        while len(self.workers) > n:
+            ray.kill(self.workers.pop(), no_restart=True)
+            if hasattr(self.factory, "remove"):
+                self.factory.remove(len(self.workers))
+        new = [self._start(slot) for slot in range(len(self.workers), n)]
+        ray.get([w.pid.remote() for w in new])
+        self.workers += new
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -359,6 +389,7 @@ class EpisodeRunner:
         for slot in sorted({e.worker for e in episodes if e.worker_lost}):
             log.warning("env worker %d died: its episodes of this round end with status error; replaced", slot)
             self.pool.replace(slot)
+        self.pool.maintain()
         results = []
         for e, o in zip(episodes, outcomes):
             if o is None:  # its worker died

@@ -277,7 +277,7 @@ class Trainer:
         ``trainer.max_staleness=1``, or running partial rollouts' rounds with ``trainer.partial_rollout_overlap``),
         sync, and the step's metrics (see README for their names)."""
         t_step = time.perf_counter()
-        apply_control(self.run_dir, self.fleet, self.rewards)
+        apply_control(self.run_dir, self.fleet, self.rewards, self.episodes.pool if self.episodes else None)
         restarts = self.fleet.restarts
         c, self.pending = self.pending or self.collector.collect(self.step), None
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)

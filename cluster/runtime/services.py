@@ -495,6 +495,11 @@ class RewardGroups:
         self.groups[slot] = pg
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
 
+    def remove(self, slot: int) -> None:
+        """Remove the placement group of ``slot`` (its worker was ended: the pool shrank)."""
+        if (pg := self.groups.pop(slot, None)) is not None:
+            remove_placement_group(pg)
+
     def remove_all(self) -> None:
         for pg in self.groups.values():
             remove_placement_group(pg)

@@ -75,3 +75,27 @@ def test_an_env_worker_that_dies_ends_its_episodes_not_the_run(trainer):
     assert all(r.score == 0.0 and r.status == "error" for r in c.results)
     again = t.collector.collect(t.step)  # the new worker plays the next round
     assert again.reward_metrics["agent/env_failed"] == 0.0 and again.reward_metrics["agent/turns_mean"] > 1.0
+
+
+def test_env_workers_scale_through_control_yaml_and_are_replaced_when_holding_abandoned_threads(trainer):
+    import ray
+
+    from cluster.driver.scaling import apply_control
+
+    t = trainer
+    pool = t.episodes.pool
+    (t.run_dir / "control.yaml").write_text("env.num_workers: 2\n")
+    apply_control(t.run_dir, t.fleet, t.rewards, pool)
+    assert len(pool) == 2 and len(set(ray.get([w.pid.remote() for w in pool.workers]))) == 2
+    c = t.collector.collect(t.step)  # the episodes spread over both workers
+    assert c.reward_metrics["agent/env_failed"] == 0.0 and c.reward_metrics["agent/env_worker_restarts"] == 0.0
+    (t.run_dir / "control.yaml").write_text("env.num_workers: 1\n")
+    apply_control(t.run_dir, t.fleet, t.rewards, pool)
+    assert len(pool) == 1
+    # a worker holding more abandoned threads than allowed is replaced after the round (limit -1: any worker)
+    pid = ray.get(pool.workers[0].pid.remote())
+    pool.cfg = pool.cfg.model_copy(update={"env": pool.cfg.env.model_copy(update={"max_abandoned_threads": -1})})
+    c = t.collector.collect(t.step)
+    assert c.reward_metrics["agent/env_worker_restarts"] == 1.0 and c.reward_metrics["agent/env_failed"] == 0.0
+    assert ray.get(pool.workers[0].pid.remote()) != pid
+    (t.run_dir / "control.yaml").unlink()
