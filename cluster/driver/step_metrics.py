@@ -51,6 +51,13 @@ def staleness(c: Collected, learner_version: int, max_staleness: int, step: int)
     return {"rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0, "rollout/staleness_max": float(worst)}
 
 
+def response_token_limit(cfg: Config) -> int:
+    """The most tokens a response may sample: ``rollout.max_response_tokens``, or for multi-turn episodes
+    ``env.max_turns`` turns of it within ``rollout.max_model_len`` (the length slices' range)."""
+    limit = cfg.rollout.max_response_tokens
+    return min(limit * cfg.env.max_turns, cfg.rollout.max_model_len) if cfg.env.enabled else limit
+
+
 def rollout_metrics(cfg: Config, c: Collected, rewards: torch.Tensor) -> dict[str, Any]:
     """Reward, response, sampling and rollout timing metrics of a step's rollout ``c`` (``rewards``: float32
     ``[N]``, NaN = invalid sample)."""
@@ -60,7 +67,7 @@ def rollout_metrics(cfg: Config, c: Collected, rewards: torch.Tensor) -> dict[st
         m.update({"sampling/rounds": float(c.rounds), "sampling/dropped_groups": float(c.dropped),
                   "sampling/groups_trained": float(len(c.prompts))})
     valid = rewards[~torch.isnan(rewards)]
-    lengths = [len(x.response_token_ids) for x in c.completions]
+    lengths = [x.sampled_tokens for x in c.completions]  # an episode's sampled tokens (its replies left out)
     m.update({
         "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
         "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
@@ -87,8 +94,8 @@ def length_metrics(cfg: Config, c: Collected, rewards: torch.Tensor,
     n = cfg.trainer.length_buckets
     if not n:
         return {}
-    ranges = length_slices.bucket_ranges(cfg.rollout.max_response_tokens, n)
-    lengths = [len(x.response_token_ids) for x in c.completions]
+    ranges = length_slices.bucket_ranges(response_token_limit(cfg), n)
+    lengths = [x.sampled_tokens for x in c.completions]  # an episode's sampled tokens: the learner's |y_i|
     out = length_slices.rollout_slices(lengths, rewards.tolist(), [r.correct for r in c.results], ranges)
     out.update(length_slices.learner_slices(by_length, ranges))
     return out

@@ -154,3 +154,18 @@ def test_episodes_take_routing_capture_and_refuse_partial_rollouts_at_config_loa
     assert load_config(path, ["rollout.return_routed_experts=true"]).rollout.return_routed_experts
     with pytest.raises(ValueError, match="trainer.partial_rollouts=true is refused with env.tools set"):
         load_config(path, ["trainer.partial_rollouts=true"])
+
+
+def test_length_metrics_of_episodes_count_sampled_tokens_over_the_episodes_range():
+    from cluster.config import load_config
+    from cluster.driver.collect import Collected
+    from cluster.driver.step_metrics import response_token_limit, rollout_metrics
+    from reward.contracts import RewardResult
+    from tests.helpers import REPO_ROOT
+
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_agent_calc.yaml",
+                      ["trainer.length_buckets=4", "trainer.group_size=2", "learner.micro_batch_size=8"])
+    assert response_token_limit(cfg) == 96  # 3 turns of 32 tokens, within max_model_len 96
+    c = Collected(completions=[_episode().completion()] * 2, results=[RewardResult(score=1.0, correct=True)] * 2)
+    m = rollout_metrics(cfg, c, torch.ones(2))
+    assert m["response/length_mean"] == 3.0  # 3 sampled tokens; the 2 reply tokens are not the model's
