@@ -173,7 +173,7 @@ class Config(Section):
     def _check_node_resources(self) -> None:
         """Each role's ``node_resources`` names Ray custom resources only (not CPU, GPU, memory or ``node:...``,
         which have their own keys or are Ray's) with amounts > 0."""
-        for role in ("rollout", "learner", "reward"):
+        for role in ("rollout", "learner", "reward", "env"):
             for name, amount in getattr(self, role).node_resources.items():
                 if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
                     raise ValueError(f"{role}.node_resources: {name!r} is not a custom resource name: CPUs and GPUs "

@@ -20,7 +20,7 @@ PLACEMENT_FILE = "placement.json"
 #: resources every Ray node has (not a custom resource a user starts a node with)
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
-ROLES = ("learner", "rollout", "reward")
+ROLES = ("learner", "rollout", "reward", "env")
 
 
 def custom_resources(resources: dict[str, float]) -> dict[str, float]:
@@ -39,8 +39,10 @@ def role_demand(cfg: Config) -> dict[str, tuple[int, dict[str, float]]]:
     rank = {"CPU": lc.num_cpus_per_rank, **lc.node_resources}
     if lc.num_gpus_per_rank:
         rank["GPU"] = lc.num_gpus_per_rank
+    ec = cfg.env  # env workers of multi-turn episodes: none without an env section
     return {"learner": (lc.world_size, rank), "rollout": (rc.num_engines, engine),
-            "reward": (wc.num_workers, {"CPU": wc.num_cpus_per_worker, **wc.node_resources})}
+            "reward": (wc.num_workers, {"CPU": wc.num_cpus_per_worker, **wc.node_resources}),
+            "env": (ec.num_workers if ec.enabled else 0, {"CPU": ec.num_cpus_per_worker, **ec.node_resources})}
 
 
 def check_node_resources(cfg: Config, nodes: list[dict[str, Any]], where: str = "the cluster") -> None:
@@ -59,7 +61,7 @@ def check_node_resources(cfg: Config, nodes: list[dict[str, Any]], where: str = 
     totals: dict[str, float] = {}
     for role in ROLES:
         count, bundle = demand[role]
-        asked = getattr(cfg, role).node_resources
+        asked = getattr(cfg, role).node_resources if count else {}
         for name, amount in asked.items():
             if not any(r.get(name, 0) >= amount for r in alive):
                 raise ConfigError(
@@ -75,7 +77,7 @@ def check_node_resources(cfg: Config, nodes: list[dict[str, Any]], where: str = 
         have = sum(r.get(name, 0) for r in alive)
         if need > have + 1e-9:
             users = [f"{role} ({demand[role][0]} x {getattr(cfg, role).node_resources[name]:g})"
-                     for role in ROLES if name in getattr(cfg, role).node_resources]
+                     for role in ROLES if demand[role][0] and name in getattr(cfg, role).node_resources]
             raise ConfigError(f"custom resource {name}: {', '.join(users)} need {need:g} in all, the live nodes "
                               f"of {where} offer {have:g}; add nodes or lower the counts")
 
@@ -123,9 +125,10 @@ def _bundle_nodes(pg) -> dict[int, str]:
     return {int(i): n for i, n in placement_group_table(pg).get("bundles_to_node_id", {}).items()}
 
 
-def actor_slots(learners, fleet, reward_groups) -> list[tuple[str, int, Any, int]]:
+def actor_slots(learners, fleet, reward_groups, env_groups=None) -> list[tuple[str, int, Any, int]]:
     """(role, index, placement group, bundle index) of every actor: learner ranks in rank order (their groups'
-    bundles in order), engines by slot, reward workers by slot."""
+    bundles in order), engines by slot, reward workers by slot, env workers by slot (``env_groups``: None
+    without episodes)."""
     slots: list[tuple[str, int, Any, int]] = []
     rank = 0
     for pg in getattr(learners, "groups", []):
@@ -135,6 +138,8 @@ def actor_slots(learners, fleet, reward_groups) -> list[tuple[str, int, Any, int
     slots += [("rollout", i, pg, 0) for i, pg in enumerate(getattr(fleet, "groups", []))]
     groups = getattr(reward_groups, "groups", {}) or {}
     slots += [("reward", slot, groups[slot], 0) for slot in sorted(groups)]
+    groups = getattr(env_groups, "groups", {}) or {}
+    slots += [("env", slot, groups[slot], 0) for slot in sorted(groups)]
     return slots
 
 
@@ -172,13 +177,13 @@ class PlacementRecord:
         self.rows: list[dict[str, Any]] = []
         self.slots: list[tuple[str, int, Any, int]] = []  # the slots read last (role, index, group id, bundle)
 
-    def update(self, learners, fleet, reward_groups) -> list[dict[str, Any]]:
+    def update(self, learners, fleet, reward_groups, env_groups=None) -> list[dict[str, Any]]:
         """Read where every actor is now; write ``placement.json`` when it changed. Returns the rows. The
         placement groups are the same as at the last call (no actor replaced, added or removed) and every node
         of the last rows is alive: the rows of that call, with one question to Ray's GCS (the live nodes). A
         group's bundle moves only when its node is lost: Ray places the bundle again on another node and
         restarts the actor there in the same group, so a lost node makes the rows be read again."""
-        slots = actor_slots(learners, fleet, reward_groups)
+        slots = actor_slots(learners, fleet, reward_groups, env_groups)
         key = [(role, index, pg.id, bundle) for role, index, pg, bundle in slots]
         if key == self.slots and self.path.is_file() and self._nodes_alive():
             return self.rows

@@ -111,3 +111,16 @@ def test_placement_record_reads_again_when_a_node_of_its_rows_is_lost(tmp_path, 
     nodes["n1"] = False  # the node is lost and Ray placed the bundle on n2
     assert [r["node_id"] for r in record.update(None, None, rewards)] == ["n2"]
     assert [r["node_id"] for r in json.loads((tmp_path / "placement.json").read_text())] == ["n2"]
+
+
+def test_env_workers_node_resources_are_checked_like_the_other_roles():
+    agent = REPO_ROOT / "configs" / "tiny_agent_calc.yaml"
+    with pytest.raises(ConfigError, match="env.node_resources"):
+        load_config(agent, ["env.node_resources={CPU: 1}"])
+    cfg = load_config(agent, ["env.node_resources={env_node: 1}", "env.num_workers=2"])
+    with pytest.raises(ConfigError, match=r"env.node_resources asks env_node=1 per env actor"):
+        check_node_resources(cfg, [_node(4)])
+    with pytest.raises(ConfigError, match=r"env_node: env \(2 x 1\) need 2 in all"):
+        check_node_resources(cfg, [_node(4), _node(1, env_node=1)])
+    check_node_resources(cfg, [_node(4), _node(1, env_node=2)])
+    check_node_resources(_cfg("env.node_resources={env_node: 1}"), [_node(4)])  # no env section: not asked
