@@ -47,6 +47,7 @@ An ``error`` in ``close`` after a good episode does not change its reward: it is
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ from reward.environment import (
     episode_reward,
     load_environment_class,
     load_tools,
+    needs_sandbox,
     run_with_tool_deadline,
     tool_schemas,
 )
@@ -214,10 +216,15 @@ class EnvWorker:
         cfg: the ``env`` config section (must be enabled: ``cls`` or ``tools`` set).
         reward_cfg: the ``reward`` section, for the verifier of a ``ToolsEnvironment`` (``reward.verifier``
             overrides the row's own, as in the reward worker, with its options); default ``RewardConfig()``.
+            Its ``sandbox`` settings go to tools that run model-written code (``reward.envs.python_tool``,
+            through ``reward.environment.tool_context``).
 
     Raises (at construction):
         ValueError: the section is off, ``env.cls`` does not name an ``Environment`` subclass, or an
             ``env.tools`` entry cannot be imported or has no usable schema (``ToolSchemaError``).
+        reward.sandbox.SandboxUnavailable: a tool runs model code in the sandbox
+            (``reward.environment.uses_sandbox``), ``reward.sandbox.backend`` is ``bwrap`` and bubblewrap does
+            not work here (as the reward worker refuses the ``code`` verifier then).
     """
 
     def __init__(self, cfg: EnvConfig, reward_cfg: RewardConfig | None = None):
@@ -227,6 +234,10 @@ class EnvWorker:
         self.reward_cfg = reward_cfg if reward_cfg is not None else RewardConfig()
         self._env_cls = load_environment_class(cfg.cls) if cfg.cls is not None else None
         self._tools = load_tools(cfg.tools) if cfg.cls is None else []
+        if needs_sandbox(self._env_cls, self._tools):
+            from reward.sandbox import announce
+
+            announce(self.reward_cfg.sandbox)  # now, not as an error observation of every call
         self._verifiers: dict[str, Callable] = {}
         self._runner = DeadlineRunner("env")
         self._lock = threading.Lock()
@@ -334,7 +345,8 @@ class EnvWorker:
             errors = {"parse": len(parse_errors)} if parse_errors else {}
             observations = [parse_error_message(str(e)) for e in parse_errors]
             limit = self.cfg.tool_timeout_s
-            out = self._runner.call(run_with_tool_deadline, self._runner, limit, ep.env.step, assistant_text, calls,
+            with_deadline = functools.partial(run_with_tool_deadline, sandbox=self.reward_cfg.sandbox)
+            out = self._runner.call(with_deadline, self._runner, limit, ep.env.step, assistant_text, calls,
                                     timeout_s=limit * (len(calls) + 1), method="step")
             if out.status == "error" and out.detail.get("error") == "ToolTimeout":
                 out = CallOutcome("timeout", None, {**out.detail, "error": "Timeout"}, out.elapsed_s)

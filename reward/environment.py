@@ -30,6 +30,7 @@ import json
 import math
 import numbers
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -40,7 +41,54 @@ if TYPE_CHECKING:
 
 TOOL_MARK = "__env_tool__"  # the attribute ``@tool`` sets on a function
 OBSERVATION_ERROR_CHARS = 500  # longest error text sent back to the model in one observation
-_TOOL_DEADLINE = threading.local()  # .value: (runner, seconds) while run_with_tool_deadline runs in this thread
+_TOOL_DEADLINE = threading.local()  # .value: (runner, seconds, sandbox) while run_with_tool_deadline runs here
+_TOOL_CONTEXT = threading.local()  # .value: the ToolContext of the tool call running in this thread
+SANDBOX_MARK = "__env_sandbox__"  # set (True) on a tool function that runs model-written code in reward.sandbox
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool function may know of the call it runs in (``tool_context``).
+
+    Attributes:
+        deadline: ``time.monotonic()`` at which the call's deadline (``env.tool_timeout_s``) passes, for a tool
+            that must stop its own work before it (a sandbox run: ``reward.envs.python_tool``); None when the
+            call has none (``run_tool_call`` outside ``run_with_tool_deadline``).
+        sandbox: the env worker's ``reward.sandbox`` settings (a ``reward.config.SandboxConfig``), for tools that
+            run model-written code (``SANDBOX_MARK``); None outside an env worker's ``step``.
+    """
+
+    deadline: float | None = None
+    sandbox: Any = None
+
+
+def tool_context() -> ToolContext:
+    """The ``ToolContext`` of the tool call running in this thread; ``ToolContext()`` (no deadline, no sandbox
+    settings) when there is none, or the tool runs without a deadline."""
+    return getattr(_TOOL_CONTEXT, "value", None) or ToolContext()
+
+
+def uses_sandbox(fn: Any) -> bool:
+    """Whether tool ``fn`` (a function, bound method or staticmethod) is marked with ``SANDBOX_MARK``: it runs
+    model-written code in ``reward.sandbox`` (the env worker then checks the sandbox works when it starts)."""
+    return bool(getattr(getattr(fn, "__func__", fn), SANDBOX_MARK, False))
+
+
+def needs_sandbox(env_cls: type | None, tools: Sequence[Callable] = ()) -> bool:
+    """Whether ``tools`` (``env.tools``), or the ``@tool`` attributes of ``env_cls`` (``env.cls``), include one
+    marked ``uses_sandbox``. A tool that reaches the sandbox only from inside another method is not seen."""
+    if env_cls is not None:
+        tools = [getattr(env_cls, name) for name in _tool_names(env_cls)]
+    return any(uses_sandbox(fn) for fn in tools)
+
+
+def _call_in_context(context: ToolContext, call: Callable[[], Any]) -> Any:
+    """``call()`` with ``context`` as this thread's ``tool_context()`` (in the tool's own thread)."""
+    _TOOL_CONTEXT.value = context
+    try:
+        return call()
+    finally:
+        _TOOL_CONTEXT.value = None
 
 
 class ToolTimeout(BaseException):
@@ -138,15 +186,17 @@ def _tool_error(name: str | None, kind: str, text: str) -> tuple[dict, str]:
     return message, kind
 
 
-def run_with_tool_deadline(runner: DeadlineRunner, timeout_s: float, fn: Callable, *args: Any) -> Any:
+def run_with_tool_deadline(runner: DeadlineRunner, timeout_s: float, fn: Callable, *args: Any,
+                           sandbox: Any = None) -> Any:
     """``fn(*args)``, with every tool that ``run_tool_call`` runs in this thread meanwhile run by ``runner``
-    under a deadline of ``timeout_s`` seconds (the env worker wraps ``Environment.step`` in it).
+    under a deadline of ``timeout_s`` seconds (the env worker wraps ``Environment.step`` in it). The tool's
+    thread sees that deadline and ``sandbox`` (the worker's ``reward.sandbox`` settings) as ``tool_context()``.
 
     Raises:
         ToolTimeout: a tool call ran past the deadline (its thread is abandoned: ``reward.deadline``).
         Exception: whatever ``fn`` raises.
     """
-    _TOOL_DEADLINE.value = (runner, timeout_s)
+    _TOOL_DEADLINE.value = (runner, timeout_s, sandbox)
     try:
         return fn(*args)
     finally:
@@ -200,8 +250,10 @@ def run_tool_call(call: Any, tools_by_name: dict[str, Callable]) -> tuple[dict, 
         except Exception as err:  # noqa: BLE001 - goes back to the model as an observation
             return _tool_error(name, "raised", f"{type(err).__name__}: {err}")
     else:
-        runner, timeout_s = deadline
-        out = runner.call(functools.partial(fn, **args), timeout_s=timeout_s, method=f"tool {name}")
+        runner, timeout_s, sandbox = deadline
+        context = ToolContext(time.monotonic() + timeout_s, sandbox)
+        out = runner.call(_call_in_context, context, functools.partial(fn, **args), timeout_s=timeout_s,
+                          method=f"tool {name}")
         if out.status == "timeout":
             raise ToolTimeout(f"tool {name!r} did not return within {timeout_s:g} s (its thread is abandoned)")
         if out.status != "ok":
