@@ -224,6 +224,7 @@ class EpisodeRunner:
         self.stops = stop_strings(cfg.env.tool_format)
         self.rounds = itertools.count(1)  # rounds played: episode ids stay unique (a prompt may come twice)
         self.slice_s = 0.05  # an engine call returns after this long even when no turn ended (advance_turns)
+        self.depth = 2  # advance_turns calls queued per engine
 
     def run(self, rows: list[PromptRow], G: int, seed: int, temperature: float | None = None) -> tuple[
             list[Completion], list[RewardResult], dict[str, float], dict[str, list[int]]]:
@@ -287,7 +288,8 @@ class EpisodeRunner:
         """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``); returns
         the engines' busy seconds (summed over engines).
 
-        Continuous batching: each engine has one ``advance_turns`` call in flight while it has open turns; an
+        Continuous batching: each engine has ``depth`` (2) ``advance_turns`` calls queued while it has open turns
+        (the next starts as the last returns, so the engine does not wait while the driver reads a result); an
         episode whose environment answered joins its engine's running batch at the next call (a group's
         episodes stay on one engine, whose prefix cache holds their prompt and earlier turns). On an error the
         engines' open turns are aborted, so the engines are left clean.
@@ -302,8 +304,9 @@ class EpisodeRunner:
         busy, turn_seed = 0.0, Counter()
         try:
             while any(ready.values()) or any(open_turns.values()) or calls or stepping:
-                for j in set(range(len(engines))) - set(calls.values()):
-                    if ready[j] or open_turns[j]:
+                in_flight = Counter(calls.values())
+                for j in range(len(engines)):  # up to `depth` calls queued: the engine never waits on the driver
+                    if in_flight[j] < self.depth and (ready[j] or open_turns[j]):
                         reqs = [self._request(e, turn_seed) for e in ready[j]]
                         open_turns[j] += len(reqs)
                         ready[j] = []

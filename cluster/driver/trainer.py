@@ -82,6 +82,7 @@ class Trainer:
     ``shutdown()`` stops everything. Attributes filled by ``start()`` are None before it."""
 
     prompt_log: TrainedPromptLog | None = None  # trained_prompts.jsonl, the uids each step trained (start)
+    episodes: agent_loop.EpisodeRunner | None = None  # env set: multi-turn episodes (start)
 
     def __init__(self, cfg: Config, verbose: bool = True):
         self.cfg = cfg
@@ -237,7 +238,7 @@ class Trainer:
         if self.step + 1 in tc.audit_steps:
             audit_dir = audit_dump.save_inputs(cfg, self.run_dir, self.learners, self.step + 1, batch, plans,
                                                model_path=self.model_path, train_rows=self.train_rows,
-                                               weight_version=self.weight_version)
+                                               weight_version=self.weight_version, completions=c.completions)
         self.rl_lr.apply(self.step)
         t = time.perf_counter()
         result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
