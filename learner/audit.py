@@ -6,11 +6,15 @@ layout), recomputes the token log-probs at the behaviour weights with a plain tr
 ``learner.objectives``, ``learner.logprobs`` or ``cluster.driver.batching``):
 
 - ``mask_alignment``: the saved response mask against the one rebuilt from the prompt lengths of the dataset
-  rows and the attention mask (target ``t`` predicts token ``t + 1``); also the prompt tokens themselves.
+  rows and the attention mask (target ``t`` predicts token ``t + 1``); also the prompt tokens themselves. For a
+  multi-turn episode (docs/agents.md) the rebuilt mask keeps only the tokens the engines sampled, from the
+  episode's own sampled-token mask as saved from the rollout (``episode_response_mask``): the environment's
+  reply tokens are context, not response; ``episode_mask_length``: that mask covers exactly the response.
 - ``length_normalisation``: per sequence, response tokens in the saved mask vs the rebuilt response length
-  (the ``|y_i|`` of GSPO's Eq. 7).
+  (the ``|y_i|`` of GSPO's Eq. 7; an episode's sampled tokens).
 - ``behaviour_log_probs`` / ``learner_log_probs``: float64 token log-probs vs the engine's behaviour log-probs
-  and vs the learner's own pre-update log-probs, on the saved response mask.
+  and vs the learner's own pre-update log-probs, on the saved response mask (an episode's environment tokens,
+  which carry log-prob 0.0 from the engines, are outside it; a saved mask that takes them in fails here too).
 - ``sequence_log_ratio``: GSPO's ``log s_i = (1/|y_i|) sum_t (log pi - log pi_old)`` (Eq. 7) from the audit's
   log-probs and lengths vs from the learner's log-probs and the saved mask.
 - ``minibatch_split`` and ``normalisers``: every row trained once per epoch, equal shards, and the global
@@ -26,7 +30,8 @@ counts must match exactly) fail the audit: it prints a table of the largest diff
 the step folder is missing or incomplete.
 
 This module loads the step folder, runs the phases in order and reports; the audit's own math and each phase's
-checks are in ``learner/audit_checks.py`` (the math is re-exported here).
+checks are in ``learner/audit_checks.py`` and, for the response mask, ``learner/audit_masks.py`` (the math is
+re-exported here).
 """
 
 from __future__ import annotations
@@ -42,20 +47,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# The audit's own math and its checks; the math is re-exported (learner.audit.policy_objective etc.).
+# The audit's own math and its checks (the mask phase: learner.audit_masks); the math is re-exported
+# (learner.audit.policy_objective, learner.audit.expected_response_mask etc.).
 from learner.audit_checks import (
+    EPISODE_MASK_KEY,
     LOG_RATIO_BAND,
     PER_STEP_LOSS_KEY,
     Check,
     SavedBatch,
     _skip,
-    expected_response_mask,
     first_minibatch_checks,
     first_minibatch_objective,
     gradient_check,
     largest_token_differences,
     log_prob_checks,
-    mask_checks,
     policy_objective,
     pre_update_metric_checks,
     recompute_log_probs,
@@ -63,6 +68,7 @@ from learner.audit_checks import (
     sequence_log_ratios,
     split_checks,
 )
+from learner.audit_masks import episode_lengths, expected_response_mask, mask_checks, sampled_target_mask
 
 DEFAULT_TOLERANCE = 1e-4
 
@@ -143,7 +149,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float64):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the audit: its phases in order (each in learner/audit_checks.py)
+# the audit: its phases in order (each in learner/audit_masks.py or learner/audit_checks.py)
 
 
 @dataclass
@@ -205,8 +211,16 @@ def run_audit(step_dir: Path, tolerance: float = DEFAULT_TOLERANCE, *, top: int 
     header = (f"audit of step {data.meta.get('step')} ({data.step_dir}): {obj['algorithm']}, clip "
               f"[1-{obj['clip_low']}, 1+{obj['clip_high']}], loss_agg {obj['loss_agg']}, temperature {temperature}, "
               f"{obj['world_size']} rank(s), {len(data.split)} minibatch(es), micro-batch {obj['micro_batch_size']}, "
-              f"{n} sequences, {int(mask.sum())} response tokens")
+              f"{n} sequences, {int(mask.sum())} response tokens" + _episodes_note(batch))
     return AuditResult(checks, tokens, header)
+
+
+def _episodes_note(batch: SavedBatch) -> str:
+    """The header's note on multi-turn episodes (empty for single answers)."""
+    if batch.sampled is None:
+        return ""
+    k = int((episode_lengths(batch.sampled) >= 0).sum())
+    return f" ({k} multi-turn episodes: the engines' sampled tokens only)"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The offline ratio audit's own float64 math and its checks, one function per phase of
-``learner.audit.run_audit`` (see ``learner/audit.py`` for what each check compares and the exit codes).
+``learner.audit.run_audit`` (see ``learner/audit.py`` for what each check compares and the exit codes); the
+first phase, the response mask (single answers and multi-turn episodes), is ``learner/audit_masks.py``.
 
 Written independently of the training code: nothing here comes from ``learner.objectives``,
 ``learner.logprobs`` or ``cluster.driver.batching``. Inputs are tensors, the saved split / objective / metrics as plain
@@ -18,6 +19,8 @@ from torch import Tensor
 LOG_RATIO_BAND = 20.0  # |log ratio| band before exp, as documented in learner/README.md
 # Optional learner metric: the loss of every optimizer step of the call, in order (first = first minibatch).
 PER_STEP_LOSS_KEY = "loss/policy_minibatches"
+# Optional tensor of the saved batch: the episodes' sampled-token masks (``SavedBatch.sampled``).
+EPISODE_MASK_KEY = "episode_response_mask"
 
 
 @dataclass
@@ -71,24 +74,6 @@ def row_log_probs(model, ids: Tensor, temperature: float) -> tuple[Tensor, Tenso
         p = logp.exp()
         ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
     return lp, ent
-
-
-def expected_response_mask(prompt_lengths: Tensor, attention_mask: Tensor) -> Tensor:
-    """The response mask rebuilt from the prompt lengths and the (right-padded) attention mask.
-
-    Sequence ``i`` has ``P_i`` prompt tokens and ``n_i = attention_mask[i].sum()`` real tokens; its response
-    tokens sit at ``P_i .. n_i - 1`` and are predicted at target positions ``P_i - 1 .. n_i - 2``.
-
-    Returns:
-        bool ``[N, L-1]``. Rows with an unknown prompt length (< 0) are all False.
-    """
-    n, length = attention_mask.shape
-    out = torch.zeros((n, length - 1), dtype=torch.bool)
-    for i in range(n):
-        p, total = int(prompt_lengths[i]), int(attention_mask[i].sum())
-        if p > 0 and total > p:
-            out[i, p - 1 : total - 1] = True
-    return out
 
 
 def sequence_log_ratios(lp: Tensor, old: Tensor, mask: Tensor, lengths: Tensor | None = None) -> Tensor:
@@ -236,15 +221,23 @@ class SavedBatch:
     learner_lp: Tensor  # float64 [N, L-1]: the learner's own pre-update log-probs
     advantages: Tensor  # float64 [N], or [N, L-1] per target token (gspo_token with per-turn rewards)
     prompt_lengths: Tensor  # int64 [N]; <= 0 where the row was not found in the dataset
+    # int8 [N, R]: episodes' sampled-token masks as the engines reported them (1 sampled, 0 the environment's,
+    # -1 past the response or a row that is a single answer); None: no episode in the step (or an older dump)
+    sampled: Tensor | None = None
 
     @classmethod
     def from_tensors(cls, t: dict[str, Tensor]) -> "SavedBatch":
+        sampled = t.get(EPISODE_MASK_KEY)
         return cls(
             input_ids=t["input_ids"].long(), attention_mask=t["attention_mask"].long(),
             saved_mask=t["response_mask"].bool(), old=t["old_log_probs"].to(torch.float64),
             learner_lp=t["learner_log_probs"].to(torch.float64), advantages=t["advantages"].to(torch.float64),
-            prompt_lengths=t["prompt_lengths"].long(),
+            prompt_lengths=t["prompt_lengths"].long(), sampled=None if sampled is None else sampled.to(torch.int8),
         )
+
+    def is_episode(self, i: int) -> bool:
+        """Whether row ``i`` has an episode mask (a multi-turn episode)."""
+        return self.sampled is not None and bool((self.sampled[i] >= 0).any())
 
 
 def _argmax2(x: Tensor) -> tuple[int, int]:
@@ -265,51 +258,6 @@ def _metric(metrics: dict[str, Any] | None, key: str) -> float | None:
 
 # ---------------------------------------------------------------------------------------------------------
 # the phases of run_audit, in order
-
-
-def mask_checks(batch: SavedBatch, meta: dict[str, Any]) -> tuple[Tensor, Tensor, list[Check]]:
-    """The response mask rebuilt from the dataset's prompt lengths and the attention mask, against the saved one
-    (``mask_alignment``, ``prompt_tokens``, ``length_normalisation``); with unknown prompt lengths only
-    ``mask_on_padding``.
-
-    Returns:
-        ``(mask, lengths, checks)``: the audit's response mask, bool ``[N, L-1]`` (the saved one when the prompt
-        lengths are unknown), and its row counts ``|y_i|``, int64 ``[N]``.
-    """
-    saved_mask, attn, input_ids, prompt_lengths = (batch.saved_mask, batch.attention_mask, batch.input_ids,
-                                                   batch.prompt_lengths)
-    n = saved_mask.shape[0]
-    checks: list[Check] = []
-    known = bool((prompt_lengths > 0).all())
-    mask = expected_response_mask(prompt_lengths, attn) if known else saved_mask.clone()
-    on_padding = saved_mask & (attn[:, 1:] == 0)
-    if known:
-        wrong = (saved_mask != mask) | on_padding
-        where = ""
-        if bool(wrong.any()):
-            i, j = _argmax2(wrong.to(torch.int64))
-            where = (f"row {i}, target {j}: saved mask {bool(saved_mask[i, j])}, expected {bool(mask[i, j])} "
-                     f"(prompt {int(prompt_lengths[i])} tokens, {int(attn[i].sum())} real tokens)")
-        checks.append(_judge("mask_alignment", float(wrong.sum()), 0, where or f"{n} rows", exact=True))
-        prompts = meta.get("prompt_token_ids", {})
-        bad_prompt = []
-        for i, uid in enumerate(meta.get("prompt_uids", [])):
-            ids = prompts.get(uid)
-            if ids is not None and input_ids[i, : len(ids)].tolist() != list(ids):
-                bad_prompt.append(i)
-        checks.append(_judge("prompt_tokens", float(len(bad_prompt)), 0,
-                             f"row {bad_prompt[0]}" if bad_prompt else f"{n} rows", exact=True))
-        lengths = mask.sum(-1)
-        dl = (saved_mask.sum(-1) - lengths).abs()
-        i = int(torch.argmax(dl)) if n else 0
-        checks.append(_judge("length_normalisation", float((dl > 0).sum()), 0,
-                             f"row {i}: |y| in saved mask {int(saved_mask[i].sum())}, response length "
-                             f"{int(lengths[i])}" if n and dl[i] else f"{n} rows", exact=True))
-    else:
-        lengths = mask.sum(-1)
-        checks.append(_skip("mask_alignment", "prompt lengths unknown (rows not found in the dataset)"))
-        checks.append(_judge("mask_on_padding", float(on_padding.sum()), 0, f"{n} rows", exact=True))
-    return mask, lengths, checks
 
 
 def recompute_log_probs(model, batch: SavedBatch, temperature: float) -> tuple[Tensor, Tensor]:

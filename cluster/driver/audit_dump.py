@@ -9,12 +9,19 @@ Layout of ``RUN_DIR/audit/step_NNNNNNNN/`` (read by ``learner.audit``):
   ``attention_mask``, ``response_mask``, ``old_log_probs`` = the engines' behaviour log-probs, ``advantages``,
   ``rewards``, ``weight_versions``), ``learner_log_probs`` (float32 ``[N, L-1]``: the learner's own token
   log-probs at the behaviour weights, ``compute_log_probs`` on every rank, rank 0's result; 0 outside the
-  response mask) and ``prompt_lengths`` (int64 ``[N]``, from the dataset rows, not from the batch).
+  response mask) and ``prompt_lengths`` (int64 ``[N]``, from the dataset rows, not from the batch; for a
+  multi-turn episode, whose prompt is the environment's first messages as the engines were given them, the
+  episode's own prompt). A step with episodes (docs/agents.md) also holds ``episode_response_mask`` (int8
+  ``[N, R]``, ``R`` the longest response: per response token, 1 sampled by an engine, 0 the environment's, as
+  the rollout reported it in ``Completion.response_mask``; -1 past the response and on rows that are single
+  answers); a step of single answers does not.
 - ``split.json``: per minibatch, the batch row indices each rank trained on and the global normalisers the
   driver passed (``num_sequences``, ``num_tokens``). The indices are the rank plans' own
   (``RankPlan.row_indices``).
 - ``meta.json``: step, weight version, prompt uids and prompt token ids, and the objective's settings
-  (algorithm, resolved clip range and loss aggregation, temperature, micro-batch size, world size, ...).
+  (algorithm, resolved clip range and loss aggregation, temperature, micro-batch size, world size, ...); with
+  episodes also ``episode_prompt_token_ids`` (``{row index: ids}`` for the episodes whose prompt is not their
+  dataset row's).
 - ``model/``: the behaviour weights in Hugging Face format (``model.safetensors`` plus the config and tokenizer
   files of the run's model folder), loadable with ``AutoModelForCausalLM.from_pretrained``.
 - ``metrics.json`` (``save_outputs``): what the learner returned for the step (``RolloutTrainResult.record``: the
@@ -38,12 +45,21 @@ from safetensors.torch import save_file
 
 from cluster.config import Config
 # The folder's file names are the audit tool's (one definition of the format).
-from learner.audit import BATCH_FILE, GRADIENT_FILE, META_FILE, METRICS_FILE, MODEL_SUBDIR, SPLIT_FILE, step_dir_for
+from learner.audit import (
+    BATCH_FILE,
+    EPISODE_MASK_KEY,
+    GRADIENT_FILE,
+    META_FILE,
+    METRICS_FILE,
+    MODEL_SUBDIR,
+    SPLIT_FILE,
+    step_dir_for,
+)
 from learner.objectives import resolve_objective
 
 if TYPE_CHECKING:
     from cluster.runtime.learner_group import LearnerGroup
-    from rollout.contracts import PromptRow
+    from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +106,63 @@ def split_indices(batch: Any, plans: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def episode_response_masks(completions: Sequence[Completion]) -> torch.Tensor | None:
+    """The episodes' sampled-token masks as the rollout reported them (``Completion.response_mask``).
+
+    Returns:
+        int8 ``[N, R]`` (``R``: the longest response, at least 1): row ``i``'s response token ``j`` is 1 when an
+        engine sampled it, 0 when the environment's reply put it there; -1 past the response and on the rows of
+        single answers (``response_mask`` None). None when no completion is an episode.
+    """
+    if all(c.response_mask is None for c in completions):
+        return None
+    width = max([max(len(c.response_token_ids), len(c.response_mask or ())) for c in completions] + [1])
+    out = torch.full((len(completions), width), -1, dtype=torch.int8)
+    for i, c in enumerate(completions):
+        if c.response_mask is not None and len(c.response_mask):
+            out[i, : len(c.response_mask)] = torch.tensor([1 if v else 0 for v in c.response_mask], dtype=torch.int8)
+    return out
+
+
+def prompt_ids_by_row(prompt_uids: Sequence[str], train_rows: Sequence[PromptRow],
+                      completions: Sequence[Completion] | None) -> tuple[list[int], dict[str, list[int]],
+                                                                         dict[str, list[int]]]:
+    """The prompts the audit rebuilds the response mask from.
+
+    A row's prompt is its dataset row's (by uid); an episode's (``response_mask`` set) is its own
+    ``prompt_token_ids``, the environment's first messages as the engines were given them (the dataset row's for
+    a tokenizer without a chat template that starts from the row's prompt).
+
+    Args:
+        prompt_uids: the batch's N uids; train_rows: the dataset's rows; completions: the N completions in
+            batch order, or None.
+
+    Returns:
+        ``(lengths, by_uid, episode_prompts)``: prompt length per row (-1: unknown), the dataset rows' prompt
+        ids by uid, and ``{str(row): ids}`` for episodes whose prompt is not their dataset row's.
+    """
+    rows = {r.uid: r for r in train_rows}
+    by_uid = {uid: list(rows[uid].prompt_token_ids) for uid in prompt_uids if uid in rows}
+    lengths: list[int] = []
+    episode_prompts: dict[str, list[int]] = {}
+    for i, uid in enumerate(prompt_uids):
+        c = completions[i] if completions is not None else None
+        if c is not None and c.response_mask is not None:
+            ids = list(c.prompt_token_ids)
+            if ids != by_uid.get(uid):
+                episode_prompts[str(i)] = ids
+            lengths.append(len(ids))
+        else:
+            lengths.append(len(by_uid[uid]) if uid in by_uid else -1)  # unknown: mask alignment not checkable
+    return lengths, by_uid, episode_prompts
+
+
+def _check_completions(batch: Any, completions: Sequence[Completion]) -> None:
+    """Raises ValueError unless ``completions`` are the batch's rows in order (same count and uids)."""
+    if [c.prompt_uid for c in completions] != list(batch.prompt_uids):
+        raise ValueError(f"{len(completions)} completions are not the batch's {len(batch)} rows in order")
+
+
 def _objective_settings(cfg: Config) -> dict[str, Any]:
     lc = cfg.learner
     obj = resolve_objective(lc.algorithm, lc.clip_low, lc.clip_high, lc.loss_agg, lc.loss_options)
@@ -130,7 +203,8 @@ def _save_behaviour_weights(learners: LearnerGroup, model_path: str | Path, out:
 
 
 def save_inputs(cfg: Config, run_dir: Path, learners: LearnerGroup, step: int, batch: Any, plans: list[Any], *,
-                model_path: str | Path, train_rows: Sequence[PromptRow], weight_version: int) -> Path:
+                model_path: str | Path, train_rows: Sequence[PromptRow], weight_version: int,
+                completions: Sequence[Completion] | None = None) -> Path:
     """Save what step ``step`` trains on and the weights that generated it; returns the step's audit folder.
 
     Must run before the learner trains on ``batch`` (its weights are then the behaviour weights the rollout
@@ -147,10 +221,14 @@ def save_inputs(cfg: Config, run_dir: Path, learners: LearnerGroup, step: int, b
         model_path: the run's model folder (its config and tokenizer files are copied beside the weights).
         train_rows: the training prompts (their prompt token ids by uid: ``prompt_lengths``, ``meta.json``).
         weight_version: the weight version the engines sampled the step's rollout with.
+        completions: the N completions ``batch`` was built from, in its row order (their episodes' sampled-token
+            masks and prompts are saved: ``episode_response_masks``, ``prompt_ids_by_row``); None: single answers.
 
     Raises:
-        ValueError: the plans do not hold rows of ``batch``.
+        ValueError: the plans do not hold rows of ``batch``, or ``completions`` are not its rows in order.
     """
+    if completions is not None:
+        _check_completions(batch, completions)
     out = step_dir_for(run_dir, step)
     if out.exists():
         shutil.rmtree(out)
@@ -161,17 +239,7 @@ def save_inputs(cfg: Config, run_dir: Path, learners: LearnerGroup, step: int, b
     lps = learners.call("compute_log_probs", batch)
     learner_lp = lps[0].to(torch.float32)
 
-    rows = {r.uid: r for r in train_rows}
-    prompts: dict[str, list[int]] = {}
-    lengths = []
-    for uid in batch.prompt_uids:
-        row = rows.get(uid)
-        if row is None:
-            lengths.append(-1)  # unknown: the audit reports the mask alignment as not checkable
-            continue
-        prompts[uid] = list(row.prompt_token_ids)
-        lengths.append(len(row.prompt_token_ids))
-
+    lengths, prompts, episode_prompts = prompt_ids_by_row(batch.prompt_uids, train_rows, completions)
     tensors = {
         "input_ids": batch.input_ids.to(torch.int64),
         "attention_mask": batch.attention_mask.to(torch.int64),
@@ -183,6 +251,9 @@ def save_inputs(cfg: Config, run_dir: Path, learners: LearnerGroup, step: int, b
         "learner_log_probs": learner_lp,
         "prompt_lengths": torch.tensor(lengths, dtype=torch.int64),
     }
+    episodes = episode_response_masks(completions) if completions is not None else None
+    if episodes is not None:
+        tensors[EPISODE_MASK_KEY] = episodes
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / BATCH_FILE))
     (out / SPLIT_FILE).write_text(json.dumps({"minibatches": split, "seed": int(cfg.trainer.seed + step - 1)},
                                              indent=1) + "\n")
@@ -196,6 +267,8 @@ def save_inputs(cfg: Config, run_dir: Path, learners: LearnerGroup, step: int, b
         "prompt_token_ids": prompts,
         "group_size": int(cfg.trainer.group_size),
     }
+    if episodes is not None:
+        meta["episode_prompt_token_ids"] = episode_prompts
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     _save_behaviour_weights(learners, model_path, out / MODEL_SUBDIR)
     # Record the gradient of every optimizer step of this call (read and switched off by save_outputs).

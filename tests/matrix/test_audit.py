@@ -3,7 +3,7 @@
 Fast tests: the audit's own math against hand-computed values and against the training code
 (learner.objectives, imported here only as the thing being cross-checked), and the whole audit on a synthetic
 step folder with planted defects. Slow test: a real short run saves step 1, the audit is clean, and a planted
-one-token mask shift makes it fail naming the check.
+one-token mask shift makes it fail naming the check; a short agent run (multi-turn episodes) audits clean.
 """
 
 from __future__ import annotations
@@ -83,3 +83,46 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path, algorithm):
     failed = json.loads((tmp_path / "bad.json").read_text())["failed"]
     assert "mask_alignment" in failed and "behaviour_log_probs" in failed, bad.stdout
     assert "audit FAILED" in bad.stdout and "mask_alignment" in bad.stdout
+
+
+def test_agent_run_audits_clean(tmp_path):
+    """Multi-turn episodes (configs/tiny_agent_calc.yaml, docs/agents.md): the saved step holds the engines'
+    sampled-token masks, with environment tokens in them, and the audit, whose mask then keeps the sampled tokens
+    only, is clean."""
+    from safetensors.torch import load_file
+
+    from cluster.config import load_config
+    from cluster.driver.trainer import Trainer
+
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_agent_calc.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=audit_agent", "trainer.total_steps=1",
+        "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.eval_every=0", "trainer.save_every=0",
+        "trainer.plots=false", "trainer.max_staleness=0", "trainer.audit_steps=[1]", "learner.num_minibatches=2",
+        "learner.micro_batch_size=8",
+        "warm_start.steps=150", "data.num_train=512", "data.num_eval=8", "wandb.mode=disabled",
+    ])
+    trainer = Trainer(cfg)
+    try:
+        trainer.start()
+        trainer.run()
+    finally:
+        trainer.shutdown()
+        import ray
+
+        ray.shutdown()
+    run_dir = trainer.run_dir
+    tensors = load_file(str(run_dir / "audit" / "step_00000001" / "batch.safetensors"))
+    episodes = tensors[audit.EPISODE_MASK_KEY]
+    assert episodes.shape[0] == 32 and bool((episodes == 0).any()), "no environment token in the step's episodes"
+    # the trained mask holds the sampled tokens only: fewer than the responses' tokens
+    response_tokens = int((tensors["attention_mask"].sum(-1) - tensors["prompt_lengths"]).sum())
+    assert int(tensors["response_mask"].sum()) == int((episodes == 1).sum()) < response_tokens
+
+    cmd = [sys.executable, "-m", "learner.audit", str(run_dir), "--step", "1", "--json", str(tmp_path / "a.json")]
+    clean = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    status = {c["name"]: c["status"] for c in json.loads((tmp_path / "a.json").read_text())["checks"]}
+    for name in ("mask_alignment", "length_normalisation", "episode_mask_length", "prompt_tokens",
+                 "behaviour_log_probs", "learner_log_probs", "sequence_log_ratio", "normalisers",
+                 "gradient_first_minibatch"):
+        assert status[name] == "ok", (name, clean.stdout)

@@ -17,6 +17,7 @@ from cluster.driver.batching import split_for_ranks
 from cluster.driver.guard import GuardPolicy, HealthStop
 from learner import audit
 from learner.contracts import BY_LENGTH_KEY, RolloutTrainResult, TrainBatch
+from rollout.contracts import Completion
 from tests.helpers.partial import TINY, row
 
 
@@ -86,6 +87,50 @@ def test_save_inputs_and_outputs_write_a_step_the_audit_loads(tmp_path):
     assert step.metrics == {"loss/policy": 0.25, "actor/num_optimizer_steps": 2.0, "actor/grad_norm": 1.5,
                             BY_LENGTH_KEY: {"4": [1.0, 1.0, 0.0, 1.0]}}
     assert torch.equal(step.gradient["lm_head.weight"], torch.ones(2, 3))
+
+
+def _completion(uid: str, prompt: list[int], response: list[int], mask: list[int] | None) -> Completion:
+    lps = [-0.5 if m else 0.0 for m in (mask or [1] * len(response))]
+    return Completion(uid, 0, prompt, response, lps, "", "stop", 4, response_mask=mask)
+
+
+def test_save_inputs_keeps_episode_masks_and_prompts(tmp_path):
+    """Multi-turn episodes: the engines' sampled-token masks per row (-1 past a response and on single answers)
+    and an episode's own prompt (its length; its ids where they are not the dataset row's)."""
+    cfg = load_config(TINY, ["learner.world_size=2", "learner.num_minibatches=2", "learner.micro_batch_size=2",
+                             "trainer.group_size=2"])
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    batch = _batch()
+    plans = split_for_ranks(batch, 2, 2, seed=7)
+    rows = [row("u0", (5, 6)), row("u1", (5, 6, 7)), row("u2", (9,))]
+    completions = [_completion(uid, [5, 6] if i != 1 else [1, 2, 3, 4], [7, 8, 9][: 1 + i % 3], None)
+                   for i, uid in enumerate(batch.prompt_uids)]
+    completions[0] = _completion("u0", [5, 6], [7, 8, 9], [1, 0, 1])  # the dataset row's prompt
+    completions[1] = _completion("u0", [1, 2, 3, 4], [7, 8], [1, 1])  # a prompt the environment rendered
+    completions[6] = _completion("u3", [4], [7], [1])  # not a training row: its own prompt
+    kw = dict(model_path=model, train_rows=rows, weight_version=4)
+
+    out = audit_dump.save_inputs(cfg, tmp_path / "run", StandInLearners(8, 6), 1, batch, plans,
+                                 completions=completions, **kw)
+    step = audit.load_step(out)
+    assert step.tensors[audit.EPISODE_MASK_KEY].tolist() == [[1, 0, 1], [1, 1, -1]] + [[-1] * 3] * 4 + [
+        [1, -1, -1], [-1] * 3]
+    assert step.tensors["prompt_lengths"].tolist() == [2, 4, 3, 3, 1, 1, 1, -1]
+    assert step.meta["episode_prompt_token_ids"] == {"1": [1, 2, 3, 4], "6": [4]}
+    assert step.meta["prompt_token_ids"] == {"u0": [5, 6], "u1": [5, 6, 7], "u2": [9]}
+
+    # single answers: the step's files as before (no episode tensor, no episode prompts)
+    singles = [_completion(c.prompt_uid, [5, 6], [7], None) for c in completions]
+    out = audit_dump.save_inputs(cfg, tmp_path / "run", StandInLearners(8, 6), 2, batch, plans,
+                                 completions=singles, **kw)
+    step = audit.load_step(out)
+    assert audit.EPISODE_MASK_KEY not in step.tensors and "episode_prompt_token_ids" not in step.meta
+    assert step.tensors["prompt_lengths"].tolist() == [2, 2, 3, 3, 1, 1, -1, -1]
+    with pytest.raises(ValueError, match="not the batch's 8 rows"):
+        audit_dump.save_inputs(cfg, tmp_path / "run", StandInLearners(8, 6), 3, batch, plans,
+                               completions=singles[::-1], **kw)
 
 
 def test_save_outputs_without_learners_writes_the_metrics_alone(tmp_path):

@@ -123,9 +123,11 @@ def test_objective_agrees_with_training_code(algorithm, loss_agg):
     assert 0 < stats["clip_fraction"] < 1  # the data exercise both branches
 
 
-def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo") -> Path:
+def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo", episodes: bool = False) -> Path:
     """A step folder as cluster.driver.audit_dump writes it, with float32 'training' values from the training code:
-    2 ranks x 2 minibatches x 2 rows; prompt lengths from the 'dataset'."""
+    2 ranks x 2 minibatches x 2 rows; prompt lengths from the 'dataset'. With ``episodes`` the even rows are
+    multi-turn episodes whose response tokens 2 and 3 are an environment's reply (not trained, engine log-prob
+    0.0), saved with their sampled-token masks (``episode_response_mask``) as audit_dump writes them."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -145,6 +147,11 @@ def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo
     mask = torch.zeros(n, length - 1, dtype=torch.bool)
     for i in range(n):
         mask[i, prompt_lens[i] - 1 : totals[i] - 1] = True
+    sampled = torch.full((n, int((totals - prompt_lens).max())), -1, dtype=torch.int8)
+    for i in range(0, n, 2) if episodes else ():
+        r = int(totals[i] - prompt_lens[i])
+        sampled[i, :r] = torch.tensor([0 if j in (2, 3) else 1 for j in range(r)])  # 2, 3: the environment's
+        mask[i, prompt_lens[i] + 1 : min(prompt_lens[i] + 3, totals[i] - 1)] = False  # token j: target P-1+j
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
     lp = token_log_probs(logits, ids[:, 1:], temperature)
@@ -179,6 +186,8 @@ def _write_synthetic_step(root: Path, model_dir: Path, *, algorithm: str = "gspo
     tensors = {"input_ids": ids, "attention_mask": attn, "response_mask": mask, "old_log_probs": old.float(),
                "advantages": adv, "rewards": torch.zeros(n), "weight_versions": torch.ones(n, dtype=torch.long),
                "learner_log_probs": lp_masked.float(), "prompt_lengths": prompt_lens.long()}
+    if episodes:
+        tensors[audit.EPISODE_MASK_KEY] = sampled
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(step / audit.BATCH_FILE))
     save_file({k: v.contiguous() for k, v in grads.items()}, str(step / audit.GRADIENT_FILE))
     (step / audit.SPLIT_FILE).write_text(json.dumps({"minibatches": split}))
@@ -231,3 +240,40 @@ def test_synthetic_step_clean_then_planted_defects(tiny_moe, tmp_path):
 def test_cli_missing_step_exits_2(tmp_path, capsys):
     assert audit.main([str(tmp_path), "--step", "3"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_synthetic_episode_step_audits_clean_and_catches_trained_environment_tokens(tiny_moe, tmp_path):
+    """Multi-turn episodes (docs/agents.md): the audit's mask keeps the engines' sampled tokens only, from the
+    saved episode masks; a training mask that takes the environment's reply in fails, and so does an episode mask
+    that does not cover its response."""
+    from safetensors.torch import load_file, save_file
+
+    step = _write_synthetic_step(tmp_path / "run", tiny_moe, episodes=True)
+    model = audit.load_model(step / "model")
+    result = audit.run_audit(step, 1e-4, model=model)
+    checks = _by_name(result)
+    assert not result.failed, audit.format_report(result, 1e-4)
+    for name in ("mask_alignment", "length_normalisation", "episode_mask_length", "prompt_tokens",
+                 "behaviour_log_probs", "sequence_log_ratio", "normalisers", "entropy", "logprob_diff_metric",
+                 "loss_first_minibatch", "gradient_first_minibatch", "num_response_tokens"):
+        assert checks[name].status == "ok", name
+    assert "4 multi-turn episodes" in result.header
+
+    batch_file = step / audit.BATCH_FILE
+    clean = load_file(str(batch_file))
+
+    def audit_with(**changed):
+        save_file({k: v.contiguous() for k, v in {**clean, **changed}.items()}, str(batch_file))
+        return {c.name for c in audit.run_audit(step, 1e-4, model=model).failed}
+
+    # Training on the environment's reply (every response token in the saved mask): its engine log-probs are 0.0.
+    full = clean["response_mask"].clone()
+    for i in range(0, 8, 2):
+        p = int(clean["prompt_lengths"][i])
+        full[i, p - 1 : int(clean["attention_mask"][i].sum()) - 1] = True
+    failed = audit_with(response_mask=full)
+    assert {"mask_alignment", "length_normalisation", "behaviour_log_probs"} <= failed
+    # An episode mask one token short of its response.
+    short = clean[audit.EPISODE_MASK_KEY].clone()
+    short[0, int((short[0] >= 0).sum()) - 1] = -1
+    assert "episode_mask_length" in audit_with(**{audit.EPISODE_MASK_KEY: short})
