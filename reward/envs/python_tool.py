@@ -53,11 +53,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from reward.config import SandboxConfig
 from reward.environment import SANDBOX_MARK, tool_context
+from reward.sandbox import SandboxResult
 
 MAX_OUTPUT_CHARS = 2000  # stdout shown to the model; the rest is cut (and the cut said)
 STDERR_LINE_CHARS = 300  # longest last line of stderr quoted in an error
@@ -102,7 +102,7 @@ class ProgramError(RuntimeError):
 
 
 @dataclass
-class ProgramRun:
+class ProgramRun(SandboxResult):
     """One run of model-written code (``run_program``).
 
     Attributes:
@@ -115,17 +115,9 @@ class ProgramRun:
         detail: why, for ``error``, ``unavailable``, ``lost`` and a ``timeout`` without a run.
     """
 
-    status: str
-    returncode: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    elapsed_s: float = 0.0
-    backend: str = ""
-    leftover_killed: int = 0
-    run_id: str = ""
+    returncode: int | None = None  # None: no run (SandboxResult's own has no default)
     limit_s: float | None = None
     helper_pid: int | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
 
 
 def run_program(code: str, cfg: SandboxConfig | None = None, deadline: float | None = None) -> ProgramRun:
