@@ -55,7 +55,8 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
         return train, held_out
     if d.task == "agent_calc":
         return agent_calc_rows(encoder.ids, num_terms=d.num_terms, num_train=d.num_train, num_eval=d.num_eval,
-                               seed=d.seed, demo_slip_rate=d.demo_slip_rate)
+                               seed=d.seed, demo_slip_rate=d.demo_slip_rate, prompt_template=d.prompt_template,
+                               tool_format=cfg.env.tool_format)
     if d.task == "code":
         return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
                          demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)
