@@ -133,7 +133,8 @@ class Config(Section):
         if not self.env.enabled:
             if self.data.task == "agent_calc":
                 raise ValueError("data.task='agent_calc' needs env.tools (e.g. [reward.envs.calculator:calc]) and "
-                                 "env.tool_format='tag': its problems are solved with a calculator tool")
+                                 "env.tool_format ('tag', or 'hermes' with a chat template): its problems are solved "
+                                 "with a calculator tool")
             if self.data.task == "agent_guess":
                 raise ValueError("data.task='agent_guess' needs env.cls (reward.envs.guess_number:GuessNumber) and "
                                  "env.tool_format='tag': its rows are games played with a guess tool")
