@@ -5,15 +5,18 @@
 Runs the real services (``configs/tiny_agent_calc.yaml``'s model after a short warm start on its demonstrations,
 so that each turn writes a call and stops on its closing tag; one engine; an env worker) with
 ``reward.envs.slow_tool:SlowTool``: every turn waits like a tool call of about ``--delay`` seconds (0.5-1.5x per
-episode), 3-4 turns an episode. In the same invocation it plays the same episodes (same seeds) twice per round:
+episode), 3-4 turns an episode. In the same invocation it plays the same episodes (same seeds) three times per round:
 
-- **ours** (``EpisodeRunner``): whenever the engine is idle it samples every episode that is ready, while
-  others wait for their tool;
+- **ours** (``EpisodeRunner``): continuous batching: an episode whose tool answered joins the engine's running
+  batch at its next call (``RolloutEngine.advance_turns``), while others wait for their tool;
+- **per_call** (the loop before continuous batching): whenever the engine is idle it samples every ready
+  episode as one batch that runs to its end;
 - **lockstep** (the baseline): every episode's turn t, then every tool of turn t, then turn t+1 (a rollout that
   batches by turn, as a loop without per-episode scheduling does).
 
-Prints seconds per rollout of each, their ratio (lockstep / ours: above 1 means ours is faster) and each one's
-engine busy share (the share of the rollout's wall time the engine spent sampling).
+Prints seconds per rollout of each, the ratios (lockstep / ours and per_call / ours: above 1 means ours is faster)
+and each one's engine busy share (ours: the share of the rollout's wall time the engine spent in scheduler steps;
+the others: in its sampling calls, Ray's round trips included, which favours them).
 """
 
 from __future__ import annotations
@@ -57,6 +60,43 @@ def lockstep_runner(base):
     return Lockstep(base.cfg, base.fleet, base.pool, base.tokenizer)
 
 
+def per_call_runner(base):
+    """An ``EpisodeRunner`` whose ``_play`` gives every ready episode to an idle engine as one ``sample_turns``
+    batch that runs to its end (the loop before continuous batching: a turn that becomes ready while its engine
+    samples a batch waits for that whole batch)."""
+    import ray
+
+    from cluster.driver.agent_loop import EpisodeRunner
+
+    class PerCall(EpisodeRunner):
+        def _play(self, episodes, temperature):
+            from collections import Counter
+
+            by_id, seeds, busy = {e.episode_id: e for e in episodes}, Counter(), 0.0
+            ready, engines = [e for e in episodes if e.status == "running"], list(self.fleet.engines)
+            sampling, stepping = {}, {}
+            while ready or sampling or stepping:
+                idle = [j for j in range(len(engines)) if j not in {s for s, _ in sampling.values()}]
+                for n, j in enumerate(idle):
+                    if share := ready[n::len(idle)]:
+                        reqs = [self._request(e, seeds) for e in share]
+                        sampling[engines[j].sample_turns.remote(reqs, temperature)] = (j, time.perf_counter())
+                if idle:
+                    ready = []
+                (ref,), _ = ray.wait(list(sampling) + list(stepping), num_returns=1)
+                if ref in sampling:
+                    busy += time.perf_counter() - sampling.pop(ref)[1]
+                    for turn in ray.get(ref):
+                        self._on_turn(by_id[turn.episode_id], turn, stepping)
+                else:
+                    e = stepping.pop(ref)
+                    if self._on_step(e, ray.get(ref)):
+                        ready.append(e)
+            return busy
+
+    return PerCall(base.cfg, base.fleet, base.pool, base.tokenizer)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -80,15 +120,16 @@ def main() -> int:
     t.start()
     try:
         t.warm_start()  # the calculator task's demonstrations: each turn writes a call and stops on its closing tag
-        ours, base = t.episodes, lockstep_runner(t.episodes)
+        runners = {"ours": t.episodes, "per_call": per_call_runner(t.episodes), "lockstep": lockstep_runner(t.episodes)}
         rows = [r for r in t.train_rows[: args.prompts]]
         for r in rows:
             r.meta["delay_s"] = args.delay
-        times: dict[str, list[float]] = {"ours": [], "lockstep": []}
-        busy: dict[str, list[float]] = {"ours": [], "lockstep": []}
-        ours.run(rows[:2], 1, seed=99)  # warm-up: the engine's first call, the worker's imports
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        busy: dict[str, list[float]] = {name: [] for name in runners}
+        for runner in runners.values():
+            runner.run(rows[:2], 1, seed=99)  # warm-up: the engine's first calls, the worker's imports
         for k in range(args.rounds):
-            for name, runner in (("ours", ours), ("lockstep", base)):
+            for name, runner in runners.items():
                 t0 = time.perf_counter()
                 _, _, m, _ = runner.run(rows, args.group, seed=k)
                 times[name].append(time.perf_counter() - t0)
@@ -97,11 +138,12 @@ def main() -> int:
                       f"engine busy {busy[name][-1]:.2f}", flush=True)
     finally:
         t.shutdown()
-    o, b = statistics.median(times["ours"]), statistics.median(times["lockstep"])
+    med = {name: statistics.median(v) for name, v in times.items()}
     print(f"\n{args.prompts} prompts x {args.group} episodes, tool {args.delay:g} s (0.5-1.5x), 3-4 turns")
-    print(f"ours      {o:6.2f} s per rollout, engine busy {statistics.median(busy['ours']):.2f}")
-    print(f"lockstep  {b:6.2f} s per rollout, engine busy {statistics.median(busy['lockstep']):.2f}")
-    print(f"ratio lockstep / ours: {b / o:.2f}x")
+    for name in runners:
+        print(f"{name:9s} {med[name]:6.2f} s per rollout, engine busy {statistics.median(busy[name]):.2f}")
+    print(f"ratio lockstep / ours: {med['lockstep'] / med['ours']:.2f}x; per_call / ours: "
+          f"{med['per_call'] / med['ours']:.2f}x")
     return 0
 
 
