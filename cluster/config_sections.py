@@ -82,12 +82,14 @@ class DataConfig(Section):
     settings. ``task: gsm8k`` is that loader with GSM8K's fields (``question``, ``answer`` with a ``####``
     line), its prompt template and the ``math`` verifier."""
 
-    task: Literal["arithmetic", "gsm8k", "files", "code", "agent_calc"] = Field(
+    task: Literal["arithmetic", "gsm8k", "files", "code", "agent_calc", "agent_guess"] = Field(
         "arithmetic",
         description="arithmetic = generated 2-operand additions; files = your own rows (train_path, test_path); "
         "gsm8k = files with GSM8K's fields, prompt template and the math verifier; code = generated tiny Python "
         "functions judged by unit tests in the sandbox (cluster/data/code_task.py); agent_calc = sums of "
-        "data.num_terms 2-digit numbers for a calculator tool (cluster/data/agent_calc.py; needs env)",
+        "data.num_terms 2-digit numbers for a calculator tool (cluster/data/agent_calc.py; needs env); agent_guess = "
+        "find a number in 1..data.guess_high from higher/lower replies (cluster/data/agent_guess.py; needs env.cls "
+        "reward.envs.guess_number:GuessNumber)",
     )
     train_path: str | None = Field(
         None, description="files/gsm8k: training rows: a .jsonl/.json/.parquet/.csv file, a glob of them, or a "
@@ -135,10 +137,15 @@ class DataConfig(Section):
                       "eval_fraction split")
     max_operand: int = Field(99, ge=1, description="arithmetic: operands in [0, max_operand]")
     num_terms: int = Field(4, ge=2, description="agent_calc: addends of 10..99 per problem")
+    guess_high: int = Field(9, ge=2, description="agent_guess: the secret number is in 1..guess_high")
+    guess_bonus: float = Field(
+        0.2, ge=0, description="agent_guess: a found number scores 1 + guess_bonus x the guesses saved against trying "
+        "every number (GuessNumber's meta guess_bonus): fewer guesses are better")
     demo_slip_rate: float = Field(
         0.0, ge=0, le=1,
         description="arithmetic: share of warm-start demonstrations that drop the units carry; code: share that carry "
-        "their family's classic bug; agent_calc: share whose calculator call leaves out the last addend (imperfect "
+        "their family's classic bug; agent_calc: share whose calculator call leaves out the last addend; agent_guess: "
+        "share of demonstrations that scan linearly (1, 2, 3, ...; the others play binary search) (imperfect "
         "cold-start data)",
     )
     long_tail_fraction: float = Field(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from cluster.config import Config, ConfigError
 from cluster.data import prompts as data
 from cluster.data.agent_calc import agent_calc_rows
+from cluster.data.agent_guess import agent_guess_rows
 from cluster.data.code_task import code_rows
 from cluster.data.files import file_rows
 from cluster.data.long_tail import long_tail_rows
@@ -57,6 +58,9 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
         return agent_calc_rows(encoder.ids, num_terms=d.num_terms, num_train=d.num_train, num_eval=d.num_eval,
                                seed=d.seed, demo_slip_rate=d.demo_slip_rate, prompt_template=d.prompt_template,
                                tool_format=cfg.env.tool_format)
+    if d.task == "agent_guess":
+        return agent_guess_rows(encoder.ids, high=d.guess_high, num_train=d.num_train, num_eval=d.num_eval,
+                                seed=d.seed, demo_slip_rate=d.demo_slip_rate, guess_bonus=d.guess_bonus)
     if d.task == "code":
         return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
                          demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)
