@@ -74,12 +74,9 @@ def test_zero0_clips_in_the_learner_as_torch_does(model_path, port, grad_clip): 
         torch.testing.assert_close(opt.state[p]["exp_avg"], want, rtol=1e-4, atol=1e-6 * coef)
 
 
-@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
-def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm):
-    """3 micro-batches (2, 2, 1 rows) with gradient accumulation = one full-minibatch step in plain torch."""
-    cfg = LearnerConfig(algorithm=algorithm, zero_stage=1, micro_batch_size=2, lr=1e-3, grad_clip=1.0,
-                        num_minibatches=1)
-    batch = make_batch(model_path, 5, seed=1)
+def _one_step_equals_plain_torch(model_path, cfg, batch, port):
+    """One rollout batch on a real rank (one optimizer step) against ``reference_step``'s plain-torch step:
+    gradients and updated parameters close. Returns the rank's result and the reference gradients."""
     learner = _rank(model_path, cfg, port)
     learner.capture_gradients(True)
     s, t = loss_normalisers(batch.response_mask)
@@ -90,6 +87,16 @@ def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm)
     assert len(grads) == 1 and out.optimizer_steps == 1
     assert_grads_close(grads[0], ref_grads)
     assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
+    return out, ref_grads
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "grpo"])
+def test_single_rank_micro_batches_equal_full_batch(model_path, port, algorithm):
+    """3 micro-batches (2, 2, 1 rows) with gradient accumulation = one full-minibatch step in plain torch."""
+    cfg = LearnerConfig(algorithm=algorithm, zero_stage=1, micro_batch_size=2, lr=1e-3, grad_clip=1.0,
+                        num_minibatches=1)
+    batch = make_batch(model_path, 5, seed=1)
+    out, ref_grads = _one_step_equals_plain_torch(model_path, cfg, batch, port)
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     assert out.grad_norm == pytest.approx(ref_norm, rel=1e-5) and out.grad_norm == out.metrics["actor/grad_norm"]
     for key in ("loss/policy", "actor/clip_fraction", "actor/clip_fraction_low", "actor/clip_fraction_high",
@@ -109,16 +116,7 @@ def test_gspo_token_per_token_advantages_equal_full_batch(model_path, port, grou
     batch = make_batch(model_path, 5, seed=1)
     g = torch.Generator().manual_seed(7)
     batch.advantages = torch.where(batch.response_mask, torch.randn(batch.response_mask.shape, generator=g), 0.0)
-    learner = _rank(model_path, cfg, port)
-    learner.capture_gradients(True)
-    s, t = loss_normalisers(batch.response_mask)
-    out = learner.train_rollout_batch([batch], [s], [t])
-    grads = learner.captured_gradients()
-    learner.capture_gradients(False)
-    ref_grads, ref_params = reference_step(model_path, [batch], cfg)
-    assert len(grads) == 1 and out.optimizer_steps == 1
-    assert_grads_close(grads[0], ref_grads)
-    assert_params_close(_module_params(learner), ref_params, cfg.lr, ref_grads)
+    out, ref_grads = _one_step_equals_plain_torch(model_path, cfg, batch, port)
 
 
 def test_epochs_and_minibatches_give_one_step_each(model_path, port):

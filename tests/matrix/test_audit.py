@@ -19,13 +19,28 @@ from learner import audit
 from tests.helpers import REPO_ROOT
 
 
+def _run(cfg):
+    """Train ``cfg`` (its warm start, step 0's evaluation, its steps) on the real services; returns its run folder."""
+    from cluster.driver.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.start()
+        trainer.run()
+    finally:
+        trainer.shutdown()
+        import ray
+
+        ray.shutdown()
+    return trainer.run_dir
+
+
 @pytest.mark.parametrize("algorithm", ["gspo", pytest.param("dr_grpo", marks=pytest.mark.matrix)])
 def test_real_run_audits_clean_and_catches_mask_shift(tmp_path, algorithm):
     """gspo in the suite; Dr. GRPO (GRPO's token loss over a constant length) in ``make test-matrix``."""
     from safetensors.torch import load_file, save_file
 
     from cluster.config import load_config
-    from cluster.driver.trainer import Trainer
 
     cfg = load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit", "trainer.total_steps=1",
@@ -37,16 +52,7 @@ def test_real_run_audits_clean_and_catches_mask_shift(tmp_path, algorithm):
         # groups, so advantages and the first minibatch's gradient are not all zero.
         "reward.extra_terms=[{verifier: format, weight: 1.0}]", 'reward.format_regex="[0-9]"',
     ])
-    trainer = Trainer(cfg)
-    try:
-        trainer.start()
-        trainer.run()
-    finally:
-        trainer.shutdown()
-        import ray
-
-        ray.shutdown()
-    run_dir = trainer.run_dir
+    run_dir = _run(cfg)
     step_dir = run_dir / "audit" / "step_00000001"
     for name in ("batch.safetensors", "split.json", "meta.json", "metrics.json", "model/model.safetensors",
                  "model/config.json", audit.GRADIENT_FILE):
@@ -92,7 +98,6 @@ def test_agent_run_audits_clean(tmp_path):
     from safetensors.torch import load_file
 
     from cluster.config import load_config
-    from cluster.driver.trainer import Trainer
 
     cfg = load_config(REPO_ROOT / "configs" / "tiny_agent_calc.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=audit_agent", "trainer.total_steps=1",
@@ -101,16 +106,7 @@ def test_agent_run_audits_clean(tmp_path):
         "learner.micro_batch_size=8",
         "warm_start.steps=150", "data.num_train=512", "data.num_eval=8", "wandb.mode=disabled",
     ])
-    trainer = Trainer(cfg)
-    try:
-        trainer.start()
-        trainer.run()
-    finally:
-        trainer.shutdown()
-        import ray
-
-        ray.shutdown()
-    run_dir = trainer.run_dir
+    run_dir = _run(cfg)
     tensors = load_file(str(run_dir / "audit" / "step_00000001" / "batch.safetensors"))
     episodes = tensors[audit.EPISODE_MASK_KEY]
     assert episodes.shape[0] == 32 and bool((episodes == 0).any()), "no environment token in the step's episodes"
