@@ -12,3 +12,20 @@ def sandbox_backend() -> str:
     from reward.sandbox import bwrap_available, sandbox_python
 
     return "bwrap" if bwrap_available(sandbox_python(SandboxConfig())) else "plain"
+
+
+#: a bounded fork bomb (300 sleeping children at most) that reports whether a limit blocked it (hostile tests)
+FORK_BOMB = """
+    import os, sys, time
+    n = 0
+    try:
+        for _ in range(300):          # its own bound: 300 processes, each sleeping 20 s
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(20)
+                os._exit(0)
+            n += 1
+    except OSError as err:
+        print("blocked", n, err.errno, flush=True)
+    print("forked", n, flush=True)
+"""

@@ -38,7 +38,7 @@ from reward.sandbox import SandboxUnavailable
 from reward.sandbox_procs import ENV_OWNER, ENV_RUN, _uid_processes, find_run_processes, sandbox_uid
 from tests.helpers import REPO_ROOT
 from tests.helpers.envs import row
-from tests.helpers.sandbox import sandbox_backend
+from tests.helpers.sandbox import FORK_BOMB, sandbox_backend
 
 BACKEND = sandbox_backend()
 MAX_PROCS = 12
@@ -234,21 +234,7 @@ def test_a_hostile_program_is_contained(monkeypatch):
         tmp_file.unlink(missing_ok=True)
 
 
-FORK_BOMB = """
-    import os, sys, time
-    n = 0
-    try:
-        for _ in range(300):          # its own bound: 300 processes, each sleeping 20 s
-            pid = os.fork()
-            if pid == 0:
-                time.sleep(20)
-                os._exit(0)
-            n += 1
-    except OSError as err:
-        print("blocked", n, err.errno, flush=True)
-    print("forked", n, flush=True)
-    time.sleep(20)                    # holds its processes until the run is stopped
-"""
+HOLDING_FORK_BOMB = FORK_BOMB + "    time.sleep(20)                    # holds its processes until the run is stopped\n"
 
 
 @pytest.mark.timeout(90)
@@ -275,7 +261,7 @@ def test_a_fork_bomb_is_capped_and_does_not_disturb_a_call_beside_it():
             os.waitpid(pid, 0)
         print("forked", len(kids), flush=True)
     """
-    threads = [threading.Thread(target=call, args=("bomb", FORK_BOMB), kwargs={"wall_s": 3.0, "cpu_s": 3}),
+    threads = [threading.Thread(target=call, args=("bomb", HOLDING_FORK_BOMB), kwargs={"wall_s": 3.0, "cpu_s": 3}),
                threading.Thread(target=call, args=("honest", honest), kwargs={"wall_s": 8.0, "cpu_s": 4})]
     for t in threads:
         t.start()

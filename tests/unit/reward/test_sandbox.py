@@ -22,6 +22,7 @@ from reward.judge import run_python_tests
 from reward.sandbox import SandboxUnavailable, bwrap_available, choose_backend, run_python, sandbox_python
 from reward.sandbox_procs import ENV_RUN, _uid_processes, find_run_processes, sandbox_uid
 from tests.helpers import REPO_ROOT
+from tests.helpers.sandbox import FORK_BOMB
 
 REPO = REPO_ROOT
 
@@ -37,20 +38,6 @@ BACKENDS = [
 
 MAX_PROCS = 12
 
-FORK_BOMB = """
-    import os, sys, time
-    n = 0
-    try:
-        for _ in range(300):          # its own bound: 300 processes, each sleeping 20 s
-            pid = os.fork()
-            if pid == 0:
-                time.sleep(20)
-                os._exit(0)
-            n += 1
-    except OSError as err:
-        print("blocked", n, err.errno, flush=True)
-    print("forked", n, flush=True)
-"""
 
 
 def cfg_for(backend: str, **kw) -> SandboxConfig:
