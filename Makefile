@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare cluster-up cluster-down real-model clean
+.PHONY: setup train test test-matrix test-fast gpu-smoke gpu-learner-check gpu-check-bundle bench bench-trl soak submit compare cluster-up cluster-down real-model real-moe clean
 
 setup: $(STAMP)
 
@@ -125,6 +125,14 @@ compare: setup
 # HuggingFaceTB/SmolLM2-135M-Instruct works as it is. Any GGUF file: gspo-import-gguf FILE OUT.
 real-model: setup
 	$(BIN)/python -m cluster.models.real_model $(ARGS)
+
+# SmolLM2 sparsely upcycled into a Mixtral (cluster/models/upcycle.py): every expert a copy of the dense MLP plus
+# seeded noise, the router small and seeded; prints the logit difference and KL to the dense model. Options as
+# gspo-upcycle's, e.g. make real-moe ARGS="--experts 4 --top-k 2 --noise 0.01" (default out:
+# models/smollm2-135m-moe-e<E>k<K>-s<noise>). Builds models/smollm2-135m-instruct first where it is missing.
+real-moe: setup
+	$(BIN)/python -m cluster.models.real_model
+	$(BIN)/python -m cluster.models.upcycle $(ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache
