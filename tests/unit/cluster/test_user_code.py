@@ -139,7 +139,7 @@ def test_project_scripts_point_to_main_functions():
 
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == {"gspo-train", "gspo-submit", "gspo-compare", "gspo-audit", "gspo-cluster",
-                            "gspo-import-gguf", "gspo-merge-lora"}
+                            "gspo-import-gguf", "gspo-merge-lora", "gspo-upcycle"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         main = getattr(importlib.import_module(module), attr)
