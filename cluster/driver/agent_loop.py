@@ -60,6 +60,7 @@ class Episode:
     sample_index: int
     seed: int
     worker: int
+    group: int = 0  # the row's index in its round: a group's episodes share an engine (and its prefix cache)
     prompt_ids: list[int] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
@@ -236,7 +237,7 @@ class EpisodeRunner:
         self.fleet.settle()
         round_ = next(self.rounds)
         episodes = [Episode(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
-                            (i * G + k) % len(self.pool)) for i, row in enumerate(rows) for k in range(G)]
+                            (i * G + k) % len(self.pool), group=i) for i, row in enumerate(rows) for k in range(G)]
         t0 = time.perf_counter()
         self._start(episodes)
         busy = self._play(episodes, temperature)
@@ -299,7 +300,7 @@ class EpisodeRunner:
         ready: dict[int, list[Episode]] = {j: [] for j in range(len(engines))}
         for e in episodes:
             if e.status == "running":
-                ready[self._engine_of(e, len(engines))].append(e)
+                ready[e.group % len(engines)].append(e)
         open_turns, calls, stepping = Counter(), {}, {}  # calls: ref -> engine slot; stepping: ref -> Episode
         busy, turn_seed = 0.0, Counter()
         try:
@@ -325,7 +326,7 @@ class EpisodeRunner:
                         e = stepping.pop(ref)
                         s = self._env(e, ref)
                         if s is not None and self._on_step(e, s):
-                            ready[self._engine_of(e, len(engines))].append(e)
+                            ready[e.group % len(engines)].append(e)
         except BaseException:
             try:
                 ray.get([engine.abort_turns.remote() for engine in engines], timeout=60)
@@ -333,11 +334,6 @@ class EpisodeRunner:
                 log.warning("agent loop: could not abort the engines' open turns", exc_info=True)
             raise
         return busy
-
-    @staticmethod
-    def _engine_of(e: Episode, n: int) -> int:
-        """The engine slot of an episode: its group's (``<uid>#<k>@<round>.<i>``: the row's index ``i``)."""
-        return int(e.episode_id.rsplit(".", 1)[1]) % n
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
         turn_seed[e.episode_id] += 1
