@@ -1,6 +1,6 @@
 """Do the engines wait on tools? Multi-turn episodes with a slow tool, our loop against turn-round by turn-round.
 
-    python bench/agent_tools.py [--rounds 3] [--prompts 16] [--group 4] [--delay 0.2] [dotted.key=value ...]
+    python bench/agent_tools.py [--rounds 3] [--prompts 16] [--group 4] [--delay 0.2] [--steps 6] [dotted.key=value ...]
 
 Runs the real services (``configs/tiny_agent_calc.yaml``'s model after a short warm start on its demonstrations,
 so that each turn writes a call and stops on its closing tag; one engine; an env worker) with
@@ -13,6 +13,13 @@ episode), 3-4 turns an episode. In the same invocation it plays the same episode
   episode as one batch that runs to its end;
 - **lockstep** (the baseline): every episode's turn t, then every tool of turn t, then turn t+1 (a rollout that
   batches by turn, as a loop without per-episode scheduling does).
+
+Then **partial** (``trainer.partial_rollouts=true``, ``max_staleness=1``; ``cluster.driver.partial_episodes``):
+``--steps`` collections of ``--prompts`` groups from a stream over the same rows (same tool and delays; the
+episodes differ from the rounds above as a stream's do), each followed by a real weight sync (a new version):
+up to 2 P groups are under way, a collection ends when P groups have all episodes ended, the rest carries on
+after the sync. Its seconds per step are the median collection from the second on (the first fills the backlog),
+sync excluded, as the other arms time their rollouts only.
 
 Prints seconds per rollout of each, the ratios (lockstep / ours and per_call / ours: above 1 means ours is faster)
 and each one's engine busy share (ours: the share of the rollout's wall time the engine spent in scheduler steps;
@@ -97,12 +104,37 @@ def per_call_runner(base):
     return PerCall(base.cfg, base.fleet, base.pool, base.tokenizer)
 
 
+def partial_steps(t, rows, group: int, steps: int) -> tuple[list[float], list[float], list[float]]:
+    """Seconds, engine busy share and multi-version share of ``steps`` partial-rollout collections of
+    ``len(rows)`` groups of ``group`` episodes, a weight sync after each (its seconds not counted)."""
+    from cluster.data.prompts import PromptStream
+    from cluster.driver.partial_episodes import PartialEpisodeCollector
+
+    tc = t.cfg.trainer.model_copy(update={"partial_rollouts": True, "max_staleness": 1, "group_size": group,
+                                           "prompts_per_step": len(rows)})
+    col = PartialEpisodeCollector(t.cfg.model_copy(update={"trainer": tc}), PromptStream(rows, seed=0),
+                                  t.episodes, lambda: t.weight_version)
+    seconds, busy, spans = [], [], []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        c = col.collect(k)
+        seconds.append(time.perf_counter() - t0)
+        busy.append(c.reward_metrics["agent/engine_busy_share"])
+        spans.append(col.stats["partial/multi_version_share"])
+        print(f"step {k}: partial  {seconds[-1]:6.2f} s, turns {c.reward_metrics['agent/turns_mean']:.2f}, engine "
+              f"busy {busy[-1]:.2f}, episodes over two versions {spans[-1]:.2f}, in flight "
+              f"{col.stats['partial/in_flight_groups']:.0f} groups", flush=True)
+        t._sync_weights(t.weight_version + 1)
+    return seconds[1:], busy[1:], spans[1:]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--delay", type=float, default=0.2, help="the tool's mean seconds per call")
+    ap.add_argument("--steps", type=int, default=6, help="partial-rollout collections (0: skip that arm)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -136,14 +168,19 @@ def main() -> int:
                 busy[name].append(m["agent/engine_busy_share"])
                 print(f"round {k}: {name:8s} {times[name][-1]:6.2f} s, turns {m['agent/turns_mean']:.2f}, "
                       f"engine busy {busy[name][-1]:.2f}", flush=True)
+        if args.steps > 1:
+            times["partial"], busy["partial"], _ = partial_steps(t, rows, args.group, args.steps)
     finally:
         t.shutdown()
-    med = {name: statistics.median(v) for name, v in times.items()}
+    med = {name: statistics.median(v) for name, v in times.items() if v}
     print(f"\n{args.prompts} prompts x {args.group} episodes, tool {args.delay:g} s (0.5-1.5x), 3-4 turns")
-    for name in runners:
+    for name in med:
         print(f"{name:9s} {med[name]:6.2f} s per rollout, engine busy {statistics.median(busy[name]):.2f}")
-    print(f"ratio lockstep / ours: {med['lockstep'] / med['ours']:.2f}x; per_call / ours: "
-          f"{med['per_call'] / med['ours']:.2f}x")
+    if "ours" in med:
+        print(f"ratio lockstep / ours: {med['lockstep'] / med['ours']:.2f}x; per_call / ours: "
+              f"{med['per_call'] / med['ours']:.2f}x")
+    if "partial" in med and "lockstep" in med:
+        print(f"ratio lockstep / partial (seconds per step): {med['lockstep'] / med['partial']:.2f}x")
     return 0
 
 

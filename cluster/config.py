@@ -127,9 +127,9 @@ class Config(Section):
         return self
 
     def _check_env(self) -> None:
-        """Multi-turn episodes (``env``): a known tool-call format, and what the agent loop does not carry yet
-        refused by name (partial rollouts, rows already rendered by a chat template:
-        the loop renders an episode's first messages with the tools itself)."""
+        """Multi-turn episodes (``env``): a known tool-call format, and what the agent loop does not carry
+        refused by name (a segment length for partial rollouts, which go turn by turn; rows already rendered by a
+        chat template: the loop renders an episode's first messages with the tools itself)."""
         if not self.env.enabled:
             if self.data.task == "agent_calc":
                 raise ValueError("data.task='agent_calc' needs env.tools (e.g. [reward.envs.calculator:calc]) and "
@@ -145,9 +145,10 @@ class Config(Section):
         from rollout.tool_calls import get_format
 
         get_format(self.env.tool_format)  # ValueError naming the known formats
-        if self.trainer.partial_rollouts:
-            raise ValueError(f"trainer.partial_rollouts=true is refused with env.{'cls' if self.env.cls else 'tools'} "
-                             "set: multi-turn episodes do not support it yet")
+        if self.trainer.partial_rollouts and self.trainer.partial_segment_tokens is not None:
+            raise ValueError(f"trainer.partial_segment_tokens={self.trainer.partial_segment_tokens} is refused with "
+                             "env set: an episode's partial rollout goes turn by turn (a turn is never split across "
+                             "weight versions), leave it unset")
         if self.data.apply_chat_template is True:
             raise ValueError("data.apply_chat_template=true is refused with env set: the agent loop renders an "
                              "episode's first messages with the chat template and the tools itself (use auto)")

@@ -283,7 +283,8 @@ class TrainerConfig(Section):
         "a new request), each token keeping its weight version and behaviour log-prob; max_staleness=k >= 1 then "
         "bounds the oldest token's age in versions (a sample past it is dropped, counted and sampled again). The "
         "rollout runs between syncs (beside the learner too with partial_rollout_overlap). With R3 each token replays the experts of the "
-        "version that sampled it. Refused with dynamic_sampling")
+        "version that sampled it. Refused with dynamic_sampling. With env set, episodes continue turn by turn "
+        "across syncs (up to 2 prompts_per_step groups under way; docs/agents.md)")
     partial_rollout_overlap: bool = Field(
         False, description="partial rollouts: the engines also run rounds while the learner trains (at the weights "
         "it started from) as long as there is something to sample, stopping at the round under way when it "

@@ -24,6 +24,7 @@ with the turns the engines returned (``agent/token_mismatch``, which must be 0).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -100,6 +101,42 @@ class Episode:
             weight_version=min(versions), token_versions=list(self.versions), response_mask=list(self.mask),
             turn_starts=list(self.turn_starts) or None, turn_rewards=list(self.turn_rewards) or None,
             routed_experts=self.routed_experts)
+
+
+@dataclass
+class TurnLoop:
+    """The turns under way between the engines and the env workers (``EpisodeRunner.pump`` advances it): one
+    rollout's, or with partial rollouts what stays under way across weight syncs (``cluster.driver.
+    partial_episodes``).
+
+    ``ready``: episodes waiting for an engine; ``open_turns``: turns open per engine slot; ``calls``: queued
+    ``advance_turns`` refs -> engine slot; ``stepping``: env ``step`` refs -> episode; ``turn_seed``: turns
+    requested per episode id (each turn's sampling seed); ``by_id``: every episode the loop has seen; ``busy``:
+    the engines' seconds in scheduler steps."""
+
+    ready: list[Episode] = field(default_factory=list)
+    open_turns: Counter = field(default_factory=Counter)
+    calls: dict = field(default_factory=dict)
+    stepping: dict = field(default_factory=dict)
+    turn_seed: Counter = field(default_factory=Counter)
+    by_id: dict[str, Episode] = field(default_factory=dict)
+    busy: float = 0.0
+
+    def __post_init__(self):
+        self.by_id.update({e.episode_id: e for e in self.ready})
+
+    def add(self, e: Episode) -> None:
+        """An episode ready for its first turn."""
+        self.by_id[e.episode_id] = e
+        self.ready.append(e)
+
+    def drained(self) -> bool:
+        """No engine call queued and no turn open: the engines may load new weights."""
+        return not self.calls and not any(self.open_turns.values())
+
+    def idle(self) -> bool:
+        """Nothing under way and nothing ready."""
+        return self.drained() and not self.ready and not self.stepping
 
 
 def check_template(tokenizer) -> None:
@@ -239,13 +276,13 @@ class EpisodeRunner:
         episodes = [Episode(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
                             (i * G + k) % len(self.pool), group=i) for i, row in enumerate(rows) for k in range(G)]
         t0 = time.perf_counter()
-        self._start(episodes)
+        self.start_episodes(episodes)
         busy = self._play(episodes, temperature)
         if lost := [e.episode_id for e in episodes if e.status == "running"]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         restarts = self.pool.restarts
         results = self._finish(episodes)
-        _fill_missing_routing(episodes)
+        fill_missing_routing(episodes)
         wall = time.perf_counter() - t0
         metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
         metrics["agent/env_worker_restarts"] = float(self.pool.restarts - restarts)
@@ -261,7 +298,9 @@ class EpisodeRunner:
             e.status, e.worker_lost = "error", True
             return None
 
-    def _start(self, episodes: list[Episode]) -> None:
+    def start_episodes(self, episodes: list[Episode]) -> None:
+        """Open ``episodes`` in their env workers: their first ids and tools, or their end (status ``timeout`` /
+        ``error`` when the environment failed to start, ``error`` when its worker died)."""
         refs = [self.pool.workers[e.worker].start.remote(e.episode_id, _row_dict(e.row), e.seed) for e in episodes]
         for e, ref in zip(episodes, refs):
             s = self._env(e, ref)
@@ -295,45 +334,57 @@ class EpisodeRunner:
         episodes stay on one engine, whose prefix cache holds their prompt and earlier turns). On an error the
         engines' open turns are aborted, so the engines are left clean.
         """
-        engines = list(self.fleet.engines)
-        by_id = {e.episode_id: e for e in episodes}
-        ready: dict[int, list[Episode]] = {j: [] for j in range(len(engines))}
-        for e in episodes:
-            if e.status == "running":
-                ready[e.group % len(engines)].append(e)
-        open_turns, calls, stepping = Counter(), {}, {}  # calls: ref -> engine slot; stepping: ref -> Episode
-        busy, turn_seed = 0.0, Counter()
+        loop = TurnLoop(ready=[e for e in episodes if e.status == "running"])
+        with self.aborting_on_error():
+            while not loop.idle():
+                self.pump(loop, temperature)
+        return loop.busy
+
+    @contextlib.contextmanager
+    def aborting_on_error(self):
+        """Abort every engine's open turns when the body raises (the engines are left clean), then re-raise."""
         try:
-            while any(ready.values()) or any(open_turns.values()) or calls or stepping:
-                in_flight = Counter(calls.values())
-                for j in range(len(engines)):  # up to `depth` calls queued: the engine never waits on the driver
-                    if in_flight[j] < self.depth and (ready[j] or open_turns[j]):
-                        reqs = [self._request(e, turn_seed) for e in ready[j]]
-                        open_turns[j] += len(reqs)
-                        ready[j] = []
-                        calls[engines[j].advance_turns.remote(reqs, temperature, self.slice_s)] = j
-                done, _ = ray.wait(list(calls) + list(stepping), num_returns=1)
-                done, _ = ray.wait(list(calls) + list(stepping), num_returns=len(calls) + len(stepping), timeout=0)
-                for ref in done:
-                    if ref in calls:
-                        j = calls.pop(ref)
-                        turns, seconds = ray.get(ref)
-                        busy += seconds
-                        open_turns[j] -= len(turns)
-                        for turn in turns:
-                            self._on_turn(by_id[turn.episode_id], turn, stepping)
-                    else:
-                        e = stepping.pop(ref)
-                        s = self._env(e, ref)
-                        if s is not None and self._on_step(e, s):
-                            ready[e.group % len(engines)].append(e)
+            yield
         except BaseException:
             try:
-                ray.get([engine.abort_turns.remote() for engine in engines], timeout=60)
+                ray.get([engine.abort_turns.remote() for engine in self.fleet.engines], timeout=60)
             except Exception:  # noqa: BLE001 - a dead engine has nothing open; the first error is the one to raise
                 log.warning("agent loop: could not abort the engines' open turns", exc_info=True)
             raise
-        return busy
+
+    def pump(self, loop: TurnLoop, temperature: float | None, submit: bool = True) -> None:
+        """One turn of the loop: queue ``advance_turns`` calls (up to ``depth`` per engine, with the ready
+        episodes of that engine when ``submit``; without, only the open turns advance: a drain), wait for the
+        first engine or env call to end, and apply every call that has ended (turns to their environments,
+        answers to the ready list). Returns at once when nothing is under way."""
+        engines = list(self.fleet.engines)
+        in_flight, sent = Counter(loop.calls.values()), set()
+        for j in range(len(engines)):  # up to `depth` calls queued: the engine never waits on the driver
+            mine = [e for e in loop.ready if e.group % len(engines) == j] if submit else []
+            if in_flight[j] < self.depth and (mine or loop.open_turns[j]):
+                reqs = [self._request(e, loop.turn_seed) for e in mine]
+                loop.open_turns[j] += len(reqs)
+                sent.update(id(e) for e in mine)
+                loop.calls[engines[j].advance_turns.remote(reqs, temperature, self.slice_s)] = j
+        loop.ready = [e for e in loop.ready if id(e) not in sent]
+        waiting = list(loop.calls) + list(loop.stepping)
+        if not waiting:
+            return
+        ray.wait(waiting, num_returns=1)
+        done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+        for ref in done:
+            if ref in loop.calls:
+                j = loop.calls.pop(ref)
+                turns, seconds = ray.get(ref)
+                loop.busy += seconds
+                loop.open_turns[j] -= len(turns)
+                for turn in turns:
+                    self._on_turn(loop.by_id[turn.episode_id], turn, loop.stepping)
+            else:
+                e = loop.stepping.pop(ref)
+                s = self._env(e, ref)
+                if s is not None and self._on_step(e, s):
+                    loop.ready.append(e)
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
         turn_seed[e.episode_id] += 1
@@ -346,7 +397,7 @@ class EpisodeRunner:
         e.turn_starts.append(len(e.response_ids))
         e.turn_rewards.append(0.0)
         e.add(turn.token_ids, turn.logprobs, turn.weight_version)
-        e.routed_experts = turn.routed_experts  # covers every earlier turn and reply (each from its own forward)
+        e.routed_experts = spliced_routing(e.routed_experts, turn.routed_experts)
         e.turns += 1
         last = turn.token_ids[-1] if turn.token_ids else None
         e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason, last)
@@ -382,13 +433,16 @@ class EpisodeRunner:
         return True
 
     def _finish(self, episodes: list[Episode]) -> list[RewardResult]:
+        results = self.finish_episodes(episodes)
+        self.repair_pool(episodes)
+        return results
+
+    def finish_episodes(self, episodes: list[Episode]) -> list[RewardResult]:
+        """The verdicts of ended episodes, in order, from their environments' ``finish`` (which closes them); an
+        episode whose env worker died gets the ``env.on_error`` reward with status ``error``."""
         refs = {e.episode_id: self.pool.workers[e.worker].finish.remote(e.episode_id)
                 for e in episodes if not e.worker_lost}
         outcomes = [self._env(e, refs[e.episode_id]) if e.episode_id in refs else None for e in episodes]
-        for slot in sorted({e.worker for e in episodes if e.worker_lost}):
-            log.warning("env worker %d died: its episodes of this round end with status error; replaced", slot)
-            self.pool.replace(slot)
-        self.pool.maintain()
         results = []
         for e, o in zip(episodes, outcomes):
             if o is None:  # its worker died
@@ -404,8 +458,44 @@ class EpisodeRunner:
                             o.detail)
         return results
 
+    def repair_pool(self, episodes: list[Episode]) -> None:
+        """Replace the env workers that died under ``episodes`` and those holding too many abandoned threads
+        (``EnvPool.maintain``)."""
+        for slot in sorted({e.worker for e in episodes if e.worker_lost}):
+            if slot < len(self.pool):
+                log.warning("env worker %d died: its episodes end with status error; replaced", slot)
+                self.pool.replace(slot)
+        self.pool.maintain()
 
-def _fill_missing_routing(episodes: list[Episode]) -> None:
+
+def spliced_routing(before: Any, turn: Any) -> Any:
+    """An episode's R3 routing after a turn: the rows it had (the input positions up to the previous turn's
+    last sampled token, each from the forward, and so the weight version, that sampled the token it predicts),
+    then the turn's rows from there on (the environment's reply and the turn itself, from the turn's forward).
+    A turn sampled after a weight sync recomputes the earlier positions under the new weights; their rows are
+    not taken, so every sampled token keeps its own turn's experts.
+
+    Args:
+        before: None, or int16 numpy ``[n, layers, k]`` (the episode's rows so far).
+        turn: None (no routing capture), or int16 numpy ``[m, layers, k]``, ``m >= n``: the turn's engine rows
+            for every input position of the episode.
+
+    Returns:
+        ``turn`` when ``before`` is None, else ``[m, layers, k]``: ``before`` then ``turn[n:]``.
+
+    Raises:
+        ValueError: ``turn`` has fewer rows than ``before`` or another shape per row.
+    """
+    import numpy as np
+
+    if before is None or turn is None:
+        return turn
+    if len(turn) < len(before) or turn.shape[1:] != before.shape[1:]:
+        raise ValueError(f"a turn's routing {turn.shape} does not extend the episode's {before.shape}")
+    return np.concatenate([before, turn[len(before):]])
+
+
+def fill_missing_routing(episodes: list[Episode]) -> None:
     """With routing capture on, an episode that sampled no turn (its environment failed at the start) gets an
     all ``-1`` routing (no engine experts: the learner's replay uses its placeholder there; it has no sampled
     token to train) so that the batch's rows agree."""

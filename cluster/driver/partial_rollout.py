@@ -164,7 +164,8 @@ def slot_utilization(c: Collected) -> float:
 
 
 def step_metrics(collector: Any, c: Collected) -> dict[str, float]:
-    """``rollout/slot_utilization`` for any collector, and the ``partial/*`` metrics of a ``PartialCollector``."""
-    if isinstance(collector, PartialCollector):
+    """``rollout/slot_utilization`` for any collector, and the ``partial/*`` metrics of a ``PartialCollector``
+    (or of a ``cluster.driver.partial_episodes.PartialEpisodeCollector``)."""
+    if isinstance(collector, PartialCollector) or hasattr(collector, "stats"):
         return dict(collector.stats)
     return {"rollout/slot_utilization": slot_utilization(c)}

@@ -28,7 +28,8 @@ import yaml
 from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
-from cluster.driver import agent_loop, audit_dump, checkpoint, length_slices, partial_rollout, step_metrics
+from cluster.driver import (agent_loop, audit_dump, checkpoint, length_slices, partial_episodes, partial_rollout,
+                            step_metrics)
 from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.evaluation import evaluate
@@ -156,11 +157,14 @@ class Trainer:
         self.stream = data.PromptStream(self.train_rows, seed=cfg.trainer.seed, position=self.state.stream_position)
         self._start_services()
         self.collector = Collector(cfg, self.stream, self.fleet, self.rewards, self.episodes)
-        if cfg.trainer.partial_rollouts:  # rounds of bounded length; samples continue across syncs
+        if cfg.trainer.partial_rollouts and self.episodes is not None:  # episodes continue across syncs
+            self.collector = partial_episodes.PartialEpisodeCollector(cfg, self.stream, self.episodes,
+                                                                      lambda: self.weight_version)
+        elif cfg.trainer.partial_rollouts:  # rounds of bounded length; samples continue across syncs
             self.collector = partial_rollout.PartialCollector(cfg, self.stream, self.fleet, self.rewards,
                                                               lambda: self.weight_version)
-            if point is not None and point.partial is not None:
-                self.collector.buffer = point.partial  # in flight at the checkpoint: none lost, versions kept
+        if cfg.trainer.partial_rollouts and point is not None and point.partial is not None:
+            self.collector.buffer = point.partial  # in flight at the checkpoint: none lost, versions kept
         if point is not None:
             self.learners.load_checkpoint(str(point.path / "learner"))
             self._sync_weights(self.weight_version)

@@ -99,3 +99,63 @@ def test_env_workers_scale_through_control_yaml_and_are_replaced_when_holding_ab
     assert c.reward_metrics["agent/env_worker_restarts"] == 1.0 and c.reward_metrics["agent/env_failed"] == 0.0
     assert ray.get(pool.workers[0].pid.remote()) != pid
     (t.run_dir / "control.yaml").unlink()
+    pool.cfg = t.cfg
+
+
+def test_partial_episodes_span_weight_syncs_with_exact_ids_and_lose_no_prompt(trainer):
+    """trainer.partial_rollouts with env: a step trains the first P groups whose episodes all ended; the rest go
+    on after the sync under the new weights (tokens of two versions in one episode), turns never split; a
+    rollback's restarts and a checkpoint's round trip lose no prompt and train none twice, and leave no
+    environment open that no episode owns."""
+    import pickle
+
+    import ray
+
+    from cluster.config import load_config
+    from cluster.data.prompts import PromptStream
+    from cluster.driver.partial_episodes import PartialEpisodeCollector
+
+    t = trainer
+    if not t.state.warm_start_done:
+        t.warm_start()
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_agent_calc.yaml",
+                      [f"trainer.output_dir={t.run_dir.parent}", "trainer.run_name=agent", *OVERRIDES,
+                       "trainer.partial_rollouts=true", "trainer.max_staleness=1", "trainer.total_steps=99"])
+    old_cfg, old_collector = t.cfg, t.collector
+    col = PartialEpisodeCollector(cfg, t.stream, t.episodes, lambda: t.weight_version)
+    t.cfg, t.collector = cfg, col
+    start, trained, metrics = t.stream.position, [], []
+
+    def open_envs() -> set[str]:
+        return {i for w in t.episodes.pool.workers for i in ray.get(w.open_episodes.remote())}
+
+    def owned() -> set[str]:
+        return {e.episode_id for g in col.buffer.groups for e, v in zip(g.episodes, g.verdicts) if v is None}
+
+    try:
+        for k in range(4):
+            if k == 2:  # as after a health-guard rollback: every episode with tokens starts again
+                assert col.buffer.restart_all() > 0
+            m = t.rl_step()
+            metrics.append(m)
+            trained += t.trained_uids[-1]
+            assert m["agent/token_mismatch"] == 0.0 and m["rollout/staleness_max"] <= 1.0
+            assert m["partial/in_flight_groups"] > 0 and len(t.trained_uids[-1]) == 8
+            assert open_envs() <= owned()  # every open environment belongs to an episode under way
+        assert metrics[2]["partial/restarted_episodes"] > 0
+        assert max(m["partial/multi_version_share"] for m in metrics) > 0.0  # episodes spanned a sync
+        # a checkpoint: scored episodes kept whole, the others marked to start again; nothing lost or repeated
+        saved = pickle.loads(pickle.dumps(col.buffer))
+        assert {(g.serial, e.sample_index) for g in saved.groups for e, v in zip(g.episodes, g.verdicts)
+                if v is None} <= saved.to_restart
+        ray.get([w.close.remote() for w in t.episodes.pool.workers])  # a resumed run's workers are new
+        col.buffer = saved
+        m = t.rl_step()
+        trained += t.trained_uids[-1]
+        assert m["agent/token_mismatch"] == 0.0 and m["partial/restarted_episodes"] >= 1
+        replay = PromptStream(t.train_rows, seed=cfg.trainer.seed, position=start)
+        admitted = [r.uid for r in replay.take(t.stream.position - start)]
+        in_flight = [g.row.uid for g in col.buffer.groups]
+        assert sorted(trained + in_flight) == sorted(admitted)  # none lost, none trained twice
+    finally:
+        t.cfg, t.collector = old_cfg, old_collector

@@ -7,9 +7,10 @@ episode's start and close traced to a file) runs in a process group of its own, 
 Once a checkpoint exists (``save_every=2``), a step was trained after it and training episodes are open (the
 config's overlapped mode, ``max_staleness=1``: the next step's rollout is collected beside the learner), the
 whole group is SIGKILLed; Ray's processes that name the temp dir are ended as ``ray stop`` would (none may be
-left). The run is then resumed to the same ``total_steps``. Episodes are never saved in a checkpoint (partial
-rollouts are refused with ``env``; the checkpoint holds only a rollout already collected): the rollout under
-way at the kill is played again from the prompt stream's restored position.
+left). The run is then resumed to the same ``total_steps``. Without partial rollouts episodes are never saved in
+a checkpoint (it holds only a rollout already collected): the rollout under way at the kill is played again from
+the prompt stream's restored position. The second test kills a run with partial rollouts, whose checkpoint saves
+the backlog of episodes.
 
 From what the runs left on disk: ``metrics.jsonl`` and ``trained_prompts.jsonl`` hold each step once; step
 ``k`` trained exactly the prompts an uninterrupted run trains (the stream's prompts ``[(k-1)P, kP)``, the
@@ -204,3 +205,57 @@ def test_sigkill_mid_episodes_then_resume_trains_every_prompt_once(tmp_path, ray
     cfg = state["config"]["learner"]
     learner_state = checkpoint.read_learner_state(final)
     assert learner_state["optimizer_steps"] == WARM + STEPS * cfg["num_minibatches"] * cfg["ppo_epochs"]
+
+
+def test_sigkill_with_partial_episodes_in_the_backlog_then_resume_trains_every_prompt_once(tmp_path, ray_tmp):
+    """The same kill with ``trainer.partial_rollouts`` (episodes span syncs; up to 2 P groups under way): the
+    checkpoint saves the backlog (ended episodes whole, the others to start again). After the resume every
+    prompt the stream handed out is trained once or still in the final backlog, none twice."""
+    import pickle
+
+    from cluster.driver.resume import PARTIAL_FILE
+
+    run, trace = tmp_path / "agent_resume", tmp_path / "episodes.trace"
+    env = _env(ray_tmp, trace)
+    partial = ["trainer.partial_rollouts=true", "trainer.max_staleness=1"]
+    log1 = tmp_path / "killed.log"
+    proc = _start(tmp_path, partial, env, log1)
+    try:
+        _kill_mid_rollout(proc, run, trace, log1)
+    finally:
+        escaped = _end_group(proc, ray_tmp)
+    assert escaped == [], f"processes of the killed run outlived its process group: {escaped}"
+    at_kill = _train_open(trace)
+    ckpt = checkpoint.latest_checkpoint(run)
+    assert (ckpt / PARTIAL_FILE).is_file()  # the backlog was saved with the checkpoint
+
+    log2 = tmp_path / "resumed.log"
+    proc = _start(tmp_path, ["trainer.resume=true", *partial], env, log2)
+    try:
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        escaped = _end_group(proc, ray_tmp)
+    assert rc == 0, f"the resumed run failed (rc {rc}):\n{_tail(log2)}"
+    assert escaped == []
+
+    records = trained_prompts.read(run)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and not any(r["skipped"] for r in records)
+    trained = [uid for r in records for uid in r["uids"]]
+    assert len(trained) == len(set(trained)) == STEPS * P  # none twice
+    final = checkpoint.latest_checkpoint(run)
+    position = int(checkpoint.read_state(final)["stream_position"])
+    backlog = pickle.loads((final / PARTIAL_FILE).read_bytes())
+    in_flight = [g.row.uid for g in backlog.groups]
+    from cluster.config import load_config
+    from cluster.data.prompts import PromptStream
+    from cluster.data.tasks import load_rows, load_tokenizer
+
+    cfg = load_config(run / "config.yaml")
+    rows, _ = load_rows(cfg, load_tokenizer(str(run / "model" / "tiny_moe")))
+    handed_out = [r.uid for r in PromptStream(rows, seed=cfg.trainer.seed).take(position)]
+    assert sorted(trained + in_flight) == sorted(handed_out)  # none lost: trained, or still under way
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m.get("agent/token_mismatch", 0.0) == 0.0 for m in metrics)
+    assert _train_open(trace) == at_kill  # every episode the resumed run started was closed (or is in the backlog)

@@ -146,14 +146,16 @@ def test_per_turn_rewards_are_recorded_at_each_turns_start_and_reach_the_advanta
     assert not seq.per_turn and seq.advantages.tolist() == [-0.25, 0.25] and seq.returns.tolist() == [0.5, 1.0]
 
 
-def test_episodes_take_routing_capture_and_refuse_partial_rollouts_at_config_load():
+def test_episodes_take_routing_capture_and_partial_rollouts_turn_by_turn_at_config_load():
     from cluster.config import load_config
     from tests.helpers import REPO_ROOT
 
     path = REPO_ROOT / "configs" / "tiny_agent_calc.yaml"
     assert load_config(path, ["rollout.return_routed_experts=true"]).rollout.return_routed_experts
-    with pytest.raises(ValueError, match="trainer.partial_rollouts=true is refused with env.tools set"):
-        load_config(path, ["trainer.partial_rollouts=true"])
+    assert load_config(path, ["trainer.partial_rollouts=true", "trainer.max_staleness=1"]).trainer.partial_rollouts
+    with pytest.raises(ValueError, match="trainer.partial_segment_tokens=4 is refused with env set"):
+        load_config(path, ["trainer.partial_rollouts=true", "trainer.max_staleness=1",
+                           "trainer.partial_segment_tokens=4"])
 
 
 def test_length_metrics_of_episodes_count_sampled_tokens_over_the_episodes_range():
