@@ -30,7 +30,8 @@ Variants (all from the config's learner section; each on its own engine, built o
 - ``grpo``, ``ppo``: the default with ``learner.algorithm`` grpo, or ppo (its critic: a second engine per rank).
 - ``padded``: the default without sequence packing (``learner.pack_sequences=false``); ``packed_flat`` (or
   ``packed_bins``): the default with the other ``learner.packing_layout``; ``bf16_autocast``: with
-  ``learner.autocast=bfloat16`` (float32 configs);
+  ``learner.autocast=bfloat16`` (float32 configs); ``bf16_deepspeed``: with ``learner.dtype=bfloat16`` at ZeRO
+  stage >= 1, the learner ``precision=bf16`` runs (float32 configs; compare with ``ranks1_zero1`` for the stage);
 - the ceiling, ``plain_torch_padded`` / ``plain_torch_packed``: one plain torch forward+backward of the same
   batch in the bench's own process (transformers, 1 thread, no DeepSpeed, Ray or optimizer), padded micro-batches
   of ``micro_batch_size`` rows, or packed (``learner.packing``). Learner and ceiling are printed as tokens/s over the
@@ -94,6 +95,8 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
             out[f"packed_{layout}"] = (ws, {"packing_layout": layout}, base_guard)
     if lc.dtype == "float32":
         out["bf16_autocast"] = (ws, {"autocast": "bfloat16"}, base_guard)
+        # what precision=bf16 runs: bf16 weights under DeepSpeed (fp32 master copy), ZeRO >= 1
+        out["bf16_deepspeed"] = (ws, {"dtype": "bfloat16", "zero_stage": max(lc.zero_stage, 1)}, base_guard)
     out["token_budget"] = (ws, {"max_tokens_per_micro_batch": max(shard_tokens // 4, 1)}, base_guard)
     out["lora"] = (ws, {"lora": {"rank": 8, "alpha": 16}}, base_guard)
     out["grpo"] = (ws, {"algorithm": "grpo"}, base_guard)  # token ratios, group advantages

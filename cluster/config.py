@@ -8,10 +8,10 @@ that span sections.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from cluster.config_sections import (
     ClusterConfig,
@@ -24,6 +24,7 @@ from cluster.config_sections import (
     WandbConfig,
 )
 from cluster.models.hub_model import is_hub_id
+from cluster.precision import resolve as resolve_precision
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.loss_settings import AUDITED_ALGORITHMS
 from reward.config import EnvConfig, RewardConfig
@@ -52,6 +53,27 @@ class Config(Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    precision: Literal["auto", "bf16", "fp32"] | None = Field(
+        None, description="one switch for the run's precision (cluster/precision.py): 'bf16' sets rollout.dtype and "
+        "learner.dtype to bfloat16 (DeepSpeed bf16 with fp32 master weights; needs learner.zero_stage >= 1), "
+        "learner.autocast off and learner.old_logprob_source=recompute (a bf16 engine's log-probs widen GSPO's clip "
+        "fraction, docs/results.md); 'fp32' the dtypes float32; 'auto' bf16 where the learner and the engines run on "
+        "GPUs or on a CPU with avx512_bf16 or amx_bf16 (this machine's /proc/cpuinfo), fp32 elsewhere. Keys the config "
+        "sets win: with bf16/fp32 one set to the other precision is refused naming both, the rest are filled only "
+        "where unset; with auto set keys steer the choice. The choice is logged at start and in devices.json. "
+        "null = each key as set (no switch)")
+    _precision_report: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _resolve_precision(self) -> "Config":
+        """``precision`` applied to the keys it sets, before the checks that read them (cluster/precision.py)."""
+        self._precision_report = resolve_precision(self)
+        return self
+
+    @property
+    def precision_report(self) -> dict[str, Any]:
+        """What ``precision`` chose and set (``cluster.precision.resolve``'s report)."""
+        return self._precision_report
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(yaml.safe_dump({"config": cfg.model_dump(mode="json"), "plan": resources}, sort_keys=False))
+        print(yaml.safe_dump({"config": cfg.model_dump(mode="json"), "precision": cfg.precision_report,
+                              "plan": resources}, sort_keys=False))
         if warning := _local_cpu_warning(cfg):
             print(f"warning: {warning}", file=sys.stderr)
         return 0

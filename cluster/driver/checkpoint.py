@@ -112,6 +112,7 @@ RESUME_FREE = (
     "trainer.audit_steps", "trainer.output_dir", "trainer.run_name", "trainer.resume", "trainer.ray_address",
     "trainer.bind_host", "trainer.plots",
     "model.num_params_b", "model.shape", "warm_start.", "sync.", "health.", "cluster.", "wandb.",
+    "precision",  # the switch itself: the keys it sets (rollout.dtype, learner.dtype, ...) are compared
 )
 # Keys that act only from the first RL step on (the objective, the rollout batch and its sampling, the reward):
 # free to change on a checkpoint written before any RL step (a warm start: cluster/compare.py resumes every

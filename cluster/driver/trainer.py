@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import yaml
 
+from cluster import precision
 from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
@@ -90,6 +91,7 @@ class Trainer:
         self.verbose = verbose
         self.t_start = time.perf_counter()
         self.run_dir = setup_run_dir(cfg)
+        log.info("%s", precision.summary(cfg.precision_report))  # what precision chose (cluster/precision.py)
         self.state = DriverState()
         self.trained_uids: list[list[str]] = []
         self.guard = GuardPolicy(cfg, self.run_dir)
@@ -366,7 +368,7 @@ class Trainer:
             log.info("held-out accuracy before RL: %.3f (%d prompts)%s", ev["eval/accuracy"], len(self.eval_rows),
                      "".join(f", {k[5:]} {v:.3f}" for k, v in ev.items() if k.startswith(("eval/pass@", "eval/mean@"))))
         run_with_progress(self.step, tc.total_steps, self.logged_step)
-        devices.record(self.learners, self.fleet, self.run_dir / devices.DEVICES_FILE)
+        devices.record(self.learners, self.fleet, self.run_dir / devices.DEVICES_FILE, precision=cfg.precision_report)
         hist = self.logger.history
         summarize(hist, summary)
         summary["timing/total_s"] = time.perf_counter() - self.t_start

@@ -370,7 +370,7 @@ def _over_budget_message(cfg: Config, lm: dict[str, float], claims: dict[str, fl
         fixes.append("offload the optimizer to host RAM (learner.offload_optimizer=cpu)")
     fixes.append("raise learner.world_size")
     if lc.dtype == "float32":
-        fixes.append("train in learner.dtype=bfloat16")
+        fixes.append("train in bf16 (precision=bf16, or learner.dtype=bfloat16)")
     if len(users) > 1:
         fixes.append("give each service whole GPUs (num_gpus_per_rank / num_gpus_per_engine = 1)")
     fixes.append("use GPUs with more memory")

@@ -1,8 +1,8 @@
 """Which device each service runs on, from the config, and what a run actually used.
 
 - ``learner_first``: whether the learner must finish building before the engines start (a shared GPU).
-- ``record``: after a run, every learner rank's and engine's report of where its state lives, written to
-  ``<run_dir>/devices.json`` (``cluster.tools.gpu_smoke`` reads it).
+- ``record``: after a run, every learner rank's and engine's report of where its state lives, with what the
+  ``precision`` switch chose, written to ``<run_dir>/devices.json`` (``cluster.tools.gpu_smoke`` reads it).
 - ``device_problems``: that report against the config (a GPU run whose learner or engines ran on the CPU).
 """
 
@@ -31,14 +31,18 @@ def learner_first(cfg) -> bool:
     return cfg.learner.num_gpus_per_rank > 0 and cfg.rollout.num_gpus_per_engine > 0
 
 
-def record(learners, fleet, path: Path) -> dict[str, Any]:
+def record(learners, fleet, path: Path, precision: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ask every learner rank (``LearnerRank.devices``) and engine (``RolloutEngine.device_report``) where it
-    runs, write ``{"learner": [...per rank], "engines": [...per engine]}`` to ``path`` as JSON and return it.
-    Collective over the learner ranks (a local call on each, no communication)."""
+    runs, write ``{"learner": [...per rank], "engines": [...per engine], "precision": precision}`` to ``path`` as
+    JSON and return it; ``precision`` is the config's ``precision_report`` (what the ``precision`` switch chose
+    and set, ``cluster.precision.resolve``), left out when None. Collective over the learner ranks (a local call
+    on each, no communication)."""
     import ray
 
     report = {"learner": learners.call("devices"),
               "engines": ray.get([e.device_report.remote() for e in fleet.engines])}
+    if precision is not None:
+        report["precision"] = precision
     Path(path).write_text(json.dumps(report, indent=1))
     return report
 

@@ -130,6 +130,12 @@ def reference_markdown() -> str:
         "as `section.key=value` (the value is parsed as YAML). Unknown keys, wrong types and impossible",
         "combinations stop the run before anything starts, with the key and the value in the message.",
     ]
+    top = [(name, f) for name, f in Config.model_fields.items() if _model_in(f.annotation) is None]
+    if top:  # run-level keys outside any section (``precision``)
+        lines += ["", "## top-level keys", "", "Keys of the run config itself, beside its sections.", "",
+                  "| key | type | default | description |", "|---|---|---|---|"]
+        lines += [f"| `{name}` | {_cell(f'`{_type_name(f.annotation)}`')} | {_cell(_default(f, name))} | "
+                  f"{_cell(f.description or '')} |" for name, f in top]
     for dotted, cls in sections():
         if not dotted:
             continue
