@@ -161,9 +161,10 @@ class Config(Section):
                 raise ValueError("data.task='agent_guess' needs env.cls (reward.envs.guess_number:GuessNumber) and "
                                  "env.tool_format='tag': its rows are games played with a guess tool")
             return
-        if self.data.task == "agent_guess" and not self.env.cls:
-            raise ValueError("data.task='agent_guess' needs env.cls (reward.envs.guess_number:GuessNumber), not "
-                             "env.tools: its rows configure that environment's game (meta low, high, guess_bonus)")
+        if self.data.task == "agent_guess" and not self.env.cls and not self.env.openenv.enabled:
+            raise ValueError("data.task='agent_guess' needs env.cls (reward.envs.guess_number:GuessNumber) or the "
+                             "same game on an OpenEnv server (env.openenv), not env.tools: its rows configure the "
+                             "game (meta low, high, guess_bonus)")
         from rollout.tool_calls import get_format
 
         get_format(self.env.tool_format)  # ValueError naming the known formats

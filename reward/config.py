@@ -153,13 +153,82 @@ class RewardConfig(Section):
         return self
 
 
+class OpenEnvConfig(Section):
+    """An OpenEnv environment (section ``env.openenv``): a server with reset and step over a WebSocket session,
+    played through ``reward.openenv_env`` (one session per episode; docs/agents.md, "OpenEnv environments").
+
+    On when ``app`` or ``url`` is set (``enabled``), and then exactly one of them is.
+    """
+
+    app: str | None = Field(
+        None,
+        description="'module.path:app', the environment's ASGI app (openenv's create_app): every env worker serves "
+        "it itself, a uvicorn subprocess on 127.0.0.1 at a free port, stopped with the worker. None = not used",
+    )
+    url: str | None = Field(
+        None, description="base URL (http://, https://, ws:// or wss://) of a running OpenEnv server that every env "
+        "worker connects to instead. None = not used",
+    )
+    start_timeout_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False,
+        description="seconds a started server (app) has to answer /health, and a server (app or url) to give its "
+        "action schema; past it the run stops before any service starts",
+    )
+    tool_name: str = Field(
+        "act", description="the name of the one tool the model calls; its arguments are the fields of the "
+        "environment's action (its JSON schema from /schema), the call one step",
+    )
+    tool_description: str | None = Field(
+        None, description="the tool's description for the model; None = the action schema's description",
+    )
+    prompt: Literal["observation", "row", "row_and_observation"] = Field(
+        "observation",
+        description="the episode's first user message: the reset observation, the row's prompt, or both (the "
+        "prompt, a blank line, the observation)",
+    )
+    observation_key: str | None = Field(
+        None, description="the observation field shown to the model as text; None = the only field's value, or "
+        "the observation as JSON when it has several",
+    )
+    reset_meta_keys: list[str] = Field(
+        default_factory=list,
+        description="keys of the row's meta sent to reset beside the episode's seed (the server keeps those its "
+        "reset takes); [] = the seed only",
+    )
+    reward: Literal["sum", "last"] = Field(
+        "sum", description="the episode's reward from the steps' rewards: their sum, or the last one (0 when none)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """True when episodes run on an OpenEnv server (``app`` or ``url`` is set)."""
+        return self.app is not None or self.url is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> "OpenEnvConfig":
+        if self.app is not None and self.url is not None:
+            raise ValueError(f"env.openenv.app={self.app!r} and env.openenv.url={self.url!r} are both set: set "
+                             "exactly one (an app every env worker serves itself, or a running server)")
+        if self.app is not None:
+            module, _, attr = self.app.partition(":")
+            if not module or not attr or ":" in attr:
+                raise ValueError(f"env.openenv.app={self.app!r} must be 'module.path:app' (one colon, both parts "
+                                 "non-empty)")
+        if self.url is not None and not self.url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise ValueError(f"env.openenv.url={self.url!r} must start with http://, https://, ws:// or wss://")
+        if not self.tool_name.isidentifier():
+            raise ValueError(f"env.openenv.tool_name={self.tool_name!r} must be a Python identifier (a tool name)")
+        return self
+
+
 class EnvConfig(Section):
     """Multi-turn environments (section ``env``): which environment an episode runs in and how the env workers
     run it (``reward/environment.py``, ``reward/env_worker.py``).
 
-    The section is on when ``cls`` or ``tools`` is set (``enabled``), and then exactly one of them is:
-    ``cls`` names an ``Environment`` subclass; ``tools`` names tool functions for a ``ToolsEnvironment``,
-    whose episode reward is the row's verifier on the final assistant text.
+    The section is on when ``cls``, ``tools`` or ``openenv`` is set (``enabled``), and then exactly one of them
+    is: ``cls`` names an ``Environment`` subclass; ``tools`` names tool functions for a ``ToolsEnvironment``,
+    whose episode reward is the row's verifier on the final assistant text; ``openenv`` an OpenEnv server
+    (``OpenEnvConfig``, played through ``reward.openenv_env``).
     """
 
     cls: str | None = Field(
@@ -196,17 +265,21 @@ class EnvConfig(Section):
     tool_format: str = Field(
         "hermes", description="how tool calls are written in the model's text (the rollout's tool-call parser)",
     )
+    openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig)
 
     @property
     def enabled(self) -> bool:
-        """True when episodes run in environments (``cls`` or ``tools`` is set)."""
-        return self.cls is not None or bool(self.tools)
+        """True when episodes run in environments (``cls``, ``tools`` or ``openenv`` is set)."""
+        return self.cls is not None or bool(self.tools) or self.openenv.enabled
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
         if self.cls is not None and self.tools:
             raise ValueError(f"env.cls={self.cls!r} and env.tools={self.tools} are both set: set exactly one (an "
                              "Environment subclass, or tool functions scored by the row's verifier)")
+        if self.openenv.enabled and (self.cls is not None or self.tools):
+            raise ValueError(f"env.openenv ({self.openenv.app or self.openenv.url!r}) and env.cls={self.cls!r} / "
+                             f"env.tools={self.tools} are set: set exactly one way to define the environment")
         named = ([("env.cls", self.cls)] if self.cls is not None else []) + [
             (f"env.tools[{i}]", name) for i, name in enumerate(self.tools)]
         for key, name in named:

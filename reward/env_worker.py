@@ -43,6 +43,11 @@ seconds are measured (``seconds`` of the results, ``env/time_s``).
 
 An ``error`` in ``close`` after a good episode does not change its reward: it is counted
 (``env/close_errors``) and noted in the outcome's ``detail["close"]``.
+
+**OpenEnv** (``env.openenv``): the worker starts the environment's server when it starts (``app``; or uses
+``url``) and stops it in ``close``; every episode is an ``reward.openenv_env.OpenEnvEnvironment``, one session
+on it. A started server found dead when an episode starts is started again (``env/openenv_restarts``); one that
+will not start again fails that episode's start (status ``error``).
 """
 
 from __future__ import annotations
@@ -225,6 +230,8 @@ class EnvWorker:
         reward.sandbox.SandboxUnavailable: a tool runs model code in the sandbox
             (``reward.environment.uses_sandbox``), ``reward.sandbox.backend`` is ``bwrap`` and bubblewrap does
             not work here (as the reward worker refuses the ``code`` verifier then).
+        reward.openenv_server.OpenEnvStartError: ``env.openenv``'s server does not start here (``app``: served by
+            this worker on 127.0.0.1 until ``close``) or does not answer (``url``).
     """
 
     def __init__(self, cfg: EnvConfig, reward_cfg: RewardConfig | None = None):
@@ -234,6 +241,11 @@ class EnvWorker:
         self.reward_cfg = reward_cfg if reward_cfg is not None else RewardConfig()
         self._env_cls = load_environment_class(cfg.cls) if cfg.cls is not None else None
         self._tools = load_tools(cfg.tools) if cfg.cls is None else []
+        self._openenv = None
+        if cfg.openenv.enabled:
+            from reward.openenv_env import OpenEnvBackend
+
+            self._openenv = OpenEnvBackend(cfg)
         if needs_sandbox(self._env_cls, self._tools):
             from reward.sandbox import announce
 
@@ -271,13 +283,18 @@ class EnvWorker:
             self._episodes[episode_id] = ep
         with ep.lock:
             holder: list[Environment] = []
-            try:  # outside the deadline: a verifier's first look-up may import its module
-                verifier = None if self._env_cls is not None else self._verifier_for(row)
-            except ValueError as err:
+            try:  # outside the deadline: a verifier's first look-up may import its module, a dead server restarts
+                verifier = (None if self._env_cls is not None or self._openenv is not None
+                            else self._verifier_for(row))
+                if self._openenv is not None:
+                    self._count("env/openenv_restarts", self._openenv.ensure_running())
+            except (ValueError, RuntimeError) as err:  # no verifier; an OpenEnv server that would not start again
                 out = _contract("start", err)
             else:
                 out = self._runner.call(self._open, row, seed, verifier, holder, timeout_s=self.cfg.tool_timeout_s,
                                         method="start")
+                if out.status == "error" and out.detail.get("error") == "ToolTimeout":
+                    out = CallOutcome("timeout", None, {**out.detail, "error": "Timeout"}, out.elapsed_s)
             ep.env = holder[0] if holder else None
             ep.seconds += out.elapsed_s
             self._count("env/time_s", out.elapsed_s)
@@ -306,6 +323,8 @@ class EnvWorker:
         first messages and its tools."""
         if self._env_cls is not None:
             env = self._env_cls(row, seed)
+        elif self._openenv is not None:
+            env = self._openenv.environment(row, seed)
         else:
             env = ToolsEnvironment(row, seed, self._tools, verifier)
         holder.append(env)
@@ -452,9 +471,17 @@ class EnvWorker:
         return out
 
     def close(self) -> None:
-        """Abort every open episode (their environments are closed)."""
+        """Abort every open episode (their environments are closed); stop the OpenEnv server this worker started
+        (a later episode starts it again)."""
         for episode_id in self.open_episodes():
             self.abort(episode_id)
+        if self._openenv is not None and self._openenv.server is not None:
+            self._openenv.server.stop()
+
+    def openenv_server_pid(self) -> int | None:
+        """The process id of the OpenEnv server this worker started (``env.openenv.app``) while it runs, else
+        None."""
+        return None if self._openenv is None or self._openenv.server is None else self._openenv.server.pid()
 
     # ---------------------------------------------------------------------------------------------------------
     # private

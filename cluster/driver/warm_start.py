@@ -142,12 +142,16 @@ def demo_layout(cfg: Config, tokenizer: Any) -> dict[str, Any] | None:
     ``tool_format``), or None for plain mode (no env, or a tokenizer without a chat template).
 
     Raises:
-        ValueError: a chat template with ``env.cls``: its first messages and tools come from the environment,
-            which the warm start does not build (chat demonstrations are built for ``env.tools`` episodes, which
-            start from the row's prompt).
+        ValueError: a chat template with ``env.cls`` or ``env.openenv``: its first messages and tools come from the
+            environment, which the warm start does not build (chat demonstrations are built for ``env.tools``
+            episodes, which start from the row's prompt).
     """
     if not cfg.env.enabled or not getattr(tokenizer, "chat_template", None):
         return None
+    if cfg.env.openenv.enabled:
+        raise ValueError(f"warm_start.steps={cfg.warm_start.steps} with env.openenv and a chat template: the first "
+                         "message and the tool come from the OpenEnv server, which the warm start does not reach; "
+                         "set warm_start.steps=0")
     if cfg.env.cls is not None:
         raise ValueError(f"warm_start.steps={cfg.warm_start.steps} with env.cls={cfg.env.cls!r} and a chat template: "
                          "chat-template demonstrations are built for env.tools episodes only (their first message "

@@ -181,9 +181,12 @@ def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
         ``[]`` without ``env``; otherwise the paths for the runtime env's ``py_modules`` (none for modules inside
         the repository or installed).
 
+    With ``env.openenv`` the server is checked instead (``_check_openenv``).
+
     Raises:
         ConfigError: a module cannot be imported, has no such class or function, or a tool has no usable schema
-            (type hints and a docstring); the message names the key.
+            (type hints and a docstring); an OpenEnv server that does not start or answer; the message names the
+            key.
     """
     from reward.environment import load_environment_class, load_tools, tool_schemas
 
@@ -191,6 +194,8 @@ def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
     if not ec.enabled:
         return []
     cwd = with_working_dir_on_path(cwd)
+    if ec.openenv.enabled:
+        return _check_openenv(cfg, cwd)
     names = [ec.cls] if ec.cls is not None else list(ec.tools)
     try:
         if ec.cls is not None:
@@ -201,3 +206,35 @@ def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
         key = "env.cls" if ec.cls is not None else "env.tools"
         raise ConfigError(_not_found(f"{key}={ec.cls or ec.tools!r}", err, "environment", names[0], cwd)) from None
     return sorted({src for name in names if (src := _shipped_source(name)) is not None})
+
+
+def _check_openenv(cfg: Config, cwd: Path) -> list[str]:
+    """``env.openenv`` before any service starts: its app imported here (its module shipped as a verifier's),
+    then the server started on this machine (or the URL reached), one session opened, reset and closed, the server
+    stopped (``reward.openenv_env.probe``).
+
+    Raises:
+        ConfigError: the app's module does not import, or the server does not start or answer; the message names
+            the key and the reason (with the end of the server's log).
+    """
+    import logging
+
+    from reward.environment import resolve_user_object
+    from reward.openenv_env import probe
+    from reward.openenv_server import OpenEnvStartError
+
+    oc = cfg.env.openenv
+    shipped: list[str] = []
+    if oc.app is not None:
+        try:
+            resolve_user_object(oc.app, "env.openenv.app")
+        except ValueError as err:
+            raise ConfigError(_not_found(f"env.openenv.app={oc.app!r}", err, "OpenEnv app", oc.app, cwd)) from None
+        if (src := _shipped_source(oc.app)) is not None:
+            shipped.append(src)
+    try:
+        logging.getLogger(__name__).info("OpenEnv: %s", probe(cfg.env))
+    except OpenEnvStartError as err:
+        raise ConfigError(f"the OpenEnv server does not start or answer, so the run stops before any service "
+                          f"starts: {err}") from None
+    return shipped

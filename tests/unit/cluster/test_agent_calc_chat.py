@@ -104,6 +104,11 @@ def test_the_warm_start_lays_out_chat_demonstrations_for_env_tools_only():
                         ["env.tools=[]", "env.cls=reward.envs.guess_number:GuessNumber"])
     with pytest.raises(ValueError, match="env.tools episodes only"):
         demo_layout(guess, build_bpe_tokenizer())
+    openenv = load_config(REPO_ROOT / "configs" / "smollm2_agent_calc.yaml",
+                          ["env.tools=[]", "env.openenv.app=reward.envs.openenv_guess:app"])
+    with pytest.raises(ValueError, match="with env.openenv and a chat template.*set warm_start.steps=0"):
+        demo_layout(openenv, build_bpe_tokenizer())
+    assert demo_layout(load_config(REPO_ROOT / "configs" / "tiny_openenv_guess.yaml"), build_char_tokenizer()) is None
 
 
 @pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer_config.json").is_file(), reason="make real-model not run")
