@@ -110,7 +110,8 @@ class TurnLoop:
     partial_episodes``).
 
     ``ready``: episodes waiting for an engine; ``open_turns``: turns open per engine slot; ``calls``: queued
-    ``advance_turns`` refs -> engine slot; ``stepping``: env ``step`` refs -> episode; ``turn_seed``: turns
+    ``advance_turns`` refs -> engine slot; ``stepping``: env ``step`` refs -> episode; ``starting``: env
+    ``start`` refs -> episode (episodes whose environment starts while the engines sample); ``turn_seed``: turns
     requested per episode id (each turn's sampling seed); ``by_id``: every episode the loop has seen; ``busy``:
     the engines' seconds in scheduler steps."""
 
@@ -118,6 +119,7 @@ class TurnLoop:
     open_turns: Counter = field(default_factory=Counter)
     calls: dict = field(default_factory=dict)
     stepping: dict = field(default_factory=dict)
+    starting: dict = field(default_factory=dict)
     turn_seed: Counter = field(default_factory=Counter)
     by_id: dict[str, Episode] = field(default_factory=dict)
     busy: float = 0.0
@@ -125,18 +127,13 @@ class TurnLoop:
     def __post_init__(self):
         self.by_id.update({e.episode_id: e for e in self.ready})
 
-    def add(self, e: Episode) -> None:
-        """An episode ready for its first turn."""
-        self.by_id[e.episode_id] = e
-        self.ready.append(e)
-
     def drained(self) -> bool:
         """No engine call queued and no turn open: the engines may load new weights."""
         return not self.calls and not any(self.open_turns.values())
 
     def idle(self) -> bool:
         """Nothing under way and nothing ready."""
-        return self.drained() and not self.ready and not self.stepping
+        return self.drained() and not self.ready and not self.stepping and not self.starting
 
 
 def check_template(tokenizer) -> None:
@@ -301,17 +298,26 @@ class EpisodeRunner:
     def start_episodes(self, episodes: list[Episode]) -> None:
         """Open ``episodes`` in their env workers: their first ids and tools, or their end (status ``timeout`` /
         ``error`` when the environment failed to start, ``error`` when its worker died)."""
-        refs = [self.pool.workers[e.worker].start.remote(e.episode_id, _row_dict(e.row), e.seed) for e in episodes]
+        refs = [self.start_ref(e) for e in episodes]
         for e, ref in zip(episodes, refs):
-            s = self._env(e, ref)
-            if s is None:
-                continue
-            e.env_s += s.seconds
-            if s.status in FAILED:
-                e.status = s.status
-                continue
-            e.tools = list(s.tool_schemas)
-            e.prompt_ids = self._first_ids(e.row, s.messages, e.tools)
+            self._on_start(e, ref)
+
+    def start_ref(self, e: Episode):
+        """The env worker's ``start`` call of ``e`` (a Ray ref; ``_on_start`` applies its answer)."""
+        return self.pool.workers[e.worker].start.remote(e.episode_id, _row_dict(e.row), e.seed)
+
+    def _on_start(self, e: Episode, ref) -> bool:
+        """Apply the environment's start; True when the episode is ready for its first turn."""
+        s = self._env(e, ref)
+        if s is None:
+            return False
+        e.env_s += s.seconds
+        if s.status in FAILED:
+            e.status = s.status
+            return False
+        e.tools = list(s.tool_schemas)
+        e.prompt_ids = self._first_ids(e.row, s.messages, e.tools)
+        return True
 
     def _first_ids(self, row: PromptRow, messages: list[dict], tools: list[dict]) -> list[int]:
         """The environment's first messages rendered: with the chat template and the tools' schemas, or, for a
@@ -367,7 +373,7 @@ class EpisodeRunner:
                 sent.update(id(e) for e in mine)
                 loop.calls[engines[j].advance_turns.remote(reqs, temperature, self.slice_s)] = j
         loop.ready = [e for e in loop.ready if id(e) not in sent]
-        waiting = list(loop.calls) + list(loop.stepping)
+        waiting = list(loop.calls) + list(loop.stepping) + list(loop.starting)
         if not waiting:
             return
         ray.wait(waiting, num_returns=1)
@@ -380,6 +386,10 @@ class EpisodeRunner:
                 loop.open_turns[j] -= len(turns)
                 for turn in turns:
                     self._on_turn(loop.by_id[turn.episode_id], turn, loop.stepping)
+            elif ref in loop.starting:
+                e = loop.starting.pop(ref)
+                if self._on_start(e, ref):
+                    loop.ready.append(e)
             else:
                 e = loop.stepping.pop(ref)
                 s = self._env(e, ref)

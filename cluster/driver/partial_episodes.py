@@ -181,12 +181,12 @@ class PartialEpisodeCollector:
                        group=g.serial)
 
     def _open(self, episodes: list[Episode]) -> None:
-        """Start ``episodes`` in their environments and hand those that started to the loop."""
-        self.runner.start_episodes(episodes)
+        """Start ``episodes`` in their environments; the loop takes each one as its environment answers (the
+        engines sample other episodes meanwhile)."""
         for e in episodes:
             self.handles[e.episode_id] = self.runner.pool.workers[e.worker]
-            if e.status == "running":
-                self.loop.add(e)
+            self.loop.starting[self.runner.start_ref(e)] = e
+            self.loop.by_id[e.episode_id] = e
 
     def _admit(self) -> None:
         """Keep ``2 P`` groups in the backlog: while some episodes wait on their tools, the engines have the
@@ -234,6 +234,7 @@ class PartialEpisodeCollector:
         still coming, is ignored."""
         self.loop.ready = [x for x in self.loop.ready if x is not e]
         self.loop.stepping = {ref: x for ref, x in self.loop.stepping.items() if x is not e}
+        self.loop.starting = {ref: x for ref, x in self.loop.starting.items() if x is not e}
         self.loop.by_id.pop(e.episode_id, None)
         self.handles.pop(e.episode_id, None)
 
@@ -284,6 +285,7 @@ class PartialEpisodeCollector:
         b.expire(version)
         with self.runner.aborting_on_error():
             self._restart()
+            self._admit()  # also when P groups ended already: the backlog stays full for the next collection
             while sum(g.ended for g in b.groups) < P:
                 self.runner.pump(self.loop, None)  # first the episodes carried over: the engines start at once
                 self._admit()  # then new groups' environments start while the engines sample

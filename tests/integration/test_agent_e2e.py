@@ -104,9 +104,10 @@ def test_env_workers_scale_through_control_yaml_and_are_replaced_when_holding_ab
 
 def test_partial_episodes_span_weight_syncs_with_exact_ids_and_lose_no_prompt(trainer):
     """trainer.partial_rollouts with env: a step trains the first P groups whose episodes all ended; the rest go
-    on after the sync under the new weights (tokens of two versions in one episode), turns never split; a
-    rollback's restarts and a checkpoint's round trip lose no prompt and train none twice, and leave no
-    environment open that no episode owns."""
+    on after the sync under the new weights (the engines hold no open turn at the sync, or it would refuse), the
+    trained ids are the sampled ones and no token is older than the bound; a rollback's restarts and a
+    checkpoint's round trip lose no prompt and train none twice, and leave no environment open that no episode
+    owns. (Episodes with turns of two versions: tests/matrix/test_agent_r3.py, with slow tools.)"""
     import pickle
 
     import ray
@@ -134,16 +135,16 @@ def test_partial_episodes_span_weight_syncs_with_exact_ids_and_lose_no_prompt(tr
 
     try:
         for k in range(4):
-            if k == 2:  # as after a health-guard rollback: every episode with tokens starts again
-                assert col.buffer.restart_all() > 0
+            if k == 1:  # as after a health-guard rollback: every episode with tokens starts again (step 1
+                marked = col.buffer.restart_all()  # sampled 2P groups and trained P: the others have tokens)
+                assert marked > 0
             m = t.rl_step()
             metrics.append(m)
             trained += t.trained_uids[-1]
             assert m["agent/token_mismatch"] == 0.0 and m["rollout/staleness_max"] <= 1.0
             assert m["partial/in_flight_groups"] > 0 and len(t.trained_uids[-1]) == 8
             assert open_envs() <= owned()  # every open environment belongs to an episode under way
-        assert metrics[2]["partial/restarted_episodes"] > 0
-        assert max(m["partial/multi_version_share"] for m in metrics) > 0.0  # episodes spanned a sync
+        assert metrics[1]["partial/restarted_episodes"] >= marked
         # a checkpoint: scored episodes kept whole, the others marked to start again; nothing lost or repeated
         saved = pickle.loads(pickle.dumps(col.buffer))
         assert {(g.serial, e.sample_index) for g in saved.groups for e, v in zip(g.episodes, g.verdicts)
