@@ -6,6 +6,12 @@ Jobs API, ``ray job submit`` semantics): the repository is shipped as the job's 
 working directory or on ``PYTHONPATH``) as ``py_modules``, the driver connects to the cluster through the
 ``RAY_ADDRESS`` that the job server sets, this command follows the job's logs and exits with its status.
 
+A config outside the repository is a user's own project: its folder (the working directory when the config
+lies in it, else the config's folder, or ``--folder DIR``) is the job's ``working_dir`` instead, this project's
+packages travel as ``py_modules``, the folder's modules import by name on every node and its relative data
+paths resolve in the shipped copy (``cluster.submit_folder``); what is too large for Ray or missing is refused
+before anything is submitted.
+
 Where the job goes:
 
 - ``--address`` or ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS``: the dashboard of a running cluster
@@ -35,9 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster import submit_folder
 from cluster.common import REPO_ROOT
 from cluster.config import ConfigError, load_config
-from cluster.runtime.user_code import check_user_verifiers, verifier_names
+from cluster.runtime.user_code import check_user_env, check_user_loss, check_user_verifiers, verifier_names
 # The local head and the Jobs API client; re-exported (cluster.submit.LocalHead etc.).
 from cluster.runtime.local_head import (
     HEAD_STATE_FILE,
@@ -64,6 +71,7 @@ WORKING_DIR_EXCLUDES = [
     ".cache/",
     "*.egg-info/",
     "build/",
+    "venv/",
 ]
 
 #: Variables copied from the submitting shell into the job's environment when they are set there. Secrets
@@ -99,8 +107,10 @@ CPU_ONLY_FORWARDED = ("DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE")
 
 
 def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
-                    py_modules: list[str] | None = None, on_gpu: bool = False) -> dict[str, Any]:
-    """The job's runtime env: the repository as ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the user
+                    py_modules: list[str] | None = None, on_gpu: bool = False,
+                    working_dir: Path | None = None) -> dict[str, Any]:
+    """The job's runtime env: the repository (or ``working_dir``, a user's folder: ``cluster.submit_folder``) as
+    ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the user
     verifier modules as ``py_modules`` (``cluster.runtime.user_code.check_user_verifiers``: files or folders outside
     the repository, shipped to every node and put on the job's and its workers' ``PYTHONPATH``), the
     ``FORWARDED_ENV`` variables set in this shell, ``extra_env``, and ``extra`` merged on top (for example
@@ -111,7 +121,8 @@ def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, An
     env.setdefault("GSPO_PROGRESS", "0")  # no live progress bar in job logs: one log line per step
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra_env or {})
-    rt: dict[str, Any] = {"working_dir": str(REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES), "env_vars": env}
+    rt: dict[str, Any] = {"working_dir": str(working_dir or REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES),
+                          "env_vars": env}
     if py_modules:
         rt["py_modules"] = list(py_modules)
     for key, value in (extra or {}).items():
@@ -138,7 +149,8 @@ def _config_in_repo(config: str) -> str:
     return rel.as_posix()
 
 
-def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -> list[str]:
+def path_overrides(config: str, overrides: list[str], cwd: Path | None = None,
+                   folder: Path | None = None) -> list[str]:
     """Overrides that make the run's relative paths absolute, so that the job (which runs in a copy of the
     repository in Ray's temp dir) reads and writes the caller's files: ``trainer.output_dir`` (relative to
     ``cwd``), ``data.train_path``/``data.test_path`` (as ``cluster.data.prompts`` resolves them: from ``cwd`` when the
@@ -146,8 +158,12 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -
 
     On a multi-node cluster these paths must exist on the head node (shared filesystem, same mount point).
 
+    ``folder``: the user's folder that travels with the job (``cluster.submit_folder``): a relative data path
+    found in it stays relative (the job runs in the shipped copy); one found nowhere (folder, ``cwd``, the
+    repository root) is refused.
+
     Raises:
-        ConfigError: the config does not load or validate.
+        ConfigError: the config does not load or validate, or (with ``folder``) a data path does not exist.
     """
     from cluster.data.prompts import resolve_data_path
 
@@ -158,7 +174,15 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -
         out.append(f"trainer.output_dir={cwd / cfg.trainer.output_dir}")
     for key in ("train_path", "test_path"):
         value = getattr(cfg.data, key)
-        if value and not Path(value).is_absolute():
+        if not value:
+            continue
+        if folder is not None:
+            if _found(folder / value):
+                continue
+            if not any(_found(base / value) for base in (cwd, REPO_ROOT)):
+                raise ConfigError(f"data.{key}={value!r} does not exist: not in the shipped folder {str(folder)!r}, "
+                                  f"the working directory {str(cwd)!r} nor the repository {str(REPO_ROOT)!r}")
+        if not Path(value).is_absolute():
             p = cwd / value
             out.append(f"data.{key}={p.resolve() if p.exists() else resolve_data_path(value).resolve()}")
     mp = cfg.model.path
@@ -167,6 +191,13 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None) -
     if not mp.startswith("builtin:") and not is_hub_id(mp, cwd) and not Path(mp).is_absolute():
         out.append(f"model.path={(cwd / mp).resolve()}")
     return out
+
+
+def _found(p: Path) -> bool:
+    """A data path (file, folder or glob) matches something."""
+    import glob
+
+    return p.exists() or (glob.has_magic(str(p)) and bool(glob.glob(str(p), recursive=True)))
 
 
 def train_entrypoint(config: str, overrides: list[str], python: str = "python") -> str:
@@ -240,11 +271,71 @@ def _uses_gpus(config: str, overrides: list[str]) -> bool:
     return bool(cfg.learner.num_gpus_per_rank or cfg.rollout.num_gpus_per_engine)
 
 
+def prepare_config(config: str, overrides: list[str], folder: str | None = None,
+                   extra_excludes: list[str] = (), limit: int | None = None) -> dict[str, Any]:
+    """Check a config before submission and decide what travels with it.
+
+    Returns:
+        ``overrides`` (with ``path_overrides`` added), ``py_modules`` (user package folders outside the
+        repository; with a user folder, this project's packages and user packages outside the folder), ``on_gpu``
+        and ``root``: the user's folder (``submit_folder.choose_folder``), the job's ``working_dir``, for a config
+        outside the repository, else None.
+
+    Raises:
+        ConfigError: the config is refused, a user module does not import, a data path is missing, or the user's
+            folder is over Ray's package ``limit`` (``submit_folder.check_folder_size``).
+    """
+    root = None
+    if not Path(config).resolve().is_relative_to(REPO_ROOT):
+        root = submit_folder.choose_folder(config, folder)
+    elif folder is not None:
+        raise ConfigError("--folder is for a config outside the repository (the repository travels already)")
+    overrides = overrides + path_overrides(config, overrides, folder=root)
+    cfg = load_config(config, overrides)  # refuse a bad config here, before anything starts
+    if root is None:
+        _config_in_repo(config)
+    # User verifiers, losses and environments import here (or the config is refused naming them) and travel.
+    modules = check_user_verifiers(verifier_names(cfg), cwd=root)
+    modules += [m for m in check_user_loss(cfg, cwd=root) + check_user_env(cfg, cwd=root) if m not in modules]
+    on_gpu = cfg.learner.num_gpus_per_rank > 0 or cfg.rollout.num_gpus_per_engine > 0
+    if root is not None:
+        modules = _folder_modules(root, modules, WORKING_DIR_EXCLUDES + list(extra_excludes), limit)
+    elif single := [m for m in modules if not Path(m).is_dir()]:
+        raise ConfigError(f"the user module {single[0]!r} is a single file outside the repository, which Ray's job "
+                          "client cannot ship (py_modules entries travel as folders): make it a package folder, or "
+                          "put the config beside it and submit from that folder (it then travels as the job's "
+                          "working_dir)")
+    return {"overrides": overrides, "py_modules": modules, "on_gpu": on_gpu, "root": root}
+
+
+def _folder_modules(root: Path, modules: list[str], excludes: list[str], limit: int | None) -> list[str]:
+    """``py_modules`` beside a user folder (the job's ``working_dir``): this project's packages and the user
+    ``modules`` outside the folder. Refuses a folder over ``limit``, a module of the folder named like one of
+    this project's, a named module that lies in the folder but is left out of its package, and a single-file
+    module outside it (Ray's job client ships ``py_modules`` entries as folders only)."""
+    submit_folder.check_folder_size(root, excludes, limit)
+    files = submit_folder.folder_files(root, excludes)
+    submit_folder.top_level_modules(root, files)  # refuses a module that would shadow this project's
+    shipped = {p for p, _ in files}
+    for m in modules:
+        src = Path(m)
+        if src.is_relative_to(root) and not (src in shipped or any(f.is_relative_to(src) for f in shipped)):
+            raise ConfigError(f"the module {str(src)!r} that the config names is left out of the shipped folder by "
+                              "a .gitignore, .rayignore or the excludes: it would be missing in the job")
+    outside = [m for m in modules if not Path(m).is_relative_to(root)]
+    if single := [m for m in outside if not Path(m).is_dir()]:
+        raise ConfigError(f"the module {single[0]!r} lies outside the shipped folder {str(root)!r} and is a single "
+                          "file, which Ray's job client cannot ship (py_modules entries travel as folders): move it "
+                          "into the folder, or make it a package folder")
+    return [*submit_folder.project_modules(), *outside]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gspo-submit", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("config", nargs="?", help="YAML config inside the repository (configs/*.yaml)")
+    p.add_argument("config", nargs="?", help="YAML config: in the repository (configs/*.yaml), or in your own "
+                   "folder, which then travels with the job")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides passed to cluster.train")
     p.add_argument("--address", help="job server of a running cluster (http://HOST:8265); default RAY_ADDRESS")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return (keeps a local head)")
@@ -258,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runtime-env-json", help="JSON merged into the runtime env (pip, image_uri, env_vars, ...)")
     p.add_argument("--entrypoint", metavar="CMD",
                    help="run CMD instead of cluster.train (smoke-test a cluster); CONFIG is then not needed")
+    p.add_argument("--folder", metavar="DIR",
+                   help="config outside the repository: the folder shipped with it (default: the working directory "
+                   "when the config is in it, else the config's folder)")
     p.add_argument("--submission-id", help="job id to use (default: Ray picks one)")
     p.add_argument("--python", default=None,
                    help="interpreter of the entry point (default: this one on a local head, `python` on a cluster)")
@@ -312,17 +406,14 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --entrypoint replaces CONFIG and overrides; give one or the other", file=sys.stderr)
             return 2
         overrides = list(args.overrides)
-        py_modules: list[str] = []
-        on_gpu = False  # an --entrypoint job's device is its own business
-        if args.config:
-            overrides += path_overrides(args.config, overrides)
-            cfg = load_config(args.config, overrides)  # refuse a bad config here, before anything starts
-            _config_in_repo(args.config)
-            # User verifiers import here (or the config is refused naming them) and travel with the job.
-            py_modules = check_user_verifiers(verifier_names(cfg))
-            on_gpu = cfg.learner.num_gpus_per_rank > 0 or cfg.rollout.num_gpus_per_engine > 0
         extra = json.loads(args.runtime_env_json) if args.runtime_env_json else None
-        runtime_env = job_runtime_env(_parse_env(args.env), extra, py_modules, on_gpu=on_gpu)
+        # an --entrypoint job's device and files are its own business
+        prep: dict[str, Any] = {"overrides": overrides, "py_modules": [], "on_gpu": False, "root": None}
+        if args.config:
+            prep = prepare_config(args.config, overrides, args.folder, (extra or {}).get("excludes", []))
+            overrides = prep["overrides"]
+        runtime_env = job_runtime_env(_parse_env(args.env), extra, prep["py_modules"], on_gpu=prep["on_gpu"],
+                                      working_dir=prep["root"])
     except (ConfigError, SubmitError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -348,7 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     job_id = None
     try:
         client = head.client() if head is not None else make_client(address)
-        entrypoint = args.entrypoint or train_entrypoint(args.config, overrides, python)
+        if args.entrypoint:
+            entrypoint = args.entrypoint
+        elif prep["root"] is not None:
+            entrypoint = shlex.join(submit_folder.folder_entrypoint(prep["root"], args.config, overrides, python))
+        else:
+            entrypoint = train_entrypoint(args.config, overrides, python)
         job_id = submit_job(client, entrypoint, runtime_env, args.submission_id)
         print(f"[cluster.submit] submitted {job_id}: {entrypoint}", file=sys.stderr)
         if args.no_wait:

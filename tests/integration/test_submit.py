@@ -10,6 +10,7 @@ import io
 import json
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,36 @@ def test_cli_keep_cluster_then_stop_head():
     finally:
         stop_head_processes(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.matrix  # wide case: a two-node local cluster and a one-step run
+@pytest.mark.timeout(1800)
+def test_submit_from_a_user_folder_to_a_two_node_cluster(tmp_path, local_cluster):
+    """A project folder outside the checkout (config, a verifier importing a helper beside it, data rows)
+    travels with the job to a two-node local cluster; the reward workers import the verifier by name."""
+    proj = tmp_path / "myproj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "helper_uf.py").write_text("def one():\n    return 1.0\n")
+    (proj / "myrew_uf.py").write_text("import helper_uf\n\ndef score(response, row):\n    return helper_uf.one()\n")
+    (proj / "data" / "rows.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(16)))
+    (proj / "outputs").mkdir()
+    (proj / "outputs" / "junk.bin").write_bytes(b"0" * 1000)
+    (proj / "myconf.yaml").write_text(
+        "reward:\n  verifier: myrew_uf:score\n"
+        "data:\n  task: files\n  train_path: data/rows.jsonl\n  eval_fraction: 0.25\n")
+    cluster = local_cluster({"num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    url = "http://" + cluster.head_node.address_info["webui_url"]
+    overrides = ["trainer.total_steps=1", "warm_start.steps=0", "trainer.prompts_per_step=4", "trainer.group_size=2",
+                 "learner.micro_batch_size=2", "data.num_eval=4", "wandb.mode=disabled", "trainer.output_dir=runs",
+                 "trainer.run_name=fromfolder", "trainer.plots=false"]
+    # the cluster's nodes run this interpreter's environment (a real cluster's image has the packages installed)
+    r = _cli("myconf.yaml", *overrides, "--python", sys.executable, env=_env(RAY_ADDRESS=url), cwd=proj,
+             timeout=1700)
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
+    assert "-m cluster.train myconf.yaml" in r.stderr  # run in the shipped folder (the working_dir)
+    rows = [json.loads(line) for line in (proj / "runs" / "fromfolder" / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    assert [row["step"] for row in rows if row.get("step", 0) >= 1] == [1]
