@@ -229,6 +229,20 @@ class EnvPool:
         ray.get([w.pid.remote() for w in new])
         self.workers += new
 
+    def take_metrics(self) -> dict[str, float]:
+        """The workers' ``env/*`` counters since the last call, summed over workers (``EnvWorker.metrics``:
+        episodes by how they ended, turns, seconds, tool errors, OpenEnv server restarts, ...;
+        ``env/abandoned_threads``, a gauge, summed too). A worker that does not answer is left out."""
+        out: dict[str, float] = {}
+        for ref in [w.metrics.remote() for w in self.workers]:
+            try:
+                counters = ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - a dead worker's counters are lost with it
+                continue
+            for k, v in counters.items():
+                out[k] = out.get(k, 0.0) + float(v)
+        return out
+
     def __len__(self) -> int:
         return len(self.workers)
 
@@ -283,6 +297,7 @@ class EpisodeRunner:
         wall = time.perf_counter() - t0
         metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
         metrics["agent/env_worker_restarts"] = float(self.pool.restarts - restarts)
+        metrics.update(self.pool.take_metrics())
         return [e.completion() for e in episodes], results, metrics, {e.episode_id: e.sampled for e in episodes}
 
     # -- the episode's phases ---------------------------------------------------------------------------------

@@ -304,7 +304,7 @@ class PartialEpisodeCollector:
         c.rollout_s, c.rounds = wall + self._beside_s, 1
         c.generated_tokens = sum(x.sampled_tokens for x in c.completions)
         busy = (self.loop.busy - busy0) / max(wall * len(self.runner.fleet.engines), 1e-9)
-        c.reward_metrics = episode_metrics(episodes, busy)
+        c.reward_metrics = {**episode_metrics(episodes, busy), **self.runner.pool.take_metrics()}
         c.end_position = self.stream.position
         spans = [len({v for v, m in zip(e.versions, e.mask) if m}) for e in episodes]
         self.stats = {

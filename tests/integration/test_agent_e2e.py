@@ -50,6 +50,7 @@ def test_episodes_train_on_exactly_the_sampled_ids(trainer):
     t.pending = c
     m = t.rl_step()
     assert m["agent/token_mismatch"] == 0.0
+    assert m["env/turns"] > 0 and m["env/episodes"] == 32.0  # the env workers' own counters, forwarded
     assert m["actor/num_optimizer_steps"] >= 1 and m["reward/invalid"] == 0.0
     assert 0.0 < m["agent/engine_busy_share"] <= 1.0
     m2 = t.rl_step()
