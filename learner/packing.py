@@ -191,15 +191,15 @@ def bins_attention(module, query, key, value, attention_mask, dropout: float = 0
     Raises:
         ValueError: called without ``packed_bins``, or for a sliding-window layer.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from learner.attention import sdpa_fp32
 
     if packed_bins is None:
         raise ValueError(f"the {BINS_ATTENTION!r} attention runs only inside PackedRows.wanted_logits(flat=True)")
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"the {BINS_ATTENTION!r} attention has no sliding window")
     b = packed_bins
-    out, _ = sdpa_attention_forward(module, b.to_bins(query), b.to_bins(key), b.to_bins(value), b.mask,
-                                    dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+    out, _ = sdpa_fp32(module, b.to_bins(query), b.to_bins(key), b.to_bins(value), b.mask,  # bf16 on CPU: fp32
+                       dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
     return b.from_bins(out), None
 
 

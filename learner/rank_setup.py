@@ -157,6 +157,7 @@ def build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: in
     from deepspeed.accelerator import get_accelerator
     from transformers import AutoModelForCausalLM
 
+    from learner.attention import use_fp32_attention
     from learner.ds_config import build_ds_config
 
     device = torch.device(get_accelerator().current_device_name())
@@ -170,6 +171,8 @@ def build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: in
         hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds a weak reference while it is alive
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.config.use_cache = False
+    if device.type == "cpu":
+        use_fp32_attention(model)  # bf16 on the CPU: attention in float32 (faster there; learner/attention.py)
     if weights is not None:
         model = lora.start_from(model, weights, cfg.lora)
     if cfg.routing_replay != "off" and not find_routers(model):
@@ -191,6 +194,7 @@ def build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: in
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        use_fp32_attention(ref_model)
         ref_model.config.use_cache = False
         ref_model.eval().requires_grad_(False)
     # MoE: forward hooks on the routers (expert load, routing volatility, Routing Replay); None if dense.

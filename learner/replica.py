@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from learner import state
+from learner.attention import SDPA_FP32
 from learner.contracts import SFTBatch, TrainBatch
 from learner.ds_config import policy_clips_itself
 from learner.elastic_threads import ElasticThreads, attach_layer_hooks
@@ -159,7 +160,7 @@ class Replica:
         module = getattr(model, "module", model)
         cache = self._flat_ok
         if id(module) not in cache:
-            cache[id(module)] = (getattr(module.config, "_attn_implementation", None) == "sdpa"
+            cache[id(module)] = (getattr(module.config, "_attn_implementation", None) in ("sdpa", SDPA_FP32)
                                  and not any(getattr(m, "sliding_window", None) for m in module.modules()))
         return cache[id(module)]
 
