@@ -1,7 +1,8 @@
 """A run's model tokenizer and its prompts: the one dispatch from ``data.task`` to the task's rows.
 
-``arithmetic`` (``cluster.data.prompts``), ``code`` (``cluster.data.code_task``) and ``files`` / ``gsm8k``
-(``cluster.data.files``); every task's prompts are encoded by one ``cluster.data.prompting.PromptEncoder``.
+``arithmetic`` (``cluster.data.prompts``), ``code`` (``cluster.data.code_task``), ``reasoning_gym``
+(``cluster.data.reasoning_gym_task``) and ``files`` / ``gsm8k`` (``cluster.data.files``); every task's prompts
+are encoded by one ``cluster.data.prompting.PromptEncoder``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from cluster.data.code_task import code_rows
 from cluster.data.files import file_rows
 from cluster.data.long_tail import long_tail_rows
 from cluster.data.prompting import PromptEncoder, PromptError
+from cluster.data.reasoning_gym_task import reasoning_gym_rows
 from rollout.contracts import PromptRow
 
 
@@ -64,4 +66,7 @@ def load_rows(cfg: Config, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]
     if d.task == "code":
         return code_rows(encoder.ids, num_train=d.num_train, num_eval=d.num_eval, seed=d.seed,
                          demo_slip_rate=d.demo_slip_rate, max_prompt_tokens=d.max_prompt_tokens)
+    if d.task == "reasoning_gym":
+        return reasoning_gym_rows(encoder.ids, d.reasoning_gym, num_eval=d.num_eval, prompt_template=d.prompt_template,
+                                  max_prompt_tokens=d.max_prompt_tokens)
     return file_rows(d, encoder.encode)
