@@ -40,12 +40,13 @@ class ModelConfig(Section):
     """Which model to train. ``path`` is a Hugging Face model folder, ``builtin:tiny_moe`` to build the
     embedded tiny Qwen3-MoE (deterministically from ``build_seed``) into the run folder, or
     ``builtin:tiny_<arch>`` for a tiny random model of another architecture (``cluster.models.tiny_archs.ARCHS``:
-    llama, qwen3_tied, qwen3_moe, qwen3_moe_tied, mixtral, qwen2_moe, olmoe; fixed shapes, ``build_seed``)."""
+    llama, qwen3_tied, qwen3_moe, qwen3_moe_tied, mixtral, mixtral_tied, qwen2_moe, olmoe; fixed shapes,
+    ``build_seed``)."""
 
     path: str = Field(
         "builtin:tiny_moe",
         description="HF model folder, builtin:tiny_moe, or builtin:tiny_<arch> (llama, qwen3_tied, qwen3_moe, "
-        "qwen3_moe_tied, mixtral, qwen2_moe, olmoe: docs/architectures.md)",
+        "qwen3_moe_tied, mixtral, mixtral_tied, qwen2_moe, olmoe: docs/architectures.md)",
     )
     build_seed: int = Field(0, description="seed of the tiny model's random init")
     hidden_size: int = Field(128, ge=32, description="builtin:tiny_moe only: hidden size (a multiple of 32)")

@@ -44,6 +44,8 @@ __all__ = [
     "load_metrics",
     "volatility_metrics",
     "rollout_replay_ids",
+    "renormalises_topk",
+    "ALWAYS_RENORMALISE",
 ]
 
 
@@ -113,11 +115,14 @@ class RouterTap:
     Routing Replay (``capture(replay=ids)``): the router's logits are computed as usual at the current weights,
     but the experts run are the recorded ``ids`` and their gating weights are the current router's softmax
     probabilities gathered at those experts, renormalised over them when the router renormalises its top-k
-    (``norm_topk_prob``; Qwen3-MoE does), i.e. exactly the router's own formula with the expert choice
-    replaced. Why: this keeps the forward a differentiable function of the current router (the router still
-    learns, and its gradient has the same form as without replay), and when the current router would pick the
-    same experts the output is bit-identical to a forward without replay (same values, same summation order),
-    so replay changes nothing but the expert choice. This is the GSPO paper's Routing Replay (section 5.3:
+    (``renormalises_topk``: Qwen3-MoE's ``norm_topk_prob=True``, Mixtral always), i.e. exactly the router's own
+    formula with the expert choice replaced, in the dtype of the router's own gating weights (Qwen3-MoE casts
+    them to the logits' dtype, Mixtral keeps float32); the first replayed forward of each router checks that
+    this formula gives the router's own gates at its own choice (RuntimeError otherwise). Why: this keeps the
+    forward a differentiable function of the current router (the router still learns, and its gradient has the
+    same form as without replay), and when the current router would pick the same experts the output is
+    bit-identical to a forward without replay (same values, same summation order), so replay changes nothing
+    but the expert choice. This is the GSPO paper's Routing Replay (section 5.3:
     cache the activated experts of the old policy and apply them in the current policy's forward when
     computing the importance ratios).
 
@@ -145,6 +150,7 @@ class RouterTap:
         self.index_dtype = torch.int16 if self.num_experts < (1 << 15) else torch.int32
         self._active: RoutingRecord | None = None
         self._calls = 0
+        self._gates_checked: set[int] = set()  # router positions whose gates the formula was checked against
         self._handles = [m.register_forward_hook(self._hook) for m in self._modules]
 
     @property
@@ -154,9 +160,9 @@ class RouterTap:
 
     @property
     def can_replay(self) -> bool:
-        """True when every router exposes the attributes the replay formula needs (``top_k``,
-        ``norm_topk_prob``) and the model has routers."""
-        return self.is_moe and all(hasattr(m, "norm_topk_prob") and hasattr(m, "top_k") for m in self._modules)
+        """True when the model has routers and every one has a ``top_k`` and a known top-k renormalisation
+        (``renormalises_topk`` is not None), the two things the replay formula needs."""
+        return self.is_moe and all(hasattr(m, "top_k") and renormalises_topk(m) is not None for m in self._modules)
 
     def remove(self) -> None:
         """Remove the hooks (the model is then exactly as before)."""
@@ -185,7 +191,8 @@ class RouterTap:
             raise RuntimeError("RouterTap.capture is not re-entrant")
         if replay is not None:
             if not self.can_replay:
-                raise ValueError("Routing Replay needs routers with top_k and norm_topk_prob (Qwen3-MoE style)")
+                raise ValueError(f"Routing Replay needs routers with top_k and a known top-k renormalisation "
+                                 f"(norm_topk_prob, or one of {ALWAYS_RENORMALISE}); got {type(self._modules[0]).__name__}")
             if replay.dim() != 3 or replay.shape[0] != len(self._modules) or replay.shape[2] != self.top_k:
                 raise RuntimeError(
                     f"replay ids have shape {tuple(replay.shape)}, expected [{len(self._modules)}, N, {self.top_k}]"
@@ -219,14 +226,52 @@ class RouterTap:
             raise RuntimeError(
                 f"replay ids for router {layer} have shape {tuple(forced.shape)}, the router chose {tuple(chosen.shape)}"
             )
-        # The router's own formula (softmax in float32, gather the chosen experts, renormalise over them when
-        # norm_topk_prob), with the expert choice replaced.
+        # The router's own formula (softmax in float32, gather the chosen experts, renormalise over them when the
+        # router does), with the expert choice replaced, in the dtype of the router's own gating weights.
+        renorm = bool(renormalises_topk(module))
         probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        if layer not in self._gates_checked:  # once per router: a property of its class, and a host sync on GPUs
+            _check_gate_formula(module, probs, weights, chosen, renorm)
+            self._gates_checked.add(layer)
         top = probs.gather(-1, forced)
-        if module.norm_topk_prob:
+        if renorm:
             top = top / top.sum(dim=-1, keepdim=True)
         record.used.append(forced.detach().to(self.index_dtype))
-        return logits, top.to(logits.dtype), forced
+        return logits, top.to(weights.dtype), forced
+
+
+# Router classes that renormalise their top-k gates in every forward and have no ``norm_topk_prob`` switch:
+# transformers 5.19's ``MixtralTopKRouter`` divides its top-k softmax probabilities by their sum unconditionally
+# (Mixtral, Jiang et al. 2024, arXiv 2401.04088, eq. 2: softmax over the top-k logits, which is the same thing).
+ALWAYS_RENORMALISE = ("MixtralTopKRouter",)
+
+
+def renormalises_topk(router: nn.Module) -> bool | None:
+    """Whether ``router`` renormalises its top-k softmax probabilities to sum to 1 before gating.
+
+    Returns:
+        ``router.norm_topk_prob`` when it has one (Qwen3-MoE, Qwen2-MoE, OLMoE); True for a class in
+        ``ALWAYS_RENORMALISE`` (Mixtral); None when unknown (Routing Replay is then refused: ``can_replay``).
+    """
+    if hasattr(router, "norm_topk_prob"):
+        return bool(router.norm_topk_prob)
+    if type(router).__name__ in ALWAYS_RENORMALISE:
+        return True
+    return None
+
+
+def _check_gate_formula(module: nn.Module, probs: Tensor, weights: Tensor, chosen: Tensor, renorm: bool) -> None:
+    """Raise RuntimeError when the replay formula applied to the router's OWN choice does not give the router's
+    own gating weights (a router class whose gating the formula does not describe): replay would then change
+    the forward beyond the expert choice. Tolerance: 1e-5 plus two units of the weights' dtype."""
+    own = probs.detach().gather(-1, chosen.long())
+    if renorm:
+        own = own / own.sum(dim=-1, keepdim=True)
+    tol = 1e-5 + 2 * torch.finfo(weights.dtype).eps
+    gap = float((own - weights.detach().float()).abs().max()) if own.numel() else 0.0
+    if gap > tol:
+        raise RuntimeError(f"router {type(module).__name__}: its gating weights differ by {gap:.3g} from softmax -> "
+                           f"top-k{' -> renormalise' if renorm else ''}; Routing Replay cannot reproduce it")
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ arch                transformers class           what it exercises
 ``qwen3_moe``       ``Qwen3MoeForCausalLM``      MoE, untied, normalised top-k
 ``qwen3_moe_tied``  ``Qwen3MoeForCausalLM``      MoE, tied embeddings
 ``mixtral``         ``MixtralForCausalLM``       MoE, ``block_sparse_moe`` with w1/w2/w3 experts
+``mixtral_tied``    ``MixtralForCausalLM``       the same, tied embeddings (the upcycled SmolLM2's layout)
 ``qwen2_moe``       ``Qwen2MoeForCausalLM``      MoE with a gated shared expert, qkv bias, raw top-k
 ``olmoe``           ``OlmoeForCausalLM``         MoE, q/k norms over the whole projection, raw top-k
 ==================  ===========================  =====================================================
@@ -56,6 +57,8 @@ ARCHS: dict[str, tuple[str, str, bool, dict[str, Any]]] = {
         "intermediate_size": DENSE_SIZE, "moe_intermediate_size": EXPERT_SIZE, "num_experts": EXPERTS,
         "num_experts_per_tok": TOP_K, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", False, {
+        "intermediate_size": EXPERT_SIZE, "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K}),
+    "mixtral_tied": ("MixtralConfig", "MixtralForCausalLM", True, {
         "intermediate_size": EXPERT_SIZE, "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", False, {
         "intermediate_size": DENSE_SIZE, "moe_intermediate_size": EXPERT_SIZE, "num_experts": EXPERTS,

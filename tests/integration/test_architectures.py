@@ -30,14 +30,19 @@ DEFAULT_ARCH = "qwen2_moe"
 
 
 # arch -> ZeRO stage of its learner (stage 3 with every parameter partitioned exercises the gathered sync)
-ZERO_STAGE = {"llama": 3, "qwen3_tied": 2, "qwen3_moe": 3, "qwen3_moe_tied": 2, "mixtral": 3, "qwen2_moe": 3,
-              "olmoe": 2}
+ZERO_STAGE = {"llama": 3, "qwen3_tied": 2, "qwen3_moe": 3, "qwen3_moe_tied": 2, "mixtral": 3, "mixtral_tied": 2,
+              "qwen2_moe": 3, "olmoe": 2}
 
 
 FIXED = [[1] + [5 + (i * 7) % 50 for i in range(30)], [1] + [40 + (i * 13) % 40 for i in range(20)]]
 
 
 START = 4
+
+
+# arch -> learner.routing_replay of its learner: the tied Mixtral (the upcycled SmolLM2's layout) replays the
+# pre-update pass's experts (R2) in its training forward, with Mixtral's always-renormalised gates
+REPLAY = {"mixtral_tied": "learner"}
 
 
 def _params(arch: str):
@@ -82,7 +87,7 @@ def test_three_step_run_keeps_engine_equal_to_learner(ray_cluster, tmp_path, arc
     ray = ray_cluster
     path = str(build_tiny_arch(tmp_path / arch, arch, seed=0))
     cfg = LearnerConfig(zero_stage=ZERO_STAGE[arch], micro_batch_size=8, lr=1e-2, zero3_param_persistence_threshold=0,
-                        pre_update_pass="always")
+                        pre_update_pass="always", routing_replay=REPLAY.get(arch, "off"))
     learner = ray.remote(LearnerRank).options(num_cpus=1).remote(
         path, cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0, temperature=1.0)
     engine = ray.remote(RolloutEngine).options(
