@@ -151,7 +151,11 @@ class Config(Section):
     def _check_env(self) -> None:
         """Multi-turn episodes (``env``): a known tool-call format, and what the agent loop does not carry
         refused by name (a segment length for partial rollouts, which go turn by turn; rows already rendered by a
-        chat template: the loop renders an episode's first messages with the tools itself)."""
+        chat template: the loop renders an episode's first messages with the tools itself; an LLM judge, which
+        scores single answers)."""
+        if self.env.enabled and self.reward.judge.enabled:
+            raise ValueError(f"reward.judge.model_path={self.reward.judge.model_path!r} is refused with env set: "
+                             "episodes are scored by their environments, the judge scores single answers")
         if not self.env.enabled:
             if self.data.task == "agent_calc":
                 raise ValueError("data.task='agent_calc' needs env.tools (e.g. [reward.envs.calculator:calc]) and "
@@ -329,6 +333,9 @@ def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     local = not cfg.model.path.startswith("builtin:") and not is_hub_id(cfg.model.path, cwd)
     if local and not Path(cfg.model.path).is_absolute():
         cfg.model.path = str(cwd / cfg.model.path)
+    judge = cfg.reward.judge.model_path  # the LLM judge's model: the same forms
+    if judge and not judge.startswith("builtin:") and not is_hub_id(judge, cwd) and not Path(judge).is_absolute():
+        cfg.reward.judge.model_path = str(cwd / judge)
     return cfg
 
 

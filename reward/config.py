@@ -60,6 +60,121 @@ class RewardTerm(Section):
     weight: float = Field(1.0, description="weight of this term in the sum")
 
 
+class JudgeCombine(Section):
+    """How the judge's score joins the verifiers' (section ``reward.judge.combine``; reward/llm_judge.py,
+    ``combine``).
+
+    ``weighted``: ``total = verifiers + weight * judge``. ``gate``: ``total = verifiers + weight * judge`` when the
+    primary verifier judged the sample correct, else ``verifiers`` alone (the judge is not asked). The verifiers'
+    part is the reward without a judge (``primary_weight * primary + extra terms + overlong penalty``); set
+    ``reward.primary_weight: 0`` for a reward that is the judge's alone (``correct`` stays the verifier's).
+    """
+
+    mode: Literal["weighted", "gate"] = Field(
+        "weighted", description="weighted = verifiers + weight x judge for every sample; gate = the judge's term "
+        "counts only where the primary verifier passed (the judge is asked only about those)",
+    )
+    weight: float = Field(1.0, allow_inf_nan=False, description="weight of the judge's score in the sum")
+
+
+class JudgeConfig(Section):
+    """An LLM judge as a reward term (section ``reward.judge``; reward/llm_judge.py, cluster/runtime/judge.py).
+
+    On when ``model_path`` is set. The judge model runs in vLLM engines of its own (``num_engines`` Ray actors,
+    greedy, seeded); every sample of a scoring call is rendered through ``template`` (and the judge's chat
+    template when it has one), the engines answer in one batched call each, and the score is parsed from the
+    answer: ``score: regex`` takes the first group of ``regex``'s first match as a float times ``scale``;
+    ``score: token_probs`` takes ``P(positive) / (P(positive) + P(negative))`` over the named tokens among the
+    first generated position's ``top_logprobs`` top log-probs. A judge that fails, times out or answers
+    unparseably gives the sample a NaN reward (invalid: advantage 0, out of its group's statistics), counted in
+    the step's ``reward/judge_*`` metrics and logged.
+    """
+
+    model_path: str | None = Field(
+        None, description="the judge model, any model.path form (builtin:..., a local folder, a hub id); None = no "
+        "judge",
+    )
+    build_seed: int = Field(0, description="seed of a builtin judge model's weights (as model.build_seed)")
+    num_engines: int = Field(1, ge=1, description="judge vLLM engines, one Ray actor each")
+    num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per judge engine")
+    node_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources (name: amount) each judge engine's placement "
+        "bundle asks for (as rollout.node_resources). {} = any node",
+    )
+    threads_per_engine: int = Field(1, ge=1, description="torch/OpenMP threads of one judge engine on CPU")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="judge engine dtype")
+    max_model_len: int = Field(
+        512, ge=16, description="judge prompt + answer token limit (at most the judge model's context); a longer "
+        "prompt is NaN",
+    )
+    kv_cache_gb: float = Field(0.25, gt=0, description="KV cache per judge engine, GiB (CPU)")
+    template: str = Field(
+        "Question: {prompt}\nReference answer: {answer}\nStudent answer: {response}\n"
+        "Is the student's final answer correct? Answer Yes or No.",
+        description="the judge's user message: {prompt}, {answer}, {response}, {uid} and {meta[KEY]} (a row's meta "
+        "field) are filled in; {{ and }} are literal braces",
+    )
+    system_prompt: str | None = Field(None, description="system message before the template (chat template only)")
+    apply_chat_template: bool = Field(
+        True, description="render the message through the judge tokenizer's chat template when it has one "
+        "(false, or no template: the text as it is)",
+    )
+    score: Literal["regex", "token_probs"] = Field(
+        "token_probs", description="regex = a number in the judge's answer; token_probs = the probability of the "
+        "positive tokens at the first generated position",
+    )
+    regex: str = Field(
+        r"(-?\d+(?:\.\d+)?)", description="score=regex: pattern searched in the answer; its first group (or the "
+        "match) is the score",
+    )
+    scale: float = Field(1.0, allow_inf_nan=False, description="score=regex: the parsed number is multiplied by it")
+    positive_tokens: list[str] = Field(
+        default_factory=lambda: ["Yes", " Yes", "yes"],
+        description="score=token_probs: tokens (each one token of the judge's tokenizer) that mean 'good'",
+    )
+    negative_tokens: list[str] = Field(
+        default_factory=lambda: ["No", " No", "no"],
+        description="score=token_probs: tokens that mean 'bad'; none of either among the top log-probs = NaN",
+    )
+    top_logprobs: int = Field(20, ge=1, le=20, description="score=token_probs: top log-probs read at position 1")
+    max_tokens: int = Field(16, ge=1, description="answer token limit (score=token_probs generates 1 token)")
+    seed: int = Field(0, description="judge engines' sampler seed (greedy: the answer does not depend on it)")
+    timeout_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="wall-clock limit of one engine's batched call, seconds; "
+        "past it the batch's samples are NaN and the engine is replaced",
+    )
+    combine: JudgeCombine = Field(default_factory=JudgeCombine)
+
+    @property
+    def enabled(self) -> bool:
+        """True when a judge model is configured."""
+        return self.model_path is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> "JudgeConfig":
+        import re
+
+        from reward.llm_judge import template_fields
+
+        template_fields(self.template)  # ValueError naming the field
+        try:
+            re.compile(self.regex)
+        except re.error as err:
+            raise ValueError(f"reward.judge.regex={self.regex!r} does not compile: {err}") from None
+        if self.score == "token_probs" and not (self.positive_tokens and self.negative_tokens):
+            raise ValueError(f"reward.judge.score='token_probs' needs positive_tokens and negative_tokens (got "
+                             f"{self.positive_tokens} and {self.negative_tokens})")
+        for name, amount in self.node_resources.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:") \
+                    or not amount > 0:
+                raise ValueError(f"reward.judge.node_resources: {name}={amount!r}: custom resource names only (not "
+                                 "CPU, GPU, memory or node:...) with amounts > 0")
+        both = set(self.positive_tokens) & set(self.negative_tokens)
+        if both:
+            raise ValueError(f"reward.judge: {sorted(both)} are both positive and negative tokens")
+        return self
+
+
 # built-in verifiers that may run inside the reward worker (reward.inline_verifiers): their work on a response is
 # a few linear passes over the string (strip, split at '####', collapse whitespace, compare), so no response can
 # make them hang, allocate without bound or run anything
@@ -133,6 +248,7 @@ class RewardConfig(Section):
     )
 
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RewardConfig":

@@ -42,7 +42,7 @@ from cluster.driver.tracking import MetricsLogger, plot_curves
 from cluster.driver.trained_prompts import TrainedPromptLog
 from cluster.driver.warm_start import RLLearningRate, warm_start
 from cluster.models.resolve import ensure_model
-from cluster.runtime import devices, node_files, placement, services, user_code
+from cluster.runtime import devices, judge, node_files, placement, services, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
 from learner.contracts import RolloutTrainResult
@@ -192,6 +192,8 @@ class Trainer:
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources,
                                                    cfg.cluster.placement_timeout_s)
         self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
+        if cfg.reward.judge.enabled:  # an LLM judge beside the verifiers (cluster/runtime/judge.py)
+            self.rewards = judge.start_judged(cfg, self.rewards, self.run_dir)
         if cfg.env.enabled:  # multi-turn episodes: env workers beside the reward workers
             self.env_groups = services.RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources,
                                                     cfg.cluster.placement_timeout_s)
@@ -218,7 +220,8 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics (``cluster.driver.evaluation.evaluate``)."""
-        return evaluate(self.cfg, self.fleet, self.rewards, self.eval_rows, self.episodes)
+        verifiers = getattr(self.rewards, "verifiers", self.rewards)  # held-out accuracy: the verifiers' (no judge)
+        return evaluate(self.cfg, self.fleet, verifiers, self.eval_rows, self.episodes)
 
     def warm_start(self) -> dict[str, float]:
         """Supervised warm start (``cluster.driver.warm_start``), then the engines receive the new weights."""

@@ -86,6 +86,7 @@ def resource_demand(cfg: Config) -> float:
         cfg.learner.world_size * cfg.learner.num_cpus_per_rank
         + cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
         + cfg.reward.num_workers * cfg.reward.num_cpus_per_worker
+        + (cfg.reward.judge.num_engines * cfg.reward.judge.num_cpus_per_engine if cfg.reward.judge.enabled else 0.0)
     )
 
 
