@@ -97,6 +97,20 @@ def _end_group(proc: subprocess.Popen, ray_tmp: Path) -> list[str]:
     return named
 
 
+def _run_to_end(out: Path, extra: list[str], env: dict[str, str], log: Path,
+                ray_tmp: Path) -> tuple[int | None, list[str]]:
+    """The driver run to its end (None: past ``RUN_TIMEOUT_S``), then whatever of it still runs ended: (exit code,
+    what had to be ended)."""
+    proc = _start(out, extra, env, log)
+    try:
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        escaped = _end_group(proc, ray_tmp)
+    return rc, escaped
+
+
 def _train_open(trace: Path) -> dict[str, int]:
     """Training episodes open (started, not closed) by row uid; held-out episodes are ``eval/`` rows."""
     return {uid: n for uid, n in open_episodes(trace).items() if not uid.startswith("eval/")}
@@ -168,13 +182,7 @@ def test_sigkill_mid_episodes_then_resume_trains_every_prompt_once(tmp_path, ray
 
     # 2. resumed to the same total_steps
     log2 = tmp_path / "resumed.log"
-    proc = _start(tmp_path, ["trainer.resume=true"], env, log2)
-    try:
-        rc = proc.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        escaped = _end_group(proc, ray_tmp)
+    rc, escaped = _run_to_end(tmp_path, ["trainer.resume=true"], env, log2, ray_tmp)
     assert rc == 0, f"the resumed run failed (rc {rc}):\n{_tail(log2)}"
     assert escaped == [], f"processes of the resumed run outlived it: {escaped}"
     assert f"resumed from {ckpt} (step {ckpt_step})" in log2.read_text()
@@ -230,13 +238,7 @@ def test_sigkill_with_partial_episodes_in_the_backlog_then_resume_trains_every_p
     assert (ckpt / PARTIAL_FILE).is_file()  # the backlog was saved with the checkpoint
 
     log2 = tmp_path / "resumed.log"
-    proc = _start(tmp_path, ["trainer.resume=true", *partial], env, log2)
-    try:
-        rc = proc.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        escaped = _end_group(proc, ray_tmp)
+    rc, escaped = _run_to_end(tmp_path, ["trainer.resume=true", *partial], env, log2, ray_tmp)
     assert rc == 0, f"the resumed run failed (rc {rc}):\n{_tail(log2)}"
     assert escaped == []
 
