@@ -114,6 +114,7 @@ def test_sessions_are_closed_at_the_end():
         w.close()
 
 
+@pytest.mark.matrix  # a failure case: the default set keeps the server that will not start
 def test_a_server_killed_mid_episode_ends_it_and_is_started_again():
     w = EnvWorker(config())
     try:
@@ -141,6 +142,7 @@ def test_a_server_killed_mid_episode_ends_it_and_is_started_again():
     assert w.openenv_server_pid() is None
 
 
+@pytest.mark.matrix  # a failure case: the default set keeps the server that will not start
 def test_a_server_answering_too_slowly_ends_the_episode_as_a_timeout():
     w = EnvWorker(EnvConfig(openenv={"app": f"{APPS}:slow", "tool_name": "guess", "start_timeout_s": 120.0},
                             tool_timeout_s=1.0, on_error="drop"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from cluster.models import upcycle as up
@@ -29,6 +30,7 @@ def _max_diff(ray, engine, model) -> float:
                for s in SEQS)
 
 
+@pytest.mark.matrix  # the default set: the engine's exact sync on qwen2_moe, the upcycle's sigma-0 logits (unit)
 def test_upcycled_tied_mixtral_loads_and_syncs_exactly_in_the_engine(ray_cluster, tmp_path):
     from transformers import AutoModelForCausalLM
 
