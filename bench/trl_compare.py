@@ -114,7 +114,7 @@ def timed_steps(xs: list) -> list:
     return xs[1:] or xs
 
 
-def run_trl(cfg, model_path: str, steps: int, threads: int, out: Path) -> dict:
+def run_trl(cfg, model_path: str, steps: int, threads: int, out: Path, bf16: bool = False) -> dict:
     """TRL's GRPOTrainer as GSPO on our prompts; seconds per RL step and where they go."""
     import torch
 
@@ -139,7 +139,8 @@ def run_trl(cfg, model_path: str, steps: int, threads: int, out: Path) -> dict:
         return [exact_verifier(c, {"answer": a}) for c, a in zip(completions, answer)]
 
     args = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": "float32"},
+        # --trl-bf16: TRL's own default, bf16=True (mixed precision: bf16 autocast over float32 weights)
+        output_dir=str(out), use_cpu=True, bf16=bf16, fp16=False, model_init_kwargs={"dtype": "float32"},
         seed=tc.seed, max_steps=steps * M, shuffle_dataset=False, report_to="none", save_strategy="no",
         logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
         # batch: one generation of P x G completions -> M optimizer steps of P x G / M, no accumulation
@@ -228,7 +229,7 @@ def child(args) -> int:
     model = (work / "model_path").read_text()
     cfg = load_cfg(args.workload, work, args.steps, model, tuple(args.ours))
     if args.side == "trl":
-        res = run_trl(cfg, model, args.steps, args.trl_threads, work / "trl")
+        res = run_trl(cfg, model, args.steps, args.trl_threads, work / "trl", bf16=args.trl_bf16)
     else:
         res = run_ours(cfg, args.steps)
     Path(args.result).write_text(json.dumps(res))
@@ -298,7 +299,8 @@ def run_side(side: str, workload: str, work: Path, args, ours: list[str]) -> dic
         env["OMP_NUM_THREADS"] = str(args.trl_threads)
     cmd = [sys.executable, __file__, "--side", side, "--workload", workload, "--steps", str(args.steps),
            "--work-dir", str(work), "--result", str(res), "--cores", ",".join(map(str, args.cores)),
-           "--trl-threads", str(args.trl_threads), *[f"--ours={o}" for o in ours]]
+           "--trl-threads", str(args.trl_threads), *(["--trl-bf16"] if args.trl_bf16 else []),
+           *[f"--ours={o}" for o in ours]]
     t = time.perf_counter()
     subprocess.run(cmd, env=env, cwd=REPO, check=True)
     print(f"[{workload}] {side}: child finished in {time.perf_counter() - t:.0f} s", file=sys.stderr)
@@ -336,6 +338,8 @@ def main() -> int:
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--cores", type=lambda s: sorted({int(c) for c in s.split(",")}),
                     default=sorted(os.sched_getaffinity(0)), help="CPU cores both sides run on (default: all)")
+    ap.add_argument("--trl-bf16", action="store_true",
+                    help="TRL in bf16 (GRPOConfig bf16=True, its default: bf16 autocast over float32 weights)")
     ap.add_argument("--trl-threads", type=int, default=None,
                     help="torch threads of the TRL process (default: one per core in --cores)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="lean",
@@ -357,7 +361,7 @@ def main() -> int:
         return child(args)
     os.sched_setaffinity(0, args.cores)
     root = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    out: dict = {"versions": versions(), "cores": args.cores, "trl_threads": args.trl_threads, "steps": args.steps,
+    out: dict = {"versions": versions(), "cores": args.cores, "trl_threads": args.trl_threads, "steps": args.steps, "trl_bf16": args.trl_bf16,
                  "profile": args.profile, "ours_extra": args.ours,  # per workload: settings.ours_overrides
                  "workloads": {}}
     try:
