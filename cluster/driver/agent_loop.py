@@ -91,9 +91,14 @@ class Episode:
         if logprobs is not None:
             self.sampled += ids
 
+    @property
+    def sampled_versions(self) -> list[int]:
+        """The weight version of each sampled token (mask 1), in order."""
+        return [v for v, m in zip(self.versions, self.mask) if m]
+
     def completion(self) -> Completion:
         """The episode as the learner trains on it: the prompt ids, then every turn and reply, masked."""
-        versions = [v for v, m in zip(self.versions, self.mask) if m] or [0]
+        versions = self.sampled_versions or [0]
         return Completion(
             prompt_uid=self.row.uid, sample_index=self.sample_index, prompt_token_ids=list(self.prompt_ids),
             response_token_ids=list(self.response_ids), response_logprobs=list(self.logprobs),
@@ -292,7 +297,8 @@ class EpisodeRunner:
         if lost := [e.episode_id for e in episodes if e.status == "running"]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         restarts = self.pool.restarts
-        results = self._finish(episodes)
+        results = self.finish_episodes(episodes)
+        self.repair_pool({e.worker for e in episodes if e.worker_lost})
         fill_missing_routing(episodes)
         wall = time.perf_counter() - t0
         metrics = episode_metrics(episodes, busy / max(wall * len(self.fleet.engines), 1e-9))
@@ -457,11 +463,6 @@ class EpisodeRunner:
         e.add(ids, None, e.versions[-1] if e.versions else 0)
         return True
 
-    def _finish(self, episodes: list[Episode]) -> list[RewardResult]:
-        results = self.finish_episodes(episodes)
-        self.repair_pool(episodes)
-        return results
-
     def finish_episodes(self, episodes: list[Episode]) -> list[RewardResult]:
         """The verdicts of ended episodes, in order, from their environments' ``finish`` (which closes them); an
         episode whose env worker died gets the ``env.on_error`` reward with status ``error``."""
@@ -483,10 +484,10 @@ class EpisodeRunner:
                             o.detail)
         return results
 
-    def repair_pool(self, episodes: list[Episode]) -> None:
-        """Replace the env workers that died under ``episodes`` and those holding too many abandoned threads
-        (``EnvPool.maintain``)."""
-        for slot in sorted({e.worker for e in episodes if e.worker_lost}):
+    def repair_pool(self, dead: set[int]) -> None:
+        """Replace the env workers of the slots in ``dead`` (their process died under an episode) and those
+        holding too many abandoned threads (``EnvPool.maintain``)."""
+        for slot in sorted(dead):
             if slot < len(self.pool):
                 log.warning("env worker %d died: its episodes end with status error; replaced", slot)
                 self.pool.replace(slot)

@@ -26,7 +26,7 @@ Nothing here knows Ray or vLLM: the driver (``cluster.driver.partial_rollout``) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -210,15 +210,9 @@ class PartialBuffer:
         Raises:
             RuntimeError: a taken sample's oldest token is beyond the bound (``expire`` was not called).
         """
-        out = [g for g in self.groups if g.finished][:count]
-        taken = {id(g) for g in out}
-        self.groups = [g for g in self.groups if id(g) not in taken]
-        for g in out:
-            worst = max(version - s.oldest_version for s in g.samples if s.versions) if any(
-                s.versions for s in g.samples) else 0
-            if worst > self.max_staleness:
-                raise RuntimeError(f"prompt uid={g.row.uid!r}: a token {worst} versions old at version {version}, "
-                                   f"beyond trainer.max_staleness={self.max_staleness}")
+        out, self.groups = take_ready(self.groups, count, lambda g: g.finished,
+                                      lambda g: [s.oldest_version for s in g.samples if s.versions], version,
+                                      self.max_staleness)
         return out
 
     def drop_all(self) -> list[PromptRow]:
@@ -226,6 +220,26 @@ class PartialBuffer:
         rows = [g.row for g in self.groups]
         self.groups = []
         return rows
+
+
+def take_ready(groups: list, count: int, ready: Callable[[Any], bool], oldest: Callable[[Any], list[int]],
+               version: int, max_staleness: int) -> tuple[list, list]:
+    """Up to ``count`` groups for which ``ready(group)`` holds (admission order: their order in ``groups``), to
+    train at ``version``, and the groups left; ``oldest(group)`` gives its samples' oldest token versions (the
+    samples with tokens). Shared by ``PartialBuffer`` and the episodes' ``cluster.driver.partial_episodes``.
+
+    Raises:
+        RuntimeError: a taken group has a token older than ``version - max_staleness`` (the bound was not applied
+            before the take), naming the prompt's uid.
+    """
+    out = [g for g in groups if ready(g)][:count]
+    taken = {id(g) for g in out}
+    for g in out:
+        worst = max((version - v for v in oldest(g)), default=0)
+        if worst > max_staleness:
+            raise RuntimeError(f"prompt uid={g.row.uid!r}: a token {worst} versions old at version {version}, "
+                               f"beyond trainer.max_staleness={max_staleness}")
+    return out, [g for g in groups if id(g) not in taken]
 
 
 def spliced_routing(request: Request, piece: Completion, new: int) -> Any:

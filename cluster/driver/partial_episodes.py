@@ -35,6 +35,7 @@ from cluster.config import Config
 from cluster.data.prompts import PromptStream
 from cluster.driver.agent_loop import Episode, EpisodeRunner, TurnLoop, episode_metrics, fill_missing_routing
 from cluster.driver.collect import Collected
+from cluster.driver.partial_buffer import take_ready
 from reward.contracts import RewardResult
 from rollout.contracts import PromptRow
 
@@ -66,8 +67,7 @@ class EpisodeGroup:
 
 def oldest_version(e: Episode) -> int | None:
     """The weight version of the episode's oldest sampled token; None before its first turn."""
-    versions = [v for v, m in zip(e.versions, e.mask) if m]
-    return min(versions) if versions else None
+    return min(e.sampled_versions, default=None)
 
 
 class EpisodeBacklog:
@@ -132,16 +132,14 @@ class EpisodeBacklog:
         Raises:
             RuntimeError: a taken episode's oldest token is beyond the bound (``expire`` was not applied).
         """
-        out = [g for g in self.groups if g.scored][:count]
-        taken = {id(g) for g in out}
-        self.groups = [g for g in self.groups if id(g) not in taken]
-        for g in out:
-            for e in g.episodes:
-                old = oldest_version(e)
-                if old is not None and version - old > self.max_staleness:
-                    raise RuntimeError(f"prompt uid={g.row.uid!r}: an episode's token {version - old} versions old "
-                                       f"at version {version}, beyond trainer.max_staleness={self.max_staleness}")
+        out, self.groups = take_ready(self.groups, count, lambda g: g.scored,
+                                      lambda g: [v for e in g.episodes if (v := oldest_version(e)) is not None],
+                                      version, self.max_staleness)
         return out
+
+    def num_ended(self) -> int:
+        """Groups whose episodes have all ended (scored or not)."""
+        return sum(g.ended for g in self.groups)
 
 
 class PartialEpisodeCollector:
@@ -208,9 +206,9 @@ class PartialEpisodeCollector:
         pool = self.runner.pool
         return e.worker >= len(pool) or self.handles.get(e.episode_id) is not pool.workers[e.worker]
 
-    def _restart(self) -> int:
+    def _restart(self) -> None:
         """Carry out the marked restarts, and restart the episodes under way whose env worker was replaced or
-        removed (the loop is drained). Returns how many episodes started again."""
+        removed (the loop is drained); counted in ``restarted_episodes``."""
         b, pool, again = self._backlog, self.runner.pool, []
         for g in b.groups:
             for i, e in enumerate(g.episodes):
@@ -227,7 +225,6 @@ class PartialEpisodeCollector:
         b.to_restart.clear()
         b.restarted_episodes += len(again)
         self._open(again)
-        return len(again)
 
     def _forget(self, e: Episode) -> None:
         """Drop an episode from the loop (it has no open turn: the loop is drained); its env answer, if one is
@@ -249,11 +246,8 @@ class PartialEpisodeCollector:
         for (g, i), verdict in zip(ended, self.runner.finish_episodes(episodes)):
             g.verdicts[i] = verdict
             self._forget(g.episodes[i])
-        pool = self.runner.pool
-        for slot in sorted({e.worker for e in episodes if e.worker_lost and not self._stale_worker(e)}):
-            log.warning("env worker %d died: its episodes end with status error; replaced", slot)
-            pool.replace(slot)
-        pool.maintain()
+        # a worker already replaced since (its episodes' handles are stale) is not replaced again
+        self.runner.repair_pool({e.worker for e in episodes if e.worker_lost and not self._stale_worker(e)})
 
     def _drain(self) -> None:
         """Let the open turns finish (no new turn starts): the engines hold no request at the sync."""
@@ -286,12 +280,12 @@ class PartialEpisodeCollector:
         with self.runner.aborting_on_error():
             self._restart()
             self._admit()  # also when P groups ended already: the backlog stays full for the next collection
-            while sum(g.ended for g in b.groups) < P:
+            while b.num_ended() < P:
                 self.runner.pump(self.loop, None)  # first the episodes carried over: the engines start at once
                 self._admit()  # then new groups' environments start while the engines sample
-                if self.loop.idle() and sum(g.ended for g in b.groups) < P:
-                    raise RuntimeError(f"partial episodes: nothing under way with {sum(g.ended for g in b.groups)} "
-                                       f"of {P} groups ended")
+                if self.loop.idle() and b.num_ended() < P:
+                    raise RuntimeError(f"partial episodes: nothing under way with {b.num_ended()} of {P} groups "
+                                       "ended")
             self._drain()
         self._score()
         wall = time.perf_counter() - t0
@@ -306,7 +300,7 @@ class PartialEpisodeCollector:
         busy = (self.loop.busy - busy0) / max(wall * len(self.runner.fleet.engines), 1e-9)
         c.reward_metrics = {**episode_metrics(episodes, busy), **self.runner.pool.take_metrics()}
         c.end_position = self.stream.position
-        spans = [len({v for v, m in zip(e.versions, e.mask) if m}) for e in episodes]
+        spans = [len(set(e.sampled_versions)) for e in episodes]
         self.stats = {
             "partial/restarted_episodes": float(b.restarted_episodes - restarted0),
             "partial/dropped_tokens": float(b.dropped_tokens - dropped0),
