@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (trainer.seed and rollout.seed + k)")
     parser.add_argument("--shared-warm-start", action="store_true",
                         help="one warm start for every seed (seed 0's); only rollout.seed moves with the seed")
+    parser.add_argument("--seed-index", type=int, default=None, metavar="K",
+                        help="run only seed K (0 <= K < --seeds), one command per run; reuses a saved warm start")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: write the report from the runs earlier commands saved")
     parser.add_argument("--name", default=None, help="report folder name (default: the config's file name)")
     parser.add_argument("--output-dir", default="outputs/compare", help="parent of the report folder")
     parser.add_argument("--spike-factor", type=float, default=DEFAULT_SPIKE_FACTOR,
@@ -268,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1:
         print(f"error: --seeds={args.seeds} must be >= 1", file=sys.stderr)
         return 2
+    if args.seed_index is not None and not (0 <= args.seed_index < args.seeds and not args.report_only):
+        print(f"error: --seed-index={args.seed_index} must be in [0, --seeds={args.seeds}) and not with "
+              "--report-only", file=sys.stderr)
+        return 2
     if not (args.spike_factor > 0 and math.isfinite(args.spike_factor)):
         print(f"error: --spike-factor={args.spike_factor} must be a finite number > 0", file=sys.stderr)
         return 2
@@ -285,25 +293,85 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    results: list[RunResult] = []
-    for k in range(args.seeds):
+    seeds = range(args.seeds) if args.seed_index is None else [args.seed_index]
+    one_run_mode = args.seed_index is not None or args.report_only
+    results: dict[tuple[str, int], RunResult] = {}
+    if one_run_mode:
+        try:
+            results = saved_results(runs_dir, algos, args.seeds, args.config, args.overrides)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    for k in [] if args.report_only else seeds:
         warm_dir = out_dir.resolve() / "warm_start" / ("shared" if args.shared_warm_start else f"seed{k}")
-        if warm_dir.exists() and (k == 0 or not args.shared_warm_start):
+        if warm_dir.exists() and (k == 0 or not args.shared_warm_start) and not one_run_mode:
             shutil.rmtree(warm_dir)  # this invocation's warm start, not an earlier one's
         for a in algos:
             if (a, k) not in configs:
-                results.append(RunResult(a, k, "", "skipped", routing_replay_supported()[1]))
-                log.warning("%s seed %d skipped: %s", a, k, results[-1].note)
+                results[(a, k)] = RunResult(a, k, "", "skipped", routing_replay_supported()[1])
+                log.warning("%s seed %d skipped: %s", a, k, results[(a, k)].note)
                 continue
             log.info("=== %s, seed %d ===", a, k)
-            results.append(run_one(configs[(a, k)], a, k, warm_dir))
-            r = results[-1]
+            r = results[(a, k)] = run_one(configs[(a, k)], a, k, warm_dir)
             log.info("%s seed %d: %s %s", a, k, r.status, r.note)
+            if r.run_dir:
+                save_result(r, args.config, args.overrides)
             # Write after every run: a long comparison shows its progress and keeps what is done.
-            _write_outputs(out_dir, results, args, base, algos)
-    _write_outputs(out_dir, results, args, base, algos)
+            _write_outputs(out_dir, _ordered(results, algos, args.seeds), args, base, algos)
+    ordered = _ordered(results, algos, args.seeds)
+    _write_outputs(out_dir, ordered, args, base, algos)
     print(f"report: {out_dir / 'report.md'}")
-    return 1 if any(r.status == "failed" for r in results) else 0
+    return 1 if any(r.status == "failed" for r in ordered) else 0
+
+
+RESULT_FILE = "compare_result.json"  # a run's record (without its history), beside its metrics.jsonl
+
+
+def save_result(r: RunResult, config_path: str, overrides: list[str]) -> Path:
+    """Write ``r`` (less its history, which is the run's ``metrics.jsonl``) and the study's config path and
+    overrides to ``<run_dir>/compare_result.json`` (write, then rename). Returns the file."""
+    d = asdict(r)
+    d.pop("history")
+    d["study"] = {"config": str(Path(config_path).resolve()), "overrides": list(overrides)}
+    path = Path(r.run_dir) / RESULT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(d, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def saved_results(runs_dir: Path, algos: list[str], seeds: int, config_path: str,
+                  overrides: list[str]) -> dict[tuple[str, int], RunResult]:
+    """The runs earlier commands of this study saved (``runs/<arm>_seed<k>/compare_result.json`` with the
+    history read back from the run's ``metrics.jsonl``), keyed ``(arm, k)``; runs not saved are absent.
+
+    Raises:
+        ValueError: a saved run whose config path or overrides differ from this command's (naming both).
+    """
+    study = {"config": str(Path(config_path).resolve()), "overrides": list(overrides)}
+    out: dict[tuple[str, int], RunResult] = {}
+    for k in range(seeds):
+        for a in algos:
+            path = runs_dir / f"{a}_seed{k}" / RESULT_FILE
+            if not path.is_file():
+                continue
+            d = json.loads(path.read_text())
+            if d.pop("study", None) != study:
+                raise ValueError(f"{path}: saved by a study of {d.get('study')!r}, not this command's {study!r}; "
+                                 "give the same config and overrides, or another --name")
+            d.pop("figures", None)
+            metrics = Path(d["run_dir"]) / "metrics.jsonl"
+            history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+                if metrics.is_file() else []
+            out[(a, k)] = RunResult(**d, history=history)
+    return out
+
+
+def _ordered(results: dict[tuple[str, int], RunResult], algos: list[str], seeds: int) -> list[RunResult]:
+    """Seed-major, arms in the command's order; a run neither saved nor run is listed as not run."""
+    return [results.get((a, k)) or RunResult(a, k, "", "skipped", "not run (no saved result)")
+            for k in range(seeds) for a in algos]
 
 
 def _write_outputs(out_dir: Path, results: list[RunResult], args, base: Config, algos: list[str]) -> None:

@@ -4,7 +4,9 @@ a report and a plot."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 
@@ -197,3 +199,46 @@ def test_differences_beyond_the_spread():
     assert "3 pairs were looked at, so about 0.4 would be expected" in text  # 0.1 + 0.1 + 2 / C(5, 2)
     assert "Beyond the spread: cispo final acc." in text
     assert "no spread to compare" in "\n".join(spread_lines({"a": {"reward": [1.0]}, "b": {}}, "a"))
+
+
+def _save_run(runs_dir, arm, k, overrides, accuracy):
+    run_dir = runs_dir / f"{arm}_seed{k}"
+    run_dir.mkdir(parents=True)
+    history = [dict(r) for r in _history()]
+    history[-1]["eval/accuracy"] = accuracy
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    r = compare_report.RunResult(arm, k, str(run_dir), "ok", settings=arm, wall_s=5.0, history=history)
+    return compare.save_result(r, CONFIG, overrides)
+
+
+def test_one_run_per_command_then_report_from_saved_runs(tmp_path, capsys):
+    """A study run one (arm, seed) per command: the report reads every saved run back (history from its
+    metrics.jsonl), lists a run never made as not run, and refuses a run saved under other overrides."""
+    out = tmp_path / "study"
+    runs_dir = out / "runs"
+    ov = ["trainer.total_steps=4"]
+    for arm, k, acc in [("gspo", 0, 0.5), ("gspo", 1, 0.25), ("grpo", 0, 0.125)]:
+        _save_run(runs_dir, arm, k, ov, acc)
+    saved = compare.saved_results(runs_dir, ["gspo", "grpo"], 2, CONFIG, ov)
+    assert sorted(saved) == [("grpo", 0), ("gspo", 0), ("gspo", 1)]
+    assert saved[("gspo", 1)].history[-1]["eval/accuracy"] == 0.25 and saved[("gspo", 1)].wall_s == 5.0
+    with pytest.raises(ValueError, match="total_steps=5"):
+        compare.saved_results(runs_dir, ["gspo"], 1, CONFIG, ["trainer.total_steps=5"])
+    rc = compare.main([CONFIG, "trainer.total_steps=5", "--report-only", "--algorithms", "gspo", "--name", "study",
+                       "--output-dir", str(tmp_path)])
+    assert rc == 2 and "total_steps=5" in capsys.readouterr().err and not (out / "report.md").exists()
+
+    rc = compare.main([CONFIG, *ov, "--report-only", "--algorithms", "gspo,grpo", "--seeds", "2",
+                       "--name", "study", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["algorithm"], r["seed_index"], r["status"]) for r in runs] == [
+        ("gspo", 0, "ok"), ("grpo", 0, "ok"), ("gspo", 1, "ok"), ("grpo", 1, "skipped")]
+    assert [r["figures"]["final_accuracy"] for r in runs[:3]] == [0.5, 0.125, 0.25]
+    text = (out / "report.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| gspo | "))
+    assert "0.375 ± 0.177" in row  # final accuracy over the two saved gspo seeds
+    assert "grpo seed 1: skipped: not run (no saved result)" in text
+    # --seed-index outside the seeds, or with --report-only, is refused
+    assert compare.main([CONFIG, "--seed-index", "2", "--seeds", "2", "--output-dir", str(tmp_path)]) == 2
+    assert compare.main([CONFIG, "--seed-index", "0", "--report-only", "--output-dir", str(tmp_path)]) == 2
