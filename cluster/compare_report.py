@@ -56,6 +56,8 @@ def summarise(history: list[dict[str, Any]], spike_factor: float = DEFAULT_SPIKE
       per optimizer step); ``train_rollout_logprob_diff``: mean ``actor/train_rollout_logprob_diff`` (learner
       pre-update vs engine log-probs, with R3 replay when on); ``masked_seq_share``: mean
       ``mismatch/masked_seq_share`` (sequences a mismatch correction dropped);
+    - ``load_imbalance``: mean ``moe/load_imbalance`` over the RL steps (the busiest expert's share of routed
+      tokens over the mean share, averaged over MoE layers; 1 = balanced);
     - ``grad_norm_spikes``: RL steps whose largest pre-clip gradient norm (``actor/grad_norm_max``) exceeds
       ``spike_factor`` x the median of the run's ``actor/grad_norm``;
     - ``rl_time_s``: sum of ``timing/step_s`` (rollout, reward, learner, weight sync; no evals);
@@ -91,6 +93,7 @@ def summarise(history: list[dict[str, Any]], spike_factor: float = DEFAULT_SPIKE
         "routing_volatility_per_update": _mean(_values(measured, "moe/routing_volatility_per_update")),
         "train_rollout_logprob_diff": _mean(_values(history, "actor/train_rollout_logprob_diff")),
         "masked_seq_share": _mean(_values(history, "mismatch/masked_seq_share")),
+        "load_imbalance": _mean(_values(history, "moe/load_imbalance")),
         "grad_norm_spikes": float(spikes),
         "rl_time_s": step_time,
         "tokens_per_s": sum(tokens) / step_time if tokens and step_time > 0 else float("nan"),
@@ -124,6 +127,7 @@ COLUMNS = [  # (summary key, header, digits)
     ("routing_volatility_per_update", "routing vol./update", 3),
     ("train_rollout_logprob_diff", "train-rollout |Δlogp|", 6),
     ("masked_seq_share", "seqs dropped", 3),
+    ("load_imbalance", "expert load max/mean", 2),
     ("grad_norm_spikes", "grad-norm spikes", 1),
     ("wall_s", "wall s", 1),
     ("tokens_per_s", "tokens/s", 0),
@@ -187,6 +191,9 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
         "column is the engine-vs-learner routing difference, not 0. Per update: `moe/routing_volatility_per_update`.",
         "- Train-rollout |Δlogp|: mean `actor/train_rollout_logprob_diff` (learner pre-update log-probs, with the "
         "engine's experts under R3, against the engine's). Seqs dropped: mean `mismatch/masked_seq_share`.",
+        "- Expert load max/mean: mean over RL steps of `moe/load_imbalance` (per MoE layer the busiest expert's "
+        "share of the routed response tokens over the mean share, averaged over layers; 1 = even, E/k = every "
+        "token on the same experts).",
         f"- Grad-norm spikes: RL steps whose largest pre-clip gradient norm exceeds {spike_factor:g} x the median "
         "of the run's per-step mean gradient norm.",
         "- Wall s: `Trainer.run()` of the run (RL steps, evaluations, checkpoints; not service start-up or the "

@@ -74,9 +74,10 @@ def _history():
          "moe/routing_volatility": 0.0, "moe/routing_volatility_unreplayed": 0.0, "moe/routing_volatility_passes": 0.0},
         {"step": 2, "reward/mean": 0.2, "actor/clip_fraction": 0.2, "actor/grad_norm": 2.0, "actor/grad_norm_max": 11.0,
          "timing/step_s": 2.0, "actor/num_response_tokens": 100.0, "actor/entropy": 2.5, "eval/accuracy": 0.5,
+         "moe/load_imbalance": 1.5,
          "moe/routing_volatility": 0.1, "moe/routing_volatility_unreplayed": 0.2, "moe/routing_volatility_passes": 3.0},
         {"step": 3, "reward/mean": 0.3, "actor/clip_fraction": 0.3, "actor/grad_norm": 2.0, "actor/grad_norm_max": 2.0,
-         "timing/step_s": 3.0, "actor/num_response_tokens": 100.0, "actor/entropy": 2.0,
+         "timing/step_s": 3.0, "actor/num_response_tokens": 100.0, "actor/entropy": 2.0, "moe/load_imbalance": 1.75,
          "moe/routing_volatility": 0.3, "moe/routing_volatility_unreplayed": 0.4, "moe/routing_volatility_passes": 3.0},
         {"step": 4, "reward/mean": 0.6, "actor/clip_fraction": 0.4, "actor/grad_norm": 3.0, "actor/grad_norm_max": 3.0,
          "timing/step_s": 3.0, "actor/num_response_tokens": 200.0, "actor/entropy": 1.5, "eval/accuracy": 0.375},
@@ -96,6 +97,7 @@ def test_summarise_hand_values():
     assert compare_report.summarise(_history(), spike_factor=6.0)["grad_norm_spikes"] == 0
     assert s["rl_time_s"] == pytest.approx(10.0) and s["tokens_per_s"] == pytest.approx(50.0)
     assert s["entropy_final"] == 1.5
+    assert s["load_imbalance"] == pytest.approx(1.625)  # steps 2 and 3 logged it
     empty = compare_report.summarise([{"step": 0}])
     assert math.isnan(empty["final_accuracy"]) and math.isnan(empty["reward"]) and empty["steps"] == 0
 
