@@ -40,9 +40,9 @@ class RLLearningRate:
         self.last: float | None = None  # the lr last set here (None: not yet, or forgotten)
 
     def apply(self, step: int) -> None:
-        """Set 0-based RL ``step``'s learning rate when it differs from the last one set."""
-        if not self.lc.lr_warmup_steps:
-            return
+        """Set 0-based RL ``step``'s learning rate when it differs from the last one set (so at least once per
+        process, without a warmup too: a run resumed from a warm start's checkpoint with another ``learner.lr``,
+        as gspo-compare's arms are, trains with its own lr, not the one the checkpoint's optimizer holds)."""
         lr = linear_warmup(self.lc.lr, step, self.lc.lr_warmup_steps)
         if lr != self.last:
             self.learners.call("set_lr", lr)

@@ -330,6 +330,28 @@ def test_linear_warmup_hand_values():
     with pytest.raises(ValueError, match="lr_warmup_steps"):
         LearnerConfig(lr_warmup_steps=-1)
 
+def test_the_rl_learning_rate_is_set_once_per_process_without_a_warmup():
+    """A run resumed from a warm start's checkpoint (gspo-compare's arms: an arm's 3e-5 against the checkpoint's
+    1e-4) trains with its own learner.lr: the first step of a process sets it, later steps do not
+    call the ranks again, and a rollback (``forget``) sets it again."""
+    from cluster.driver.warm_start import RLLearningRate
+
+    class Ranks:
+        def __init__(self):
+            self.calls = []
+
+        def call(self, name, *args):
+            self.calls.append((name, *args))
+
+    ranks = Ranks()
+    lr = RLLearningRate(ranks, load_config("configs/tiny_moe.yaml", ["learner.lr=3.0e-5"]))
+    for step in range(3):
+        lr.apply(step)
+    assert ranks.calls == [("set_lr", 3e-5)]
+    lr.forget()
+    lr.apply(3)
+    assert ranks.calls == [("set_lr", 3e-5)] * 2
+
 
 def test_correction_warning_counts_the_unit_the_correction_drops():
     from cluster.driver.step_metrics import correction_warning
