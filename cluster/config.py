@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from cluster.config_sections import (
     ClusterConfig,
     DataConfig,
+    DistillConfig,
     HealthConfig,
     ModelConfig,
     Section,
@@ -53,6 +54,7 @@ class Config(Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     precision: Literal["auto", "bf16", "fp32"] | None = Field(
         None, description="one switch for the run's precision (cluster/precision.py): 'bf16' sets rollout.dtype and "
         "learner.dtype to bfloat16 (DeepSpeed bf16 with fp32 master weights; needs learner.zero_stage >= 1), "
@@ -146,7 +148,38 @@ class Config(Section):
         self._check_partial_rollouts()
         self._check_transport()
         self._check_env()
+        self._check_distill()
         return self
+
+    def _check_distill(self) -> None:
+        """On-policy distillation (``distill``): a loss that trains on per-token advantages, no dynamic sampling on
+        a reward that is only logged, a teacher context that holds every sample, and the student's tokenizer
+        (``cluster.models.tokenizer_match``; compared here where both can be read without downloading, else at
+        the run's start)."""
+        d, algorithm = self.distill, self.learner.algorithm
+        if not d.enabled:
+            return
+        if algorithm in ("gspo", "ppo"):
+            why = ("trains on one advantage per sequence; use learner.algorithm=gspo_token (GSPO-token, the GSPO "
+                   "paper's section 4.3: token-wise advantages with the sequence ratio)" if algorithm == "gspo" else
+                   "trains on its critic's GAE advantages; use gspo_token or grpo")
+            raise ValueError(f"distill.model_path={d.model_path!r} (on-policy distillation: per-token advantages) is "
+                             f"refused with learner.algorithm={algorithm!r}, which {why}")
+        if d.reward_weight == 0 and self.trainer.dynamic_sampling:
+            raise ValueError("trainer.dynamic_sampling=true is refused with distill.reward_weight=0: the reward is "
+                             "only logged, so groups of equal rewards still carry the teacher's signal")
+        need = self.rollout.max_model_len + 1
+        if d.max_model_len is None:
+            d.max_model_len = need
+        elif d.max_model_len < need:
+            raise ValueError(f"distill.max_model_len={d.max_model_len} must be at least rollout.max_model_len + 1 = "
+                             f"{need}: the teacher scores whole samples (prompt + response) and generates one token "
+                             "after them")
+        from cluster.models.tokenizer_match import check_same_tokenizer, identity_of
+
+        student, teacher = identity_of(self.model.path), identity_of(d.model_path)
+        if student is not None and teacher is not None:
+            check_same_tokenizer(student, teacher, self.model.path, d.model_path)
 
     def _check_env(self) -> None:
         """Multi-turn episodes (``env``): a known tool-call format, and what the agent loop does not carry
@@ -326,7 +359,8 @@ def _format_errors(err: ValidationError) -> str:
 def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     """Make the run's relative paths absolute against ``cwd`` (default: the working directory), in place:
     ``trainer.output_dir`` and ``model.path`` unless it is ``builtin:...`` or a hub id
-    (``cluster.models.hub_model``). (The data files resolve in ``cluster.data.prompts``.) Returns ``cfg``."""
+    (``cluster.models.hub_model``), and so the judge's and the teacher's model paths. (The data files resolve in
+    ``cluster.data.prompts``.) Returns ``cfg``."""
     cwd = (cwd or Path.cwd()).resolve()
     if not Path(cfg.trainer.output_dir).is_absolute():
         cfg.trainer.output_dir = str(cwd / cfg.trainer.output_dir)
@@ -336,6 +370,10 @@ def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     judge = cfg.reward.judge.model_path  # the LLM judge's model: the same forms
     if judge and not judge.startswith("builtin:") and not is_hub_id(judge, cwd) and not Path(judge).is_absolute():
         cfg.reward.judge.model_path = str(cwd / judge)
+    teacher = cfg.distill.model_path  # on-policy distillation's teacher: the same forms
+    if teacher and not teacher.startswith("builtin:") and not is_hub_id(teacher, cwd) and \
+            not Path(teacher).is_absolute():
+        cfg.distill.model_path = str(cwd / teacher)
     return cfg
 
 

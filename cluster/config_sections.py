@@ -1,15 +1,17 @@
 """The run-level sections of the run config: the model, the data, weight sync, the step loop, the health guard,
-the cluster and wandb. ``cluster/config.py`` composes them with the services' sections into ``Config``.
+the cluster, wandb and on-policy distillation's teacher. ``cluster/config.py`` composes them with the services'
+sections into ``Config``.
 """
 
 from __future__ import annotations
 
 import string
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.health import GUARD_CHECKS
+from reward.config import ServedModelConfig
 
 
 class Section(BaseModel):
@@ -364,3 +366,34 @@ class TrainerConfig(Section):
     ray_address: str | None = Field(None, description="None: local Ray on 127.0.0.1; 'auto' inside a job")
     bind_host: str = Field("127.0.0.1", description="address that Ray and the learner's rendezvous bind to")
     plots: bool = Field(True, description="write curves.png into the run folder at the end")
+
+
+class DistillConfig(ServedModelConfig):
+    """On-policy distillation (section ``distill``; cluster/driver/distill.py, learner/distill.py, docs/usage.md):
+    a teacher model, served like the LLM judge (its own vLLM engines, the keys of ``ServedModelConfig``), gives
+    the log-prob of every response token the student sampled; the per-token reverse KL
+    ``k_i,t = log pi_old(y_t) - log pi_teacher(y_t)`` is the training signal, alone (``reward_weight: 0``; the
+    reward is only logged) or beside the group-relative reward advantage: ``A_i,t = reward_weight * A_i -
+    kl_coef * k_i,t``. On when ``model_path`` (the teacher) is set; its tokenizer must be the student's. Needs a
+    loss that takes per-token advantages (``gspo_token``, ``grpo``, ...; not ``gspo``, not ``ppo``). A teacher
+    call that fails or times out makes its samples invalid (NaN reward, advantage 0), counted in
+    ``distill/failed``."""
+
+    SECTION: ClassVar[str] = "distill"
+
+    model_path: str | None = Field(
+        None, description="the teacher, any model.path form (builtin:..., a local folder such as a run's "
+        "checkpoints/step_N/learner/hf, a hub id); None = no distillation",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="teacher prompt + response token limit; None = rollout.max_model_len + 1 (a "
+        "prompt-log-prob pass over a whole sample generates one token after it); at least that",
+    )
+    kl_coef: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="weight of the per-token reverse KL in the advantage: "
+        "A_i,t = reward_weight x A_i - kl_coef x (log pi_old(y_t) - log pi_teacher(y_t))",
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="weight of the group-relative reward advantage A_i beside the "
+        "reverse KL; 0 = distillation alone (the reward is only logged)",
+    )

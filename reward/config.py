@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -77,7 +77,53 @@ class JudgeCombine(Section):
     weight: float = Field(1.0, allow_inf_nan=False, description="weight of the judge's score in the sum")
 
 
-class JudgeConfig(Section):
+class ServedModelConfig(Section):
+    """A fixed model served by vLLM engines of its own, one Ray actor each, whose weights never change: the base of
+    the LLM judge's section (``reward.judge``) and the distillation teacher's (``distill``;
+    cluster/runtime/model_fleet.py starts and replaces the engines of both). On when ``model_path`` is set. An
+    engine that fails or does not answer one batched call within ``timeout_s`` makes that call's samples invalid
+    (NaN reward, counted and logged) and is replaced."""
+
+    SECTION: ClassVar[str] = ""  # the section's dotted name, for messages
+
+    model_path: str | None = Field(
+        None, description="the model, any model.path form (builtin:..., a local folder, a hub id); None = off",
+    )
+    build_seed: int = Field(0, description="seed of a builtin model's weights (as model.build_seed)")
+    num_engines: int = Field(1, ge=1, description="vLLM engines of this model, one Ray actor each")
+    num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per engine")
+    node_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources (name: amount) each engine's placement bundle asks "
+        "for (as rollout.node_resources). {} = any node",
+    )
+    threads_per_engine: int = Field(1, ge=1, description="torch/OpenMP threads of one engine on CPU")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype")
+    max_model_len: int = Field(
+        512, ge=16, description="prompt + answer token limit of an engine (at most the model's context); a longer "
+        "prompt is NaN",
+    )
+    kv_cache_gb: float = Field(0.25, gt=0, description="KV cache per engine, GiB (CPU)")
+    timeout_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="wall-clock limit of one engine's batched call, seconds; "
+        "past it the batch's samples are NaN and the engine is replaced",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """True when a model is configured."""
+        return self.model_path is not None
+
+    @model_validator(mode="after")
+    def _check_node_resources(self) -> "ServedModelConfig":
+        for name, amount in self.node_resources.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:") \
+                    or not amount > 0:
+                raise ValueError(f"{self.SECTION}.node_resources: {name}={amount!r}: custom resource names only (not "
+                                 "CPU, GPU, memory or node:...) with amounts > 0")
+        return self
+
+
+class JudgeConfig(ServedModelConfig):
     """An LLM judge as a reward term (section ``reward.judge``; reward/llm_judge.py, cluster/runtime/judge.py).
 
     On when ``model_path`` is set. The judge model runs in vLLM engines of its own (``num_engines`` Ray actors,
@@ -87,27 +133,16 @@ class JudgeConfig(Section):
     ``score: token_probs`` takes ``P(positive) / (P(positive) + P(negative))`` over the named tokens among the
     first generated position's ``top_logprobs`` top log-probs. A judge that fails, times out or answers
     unparseably gives the sample a NaN reward (invalid: advantage 0, out of its group's statistics), counted in
-    the step's ``reward/judge_*`` metrics and logged.
+    the step's ``reward/judge_*`` metrics and logged. The engine keys are those of every served model
+    (``ServedModelConfig``).
     """
+
+    SECTION: ClassVar[str] = "reward.judge"
 
     model_path: str | None = Field(
         None, description="the judge model, any model.path form (builtin:..., a local folder, a hub id); None = no "
         "judge",
     )
-    build_seed: int = Field(0, description="seed of a builtin judge model's weights (as model.build_seed)")
-    num_engines: int = Field(1, ge=1, description="judge vLLM engines, one Ray actor each")
-    num_cpus_per_engine: float = Field(1.0, gt=0, description="Ray CPUs reserved per judge engine")
-    node_resources: dict[str, float] = Field(
-        default_factory=dict, description="Ray custom resources (name: amount) each judge engine's placement "
-        "bundle asks for (as rollout.node_resources). {} = any node",
-    )
-    threads_per_engine: int = Field(1, ge=1, description="torch/OpenMP threads of one judge engine on CPU")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="judge engine dtype")
-    max_model_len: int = Field(
-        512, ge=16, description="judge prompt + answer token limit (at most the judge model's context); a longer "
-        "prompt is NaN",
-    )
-    kv_cache_gb: float = Field(0.25, gt=0, description="KV cache per judge engine, GiB (CPU)")
     template: str = Field(
         "Question: {prompt}\nReference answer: {answer}\nStudent answer: {response}\n"
         "Is the student's final answer correct? Answer Yes or No.",
@@ -139,16 +174,7 @@ class JudgeConfig(Section):
     top_logprobs: int = Field(20, ge=1, le=20, description="score=token_probs: top log-probs read at position 1")
     max_tokens: int = Field(16, ge=1, description="answer token limit (score=token_probs generates 1 token)")
     seed: int = Field(0, description="judge engines' sampler seed (greedy: the answer does not depend on it)")
-    timeout_s: float = Field(
-        300.0, gt=0, allow_inf_nan=False, description="wall-clock limit of one engine's batched call, seconds; "
-        "past it the batch's samples are NaN and the engine is replaced",
-    )
     combine: JudgeCombine = Field(default_factory=JudgeCombine)
-
-    @property
-    def enabled(self) -> bool:
-        """True when a judge model is configured."""
-        return self.model_path is not None
 
     @model_validator(mode="after")
     def _check(self) -> "JudgeConfig":
@@ -164,11 +190,6 @@ class JudgeConfig(Section):
         if self.score == "token_probs" and not (self.positive_tokens and self.negative_tokens):
             raise ValueError(f"reward.judge.score='token_probs' needs positive_tokens and negative_tokens (got "
                              f"{self.positive_tokens} and {self.negative_tokens})")
-        for name, amount in self.node_resources.items():
-            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:") \
-                    or not amount > 0:
-                raise ValueError(f"reward.judge.node_resources: {name}={amount!r}: custom resource names only (not "
-                                 "CPU, GPU, memory or node:...) with amounts > 0")
         both = set(self.positive_tokens) & set(self.negative_tokens)
         if both:
             raise ValueError(f"reward.judge: {sorted(both)} are both positive and negative tokens")

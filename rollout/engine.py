@@ -389,33 +389,47 @@ class RolloutEngine:
         return self._sample(prompts, [params] * len(prompts), 1)  # with routing capture: carries routes too
 
     def sequence_logprobs(self, token_ids: list[int], start: int) -> list[float]:
-        """Log-probs (temperature 1, nats) of ``token_ids[start:]``, each given all tokens before it.
+        """Log-probs (temperature 1, nats) of ``token_ids[start:]``, ``len(token_ids) - start`` floats: the
+        ``sequences_logprobs`` of one sequence (the same errors)."""
+        return self.sequences_logprobs([(token_ids, start)])[0]
 
-        Uses vLLM's prompt log-probs of the whole sequence (a prefill; prompt-logprob requests do not read the
-        prefix cache).
+    def sequences_logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
+        """Log-probs (temperature 1: ``log softmax(logits)``, nats) of ``ids[start:]`` for each ``(ids, start)`` of
+        ``requests``, each token given all tokens before it, in one ``generate`` call (vLLM batches the prefills).
+
+        Uses vLLM's prompt log-probs of each whole sequence (``prompt_logprobs=0``: the log-prob of the token that is
+        there; one token is generated after it and dropped; prompt-logprob requests do not read the prefix cache).
+        On-policy distillation's teacher scores the student's samples with it (``cluster/runtime/teacher.py``).
+
+        Args:
+            requests: per sequence, its token ids (prompt + response, fewer than ``max_model_len``) and the first
+                position scored, in ``[1, len(ids))``.
 
         Returns:
-            ``len(token_ids) - start`` floats.
+            per sequence, ``len(ids) - start`` floats.
 
         Raises:
-            ValueError: ``start`` outside ``[1, len(token_ids))`` or a sequence of at least ``max_model_len`` tokens.
+            ValueError: a ``start`` outside ``[1, len(ids))`` or a sequence of at least ``max_model_len`` tokens
+                (names its index).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        ids = [int(t) for t in token_ids]
-        if not 1 <= start < len(ids):
-            raise ValueError(f"start={start} must be in [1, len(token_ids)={len(ids)})")
-        if len(ids) >= self.cfg.max_model_len:
-            raise ValueError(f"len(token_ids)={len(ids)} must be below rollout.max_model_len={self.cfg.max_model_len}")
-        params = SamplingParams(
-            temperature=1.0, top_p=1.0, top_k=-1, max_tokens=1, prompt_logprobs=0, detokenize=False
-        )
-        (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        seqs = [([int(t) for t in ids], int(start)) for ids, start in requests]
+        for i, (ids, start) in enumerate(seqs):
+            if not 1 <= start < len(ids):
+                raise ValueError(f"sequence {i}: start={start} must be in [1, len(token_ids)={len(ids)})")
+            if len(ids) >= self.cfg.max_model_len:
+                raise ValueError(f"sequence {i}: len(token_ids)={len(ids)} must be below max_model_len="
+                                 f"{self.cfg.max_model_len}")
+        if not seqs:
+            return []
+        params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in seqs], params, use_tqdm=False)
         if self._routing_layers:
             self._take_routing()  # its KV may serve later requests from the prefix cache: a donor
-        steps = out.prompt_logprobs
-        return [float(steps[t][ids[t]].logprob) for t in range(start, len(ids))]
+        return [[float(out.prompt_logprobs[t][ids[t]].logprob) for t in range(start, len(ids))]
+                for (ids, start), out in zip(seqs, outs)]
 
     # ------------------------------------------------------------------ weight sync
 

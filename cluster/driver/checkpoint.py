@@ -113,6 +113,8 @@ RESUME_FREE = (
     "trainer.bind_host", "trainer.plots",
     "model.num_params_b", "model.shape", "warm_start.", "sync.", "health.", "cluster.", "wandb.",
     "precision",  # the switch itself: the keys it sets (rollout.dtype, learner.dtype, ...) are compared
+    "distill.num_engines", "distill.num_cpus_per_engine", "distill.node_resources", "distill.threads_per_engine",
+    "distill.kv_cache_gb", "distill.timeout_s",  # the teacher's engines (its model and signal: RL only, below)
 )
 # Keys that act only from the first RL step on (the objective, the rollout batch and its sampling, the reward):
 # free to change on a checkpoint written before any RL step (a warm start: cluster/compare.py resumes every
@@ -125,7 +127,7 @@ RESUME_RL_ONLY = (
     "learner.rollout_correction_low", "learner.rollout_correction_high", "rollout.return_routed_experts",
     "trainer.prompts_per_step", "trainer.group_size", "trainer.dynamic_sampling", "trainer.max_sampling_rounds",
     "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_response_tokens", "rollout.max_model_len",
-    "rollout.dtype", "rollout.seed", "reward.",
+    "rollout.dtype", "rollout.seed", "reward.", "distill.",
 )
 # Every other key is refused when it differs: the model, the learner's partitioning, dtype, batch split and
 # optimizer (the restored state was built with them), trainer.seed (the restored stream position indexes the

@@ -52,6 +52,9 @@ class Collected:
     start_position: int = 0
     end_position: int = 0
     sampled: dict[str, list[int]] = field(default_factory=dict)  # episodes: the engines' ids by episode id
+    # on-policy distillation (distill): per completion the teacher's log-prob of each response token, None where
+    # the teacher failed (that sample's reward is then NaN); None = not asked yet (cluster/driver/distill.py)
+    teacher_logprobs: list[list[float] | None] | None = None
 
 
 def score(rewards, rows_by_uid: dict[str, PromptRow], completions: list[Completion]) -> list[RewardResult]:

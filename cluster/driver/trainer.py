@@ -31,6 +31,7 @@ from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
 from cluster.driver import (agent_loop, audit_dump, checkpoint, length_slices, partial_episodes, partial_rollout,
                             step_metrics)
+from cluster.driver.distill import Distiller
 from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.evaluation import evaluate
@@ -42,7 +43,7 @@ from cluster.driver.tracking import MetricsLogger, plot_curves
 from cluster.driver.trained_prompts import TrainedPromptLog
 from cluster.driver.warm_start import RLLearningRate, warm_start
 from cluster.models.resolve import ensure_model
-from cluster.runtime import devices, judge, node_files, placement, services, user_code
+from cluster.runtime import devices, judge, node_files, placement, services, teacher, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
 from learner.contracts import RolloutTrainResult
@@ -85,6 +86,7 @@ class Trainer:
 
     prompt_log: TrainedPromptLog | None = None  # trained_prompts.jsonl, the uids each step trained (start)
     episodes: agent_loop.EpisodeRunner | None = None  # env set: multi-turn episodes (start)
+    distiller: Distiller | None = None  # distill set: the teacher's log-probs and per-token advantages (start)
 
     def __init__(self, cfg: Config, verbose: bool = True):
         self.cfg = cfg
@@ -115,6 +117,7 @@ class Trainer:
         self.reward_groups: services.RewardGroups | None = None
         self.rewards: RewardPool | None = None
         self.collector: Collector | None = None
+        self.distiller: Distiller | None = None  # distill set: the teacher's log-probs and per-token advantages
         self.episodes: agent_loop.EpisodeRunner | None = None  # env set: multi-turn episodes
         self.env_groups: services.RewardGroups | None = None  # the env workers' placement groups
         self.rl_lr: RLLearningRate | None = None
@@ -187,6 +190,9 @@ class Trainer:
             self.learners.wait_ready()
         self.rl_lr = RLLearningRate(self.learners, cfg)
         self.weight_sync = WeightSync(self.learners, cfg.sync)
+        if cfg.distill.enabled:  # distillation's teacher, loading beside the rest (cluster/runtime/teacher.py)
+            fleet = teacher.start_teacher(cfg, self.tokenizer, self.run_dir, wait=False)
+            self.distiller = Distiller(cfg.distill, fleet)
         self.fleet = services.EngineFleet(cfg, self.model_path, self.run_dir / "cache", self.weight_sync)
         self.fleet.start(cfg.rollout.num_engines)
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources,
@@ -200,6 +206,8 @@ class Trainer:
             self.episodes = agent_loop.EpisodeRunner(cfg, self.fleet, agent_loop.EnvPool(cfg, self.env_groups),
                                                      self.tokenizer)
         self.learners.wait_ready()
+        if self.distiller is not None:
+            self.distiller.teacher.wait_ready()
         self.placement = placement.PlacementRecord(self.run_dir)  # placement.json, rewritten at every sync
         self.placement.update(self.learners, self.fleet, self.reward_groups, self.env_groups)
         log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
@@ -237,6 +245,8 @@ class Trainer:
         # per sequence, or per turn for gspo_token episodes with per-turn rewards (batching.rollout_advantages)
         adv = rollout_advantages(c.completions, rewards, tc.group_size, algorithm=cfg.learner.algorithm,
                                  normalize_std=cfg.learner.advantage_std())
+        if self.distiller is not None:  # per token: reward_weight x A_i - kl_coef x k (cluster/driver/distill.py)
+            adv = self.distiller.advantages(c, adv)
         batch = build_train_batch(c.completions, adv.returns, adv.advantages, self.pad_id)
         if self.episodes is not None:  # the ids trained on are the ids sampled (must be 0)
             c.reward_metrics["agent/token_mismatch"] = float(agent_loop.token_mismatch(
@@ -281,6 +291,14 @@ class Trainer:
                 log.info("rollback: %d in-flight samples of partial rollouts sampled again", buffer.restart_all())
         return 0.0
 
+    def _collect(self, step: int) -> Collected:
+        """The rollout of RL step ``step + 1`` (``Collector.collect``), with the teacher's log-probs when
+        distilling (``Distiller.annotate``)."""
+        c = self.collector.collect(step)
+        if self.distiller is not None:
+            self.distiller.annotate(c)
+        return c
+
     def rl_step(self) -> dict[str, Any]:
         """One RL step: scale if asked (``control.yaml``), collect and score (or take the rollout collected
         during the previous step), train (meanwhile collecting the next step's rollout when
@@ -289,12 +307,14 @@ class Trainer:
         t_step = time.perf_counter()
         apply_control(self.run_dir, self.fleet, self.rewards, self.episodes.pool if self.episodes else None)
         restarts = self.fleet.restarts
-        c, self.pending = self.pending or self.collector.collect(self.step), None
+        c, self.pending = self.pending or self._collect(self.step), None
+        if self.distiller is not None and c.teacher_logprobs is None:  # collected before a teacher was asked
+            self.distiller.annotate(c)
         rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
         ahead, stop, tc = None, None, self.cfg.trainer
         beside = self.step + 1 < tc.total_steps and not monitor_step(self.cfg, self.step + 2)
         if tc.max_staleness and not tc.partial_rollouts and beside:
-            ahead = self._pool.submit(self.collector.collect, self.step + 1)  # engines sample with the current weights
+            ahead = self._pool.submit(self._collect, self.step + 1)  # engines sample with the current weights
         elif tc.partial_rollout_overlap and beside:
             stop = threading.Event()  # set when the learner is done: the round under way completes, then the sync
             ahead = self._pool.submit(self.collector.rounds_beside, stop)
@@ -403,6 +423,8 @@ class Trainer:
         if self.rewards is not None:
             self.rewards.shutdown()
             self.reward_groups.remove_all()
+        if self.distiller is not None:
+            self.distiller.teacher.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.episodes is not None:
             self.episodes.pool.shutdown()

@@ -1,11 +1,12 @@
 """The LLM judge's engines as Ray actors, and the reward pool with the judge beside the verifiers
 (``reward.judge``; the prompts, parsing and combination are ``reward/llm_judge.py``).
 
-``JudgeFleet`` starts ``reward.judge.num_engines`` ``rollout.judge_engine.JudgeEngine`` actors, one placement
-group each (``reward.judge.num_cpus_per_engine`` CPUs plus ``reward.judge.node_resources``), and answers a list of
-samples with one batched ``judge`` call per engine (contiguous shares), each bounded by ``reward.judge.timeout_s``.
-An engine that times out or dies gives its share NaN judgements (status ``timeout`` / ``error``) and is replaced;
-one that raises gives them status ``error``. Nothing here raises for a bad sample or a failing judge.
+``JudgeFleet`` is a ``cluster.runtime.model_fleet.ModelFleet`` of ``reward.judge.num_engines``
+``rollout.judge_engine.JudgeEngine`` actors, one placement group each (``reward.judge.num_cpus_per_engine`` CPUs
+plus ``reward.judge.node_resources``), and answers a list of samples with one batched ``judge`` call per engine
+(contiguous shares), each bounded by ``reward.judge.timeout_s``. An engine that times out or dies gives its share
+NaN judgements (status ``timeout`` / ``error``) and is replaced; one that raises gives them status ``error``.
+Nothing here raises for a bad sample or a failing judge.
 
 ``JudgedRewards`` wraps ``reward.pool.RewardPool`` with the pool's surface (``score``, ``metrics``, ``resize``,
 ``num_workers``): with ``combine.mode=weighted`` the judge's calls go out before the verifiers run and are
@@ -21,28 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from cluster.runtime.services import actor_env, wait_ready
+from cluster.runtime.model_fleet import CallFailure, ModelFleet, PendingCalls
 from reward.config import JudgeConfig
 from reward.contracts import RewardRequest, RewardResult
 from reward.llm_judge import Judgement, combine, judgement, prompt_ids, render, single_token_ids
-from rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
 
-def engine_config(jc: JudgeConfig) -> RolloutConfig:
-    """The ``rollout`` settings a judge engine runs with (``reward.judge``'s engine keys; greedy answers)."""
-    return RolloutConfig(num_engines=jc.num_engines, num_cpus_per_engine=jc.num_cpus_per_engine,
-                         threads_per_engine=jc.threads_per_engine, dtype=jc.dtype, max_model_len=jc.max_model_len,
-                         kv_cache_gb=jc.kv_cache_gb, seed=jc.seed, max_response_tokens=jc.max_tokens,
-                         enforce_eager=True, in_process=True)
-
-
-class JudgeFleet:
+class JudgeFleet(ModelFleet):
     """The judge's engines (see the module docstring).
 
     Args:
@@ -58,60 +46,22 @@ class JudgeFleet:
     def __init__(self, jc: JudgeConfig, model_path: str, cache_dir: Path, placement_timeout_s: float = 120.0):
         from transformers import AutoTokenizer
 
-        self.jc = jc
-        self.model_path = str(model_path)
-        self.cache_dir = Path(cache_dir)
-        self.placement_timeout_s = placement_timeout_s
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        from rollout.judge_engine import JudgeEngine
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         token_probs = jc.score == "token_probs"
         self.positive = single_token_ids(self.tokenizer, jc.positive_tokens, "reward.judge.positive_tokens") \
             if token_probs else []
         self.negative = single_token_ids(self.tokenizer, jc.negative_tokens, "reward.judge.negative_tokens") \
             if token_probs else []
         self.max_tokens = 1 if token_probs else jc.max_tokens
-        self.engines: list[Any] = []
-        self.groups: list[Any] = []
-        self._next_index = 0
-        self.replaced = 0  # engines replaced after a timeout or death
-        try:
-            for _ in range(jc.num_engines):
-                self._add()
-            ray.get([e.pid.remote() for e in self.engines])  # a judge that cannot start stops the run here
-        except BaseException:
-            self.shutdown()
-            raise
+        super().__init__(jc, model_path, cache_dir, placement_timeout_s, engine_cls=JudgeEngine, role="judge",
+                         max_tokens=jc.max_tokens, seed=jc.seed)
 
-    def _start_one(self) -> tuple[Any, Any]:
-        from rollout.judge_engine import JudgeEngine
-
-        jc = self.jc
-        bundle = {"CPU": jc.num_cpus_per_engine, **jc.node_resources}
-        pg = placement_group([bundle], strategy="STRICT_PACK")
-        wait_ready(pg, "judge engine", [bundle], self.placement_timeout_s)
-        index, self._next_index = self._next_index, self._next_index + 1
-        env = actor_env(jc.threads_per_engine, "cpu")
-        env.update({"VLLM_LOGGING_LEVEL": "WARNING", "TORCH_COMPILE_DISABLE": "1"})
-        actor = ray.remote(JudgeEngine).options(
-            num_cpus=jc.num_cpus_per_engine,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            runtime_env={"env_vars": env},
-        ).remote(self.model_path, engine_config(jc), engine_index=index,
-                 cache_dir=str(self.cache_dir / f"judge{index}"))
-        return actor, pg
-
-    def _add(self) -> None:
-        actor, pg = self._start_one()
-        self.engines.append(actor)
-        self.groups.append(pg)
-
-    def _replace(self, slot: int) -> None:
-        try:
-            ray.kill(self.engines[slot])
-            remove_placement_group(self.groups[slot])
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        self.engines[slot], self.groups[slot] = self._start_one()
-        self.replaced += 1
+    @property
+    def jc(self) -> JudgeConfig:
+        """The ``reward.judge`` section (the fleet's ``settings``)."""
+        return self.settings  # type: ignore[return-value]
 
     def prompts(self, requests: list[RewardRequest]) -> list[list[int] | Judgement]:
         """Each request's judge prompt ids, or an ``error`` ``Judgement`` where it cannot be built (a missing
@@ -134,78 +84,33 @@ class JudgeFleet:
         ``PendingJudgements.wait``."""
         built = self.prompts(requests)
         todo = [i for i, p in enumerate(built) if not isinstance(p, Judgement)]
-        n = len(self.engines)
-        calls: dict[Any, tuple[int, list[int]]] = {}
-        for slot in range(n):
-            share = todo[len(todo) * slot // n: len(todo) * (slot + 1) // n]
-            if share:
-                ref = self.engines[slot].judge.remote([built[i] for i in share], self.max_tokens,
-                                                      self.jc.top_logprobs if self.positive else 0, self.jc.seed)
-                calls[ref] = (slot, share)
-        return PendingJudgements(self, built, calls, time.monotonic())
+        calls = self.dispatch("judge", [built[i] for i in todo], self.max_tokens,
+                              self.jc.top_logprobs if self.positive else 0, self.jc.seed)
+        return PendingJudgements(self, built, todo, calls)
 
     def judge(self, requests: list[RewardRequest]) -> list[Judgement]:
         """One ``Judgement`` per request, in order (``submit`` then ``wait``)."""
         return self.submit(requests).wait()
-
-    def shutdown(self) -> None:
-        """Stop every judge engine and remove its placement group. Idempotent."""
-        for actor, pg in zip(self.engines, self.groups):
-            try:
-                ray.get(actor.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - dead or hung: killed below
-                pass
-            ray.kill(actor)
-            remove_placement_group(pg)
-        self.engines, self.groups = [], []
 
 
 class PendingJudgements:
     """Judge calls under way (``JudgeFleet.submit``): ``wait`` gathers them within ``reward.judge.timeout_s`` of
     their start."""
 
-    def __init__(self, fleet: JudgeFleet, built: list[list[int] | Judgement], calls: dict[Any, tuple[int, list[int]]],
-                 started: float):
-        self.fleet, self.built, self.calls, self.started = fleet, built, calls, started
+    def __init__(self, fleet: JudgeFleet, built: list[list[int] | Judgement], todo: list[int], calls: PendingCalls):
+        self.fleet, self.built, self.todo, self.calls = fleet, built, todo, calls
 
     def wait(self) -> list[Judgement]:
         """One ``Judgement`` per request: parsed answers; NaN with status ``timeout`` for the shares of engines
         past the deadline and ``error`` for engines that raised or died (those that timed out or died are
-        replaced)."""
+        replaced: ``cluster.runtime.model_fleet.PendingCalls.wait``)."""
         fleet, out = self.fleet, list(self.built)
-        deadline = self.started + fleet.jc.timeout_s
-        pending, broken = dict(self.calls), set()
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            slot, share = pending.pop(ready[0])
-            try:
-                answers = ray.get(ready[0])
-                for i, (text, top) in zip(share, answers, strict=True):
-                    out[i] = judgement(text, top, fleet.jc, fleet.positive, fleet.negative)
-            except Exception as err:  # noqa: BLE001 - a failed judge is a NaN reward, never a crash
-                if isinstance(err, ray.exceptions.RayActorError):
-                    broken.add(slot)
-                for i in share:
-                    out[i] = Judgement(math.nan, "error", detail={"error": type(err).__name__,
-                                                                  "message": str(err)[:300]})
-        for ref, (slot, share) in pending.items():  # past the deadline
-            try:
-                ray.cancel(ref)  # the engine is replaced below in any case
-            except Exception:  # noqa: BLE001
-                pass
-            broken.add(slot)
-            for i in share:
-                why = f"no answer within reward.judge.timeout_s={fleet.jc.timeout_s}"
-                out[i] = Judgement(math.nan, "timeout", detail={"error": "JudgeTimeout", "message": why})
-        for slot in sorted(broken):
-            log.warning("judge engine %d timed out or died; replacing it", slot)
-            try:
-                fleet._replace(slot)
-            except Exception as err:  # noqa: BLE001 - no room now: the next call fails on the old one and retries
-                log.error("judge engine %d could not be replaced (%s); its next share is NaN and it is tried again",
-                          slot, err)
+        for i, answer in zip(self.todo, self.calls.wait()):
+            if isinstance(answer, CallFailure):
+                out[i] = Judgement(math.nan, answer.status, detail={"error": answer.error, "message": answer.message})
+            else:
+                text, top = answer
+                out[i] = judgement(text, top, fleet.jc, fleet.positive, fleet.negative)
         return out  # type: ignore[return-value]
 
 

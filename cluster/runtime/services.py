@@ -27,6 +27,7 @@ from cluster.config import Config
 from cluster.runtime.weight_sync import WeightSync
 from learner.contracts import PendingLoad, SyncReport
 from learner.weight_sync import error_text, wait_calls
+from rollout.config import RolloutConfig
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def resource_demand(cfg: Config) -> float:
         + cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
         + cfg.reward.num_workers * cfg.reward.num_cpus_per_worker
         + (cfg.reward.judge.num_engines * cfg.reward.judge.num_cpus_per_engine if cfg.reward.judge.enabled else 0.0)
+        + (cfg.distill.num_engines * cfg.distill.num_cpus_per_engine if cfg.distill.enabled else 0.0)
     )
 
 
@@ -161,6 +163,49 @@ def wait_ready(pg, what: str, bundles: list[dict[str, float]], timeout_s: float 
         )
 
 
+def engine_env(rc: RolloutConfig) -> dict[str, str]:
+    """Environment of a vLLM engine actor with the settings ``rc``: ``actor_env`` for its device and threads,
+    vLLM's log level WARNING unless the driver's environment sets one (not INFO per sync), and on the CPU in eager
+    mode ``TORCH_COMPILE_DISABLE=1``: vLLM's sampler still torch.compiles a small log-prob rank kernel, on the CPU
+    a g++ build at every engine start (tens of seconds, again for every replacement engine)."""
+    on_gpu = rc.num_gpus_per_engine > 0
+    env = actor_env(rc.threads_per_engine, "cuda" if on_gpu else "cpu")
+    env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    if rc.enforce_eager and not on_gpu:
+        env["TORCH_COMPILE_DISABLE"] = "1"
+    return env
+
+
+def start_engine(engine_cls: type, model_path: str, rc: RolloutConfig, *, index: int, cache_dir: Path, what: str,
+                 placement_timeout_s: float) -> tuple[Any, Any]:
+    """One vLLM engine actor (``engine_cls``: ``rollout.engine.RolloutEngine`` or a subclass) in a placement group
+    of its own: the rollout fleet's engines and the fixed models' (the LLM judge's, the distillation teacher's;
+    ``cluster.runtime.model_fleet``) all start here.
+
+    The bundle holds ``rc.num_cpus_per_engine`` CPUs, ``rc.node_resources`` and, on GPUs,
+    ``num_gpus_per_engine x tensor_parallel_size`` GPUs; the actor gets ``engine_env(rc)`` and
+    ``engine_cls(model_path, rc, engine_index=index, cache_dir=cache_dir)``.
+
+    Returns:
+        ``(actor, placement group)``; the actor may still be loading (call one of its methods to wait).
+
+    Raises:
+        PlacementTimeout: no node had room within ``placement_timeout_s`` (names ``what`` and the bundle).
+    """
+    bundle = {"CPU": rc.num_cpus_per_engine, **rc.node_resources}
+    if rc.num_gpus_per_engine:
+        bundle["GPU"] = rc.num_gpus_per_engine * rc.tensor_parallel_size
+    pg = placement_group([bundle], strategy="STRICT_PACK")
+    wait_ready(pg, what, [bundle], placement_timeout_s)
+    actor = ray.remote(engine_cls).options(
+        num_cpus=rc.num_cpus_per_engine,
+        num_gpus=bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        runtime_env={"env_vars": engine_env(rc)},
+    ).remote(model_path, rc, engine_index=index, cache_dir=str(cache_dir))
+    return actor, pg
+
+
 class EngineFleet:
     """The rollout engines: one actor and one placement group each. Spreads prompts over the engines,
     syncs weights to all of them at once, and can grow or shrink between steps."""
@@ -183,35 +228,14 @@ class EngineFleet:
     def _start_one(self) -> tuple[Any, Any]:
         from rollout.engine import RolloutEngine
 
-        rc = self.cfg.rollout
-        bundle = {"CPU": rc.num_cpus_per_engine, **rc.node_resources}
-        if rc.num_gpus_per_engine:
-            bundle["GPU"] = rc.num_gpus_per_engine * rc.tensor_parallel_size
-        pg = placement_group([bundle], strategy="STRICT_PACK")
-        wait_ready(pg, "rollout engine", [bundle], self.cfg.cluster.placement_timeout_s)
         index = self._next_index
         self._next_index += 1
-        actor = (
-            ray.remote(RolloutEngine)
-            .options(
-                num_cpus=rc.num_cpus_per_engine,
-                num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-                runtime_env={"env_vars": self._engine_env()},
-            )
-            .remote(self.model_path, rc, engine_index=index, cache_dir=str(self.cache_dir / f"engine{index}"))
-        )
-        return actor, pg
+        return start_engine(RolloutEngine, self.model_path, self.cfg.rollout, index=index,
+                            cache_dir=self.cache_dir / f"engine{index}", what="rollout engine",
+                            placement_timeout_s=self.cfg.cluster.placement_timeout_s)
 
     def _engine_env(self) -> dict[str, str]:
-        on_gpu = self.cfg.rollout.num_gpus_per_engine > 0
-        env = actor_env(self.cfg.rollout.threads_per_engine, "cuda" if on_gpu else "cpu")
-        env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))  # not INFO per sync
-        if self.cfg.rollout.enforce_eager and not on_gpu:
-            # vLLM's sampler still torch.compiles a small log-prob rank kernel; on the CPU that is a g++ build
-            # at every engine start (tens of seconds, again for every replacement engine). Eager mode needs none.
-            env["TORCH_COMPILE_DISABLE"] = "1"
-        return env
+        return engine_env(self.cfg.rollout)
 
     def _load_current(self, engines: list[Any]) -> None:
         """Give new engines the current weights (they start with the model folder's, version 0), labelled by

@@ -77,8 +77,8 @@ def test_judged_rewards_combine_with_the_exact_verifier_and_count_failures(fleet
 
 def test_gate_asks_the_judge_only_where_the_verifier_passed(fleet):
     pool = RewardPool(RewardConfig(verifier="exact"))
-    jc = fleet.jc
-    fleet.jc = jc.model_copy(update={"combine": jc.combine.model_copy(update={"mode": "gate", "weight": 2.0})})
+    jc = fleet.settings
+    fleet.settings = jc.model_copy(update={"combine": jc.combine.model_copy(update={"mode": "gate", "weight": 2.0})})
     try:
         rewards = JudgedRewards(pool, fleet)
         reqs = judge_requests()
@@ -86,7 +86,7 @@ def test_gate_asks_the_judge_only_where_the_verifier_passed(fleet):
         judged = fleet.judge(reqs[0::2])  # the right answers only
         m = rewards.metrics()
     finally:
-        fleet.jc = jc
+        fleet.settings = jc
         pool.shutdown()
     assert m["reward/judge_asked"] == len(reqs) // 2
     for r, j in zip(results[0::2], judged):

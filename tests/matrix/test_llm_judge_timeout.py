@@ -21,12 +21,12 @@ def fleet(ray_cluster, tiny_moe, tmp_path_factory):
 
 
 def test_a_timed_out_judge_gives_nan_and_is_replaced(fleet):
-    jc = fleet.jc
-    fleet.jc = jc.model_copy(update={"timeout_s": 1e-3})
+    jc = fleet.settings
+    fleet.settings = jc.model_copy(update={"timeout_s": 1e-3})
     try:
         out = fleet.judge(judge_requests())
     finally:
-        fleet.jc = jc
+        fleet.settings = jc
     assert all(math.isnan(j.score) and j.status == "timeout" for j in out)
     assert fleet.replaced == 1
     assert all(j.status in ("ok", "unparsed") for j in fleet.judge(judge_requests()))  # the new engine answers

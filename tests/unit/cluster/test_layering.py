@@ -3,7 +3,7 @@
 - the services (``learner/``, ``rollout/``, ``reward/``) import nothing from ``cluster/``, and one service
   imports another only for type annotations (under ``if TYPE_CHECKING:``);
 - the algorithm core (``learner/objectives.py``, ``policy_metrics.py``, ``kl.py``, ``objective_names.py``,
-  ``advantages.py``, ``logprobs.py``, ``gae.py``) imports no Ray, vLLM, DeepSpeed or config classes
+  ``advantages.py``, ``logprobs.py``, ``gae.py``, ``distill.py``) imports no Ray, vLLM, DeepSpeed or config classes
   (CONTRIBUTING.md);
 - loading the config (``cluster.config``, what ``--dry-run`` and ``cluster.submit`` do) does not import torch
   (checked in a fresh interpreter: the one exception to "nothing imported");
@@ -31,7 +31,7 @@ PACKAGES = (*SERVICES, "cluster")
 
 
 CORE = ("learner/objectives.py", "learner/policy_metrics.py", "learner/kl.py", "learner/objective_names.py",
-        "learner/advantages.py", "learner/logprobs.py", "learner/gae.py")
+        "learner/advantages.py", "learner/logprobs.py", "learner/gae.py", "learner/distill.py")
 
 
 CORE_FORBIDDEN = ("ray", "vllm", "deepspeed", "pydantic", "cluster", "learner.config", "rollout", "reward")
