@@ -9,17 +9,45 @@ is stricter for the learner: it puts every rank on the first node and refuses a 
 node. Engines go to the first node with room, reward workers round-robin over the planned nodes. Nodes are
 assumed alike (``gpus_per_node`` GPUs of ``gpu_memory_gib`` each); Ray may place groups differently, but never
 with less memory per GPU than planned here.
+
+The served models (``served_models``: the LLM judge, ``reward.judge``, and the distillation teacher, ``distill``)
+run vLLM engines of their own on the CPU, each a STRICT_PACK group of one bundle ``{"CPU": num_cpus_per_engine,
+**node_resources}`` (``cluster/runtime/model_fleet.py``). The plan puts them on the first node, as it puts CPU
+rollout engines: the node that also holds the driver and the learner, so its host RAM is the fullest the plan
+can make it (Ray may put a group on any node with free CPUs and the named custom resources).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from cluster.config import Config, ConfigError
 
 
 class PlanError(ConfigError):
     """The run does not fit the GPUs it asks for; the message names the fields and the numbers."""
+
+
+class ServedModel(NamedTuple):
+    """An enabled served model: ``name`` (``"judge"``, ``"teacher"``: its actors are ``"<name> engine <i>"``),
+    ``section`` (the config section's dotted name, for messages) and ``settings`` (a
+    ``reward.config.ServedModelConfig``)."""
+
+    name: str
+    section: str
+    settings: Any
+
+
+def served_models(cfg: Config) -> list[ServedModel]:
+    """The served models the run starts, in this order: the LLM judge (``reward.judge``) and the on-policy
+    distillation teacher (``distill``), each only when its ``model_path`` is set. A config without a ``distill``
+    section (or without ``reward.judge``) simply has none of that model."""
+    out = []
+    for name, section, settings in (("judge", "reward.judge", getattr(getattr(cfg, "reward", None), "judge", None)),
+                                    ("teacher", "distill", getattr(cfg, "distill", None))):
+        if settings is not None and getattr(settings, "model_path", None) is not None:
+            out.append(ServedModel(name, section, settings))
+    return out
 
 
 class _Node:
@@ -76,7 +104,7 @@ def _place_learner(cfg: Config, gpus_per_node: int, node, where: dict[str, list[
 
 def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list[tuple[int, list[int]]]]]:
     """Assign learner ranks, engines and reward workers to nodes and GPU indices (first fit)."""
-    lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
+    rc, wc = cfg.rollout, cfg.reward
     nodes: list[_Node] = []
     where: dict[str, list[tuple[int, list[int]]]] = {"learner": [], "rollout": []}
 
@@ -120,6 +148,11 @@ def _place(cfg: Config, gpus_per_node: int) -> tuple[list[_Node], dict[str, list
         n = nodes[w % len(nodes)]
         n.cpus += wc.num_cpus_per_worker
         n.actors.append(f"reward worker {w}")
+    # Served models' engines (judge, teacher): CPUs only, on the first node (module docstring).
+    for sm in served_models(cfg):
+        where[sm.name] = [(0, []) for _ in range(sm.settings.num_engines)]
+        nodes[0].cpus += sm.settings.num_engines * sm.settings.num_cpus_per_engine
+        nodes[0].actors += [f"{sm.name} engine {e}" for e in range(sm.settings.num_engines)]
     return nodes, where
 
 
@@ -133,7 +166,8 @@ def learner_ranks_per_group(cfg: Config, gpus_per_node: int) -> int:
 
 
 def _placement_groups(cfg: Config, gpus_per_node: int) -> dict[str, Any]:
-    """The placement groups as ``cluster/runtime/services.py`` requests them (bundles and strategy per service)."""
+    """The placement groups as ``cluster/runtime/services.py`` requests them (bundles and strategy per service),
+    the served models' (``served_models``: one STRICT_PACK group per engine) under their names."""
     lc, rc, wc = cfg.learner, cfg.rollout, cfg.reward
     per_group = learner_ranks_per_group(cfg, gpus_per_node)
     return {
@@ -147,6 +181,10 @@ def _placement_groups(cfg: Config, gpus_per_node: int) -> dict[str, Any]:
                                      "vllm_executor": "mp: one worker process per TP rank inside the engine actor"
                                      if rc.tensor_parallel_size > 1 else "uni: the model runs in the engine actor"}},
         "reward": {"bundles_per_worker": {"CPU": wc.num_cpus_per_worker}, "workers": wc.num_workers},
+        **{sm.name: {"bundles_per_engine": {"CPU": sm.settings.num_cpus_per_engine, **sm.settings.node_resources},
+                     "engines": sm.settings.num_engines, "strategy": "STRICT_PACK (one group per engine)",
+                     "model_path": sm.settings.model_path, "section": sm.section}
+           for sm in served_models(cfg)},
     }
 
 
@@ -158,20 +196,49 @@ def cpu_oversubscription(cfg: Config, cores: int) -> str | None:
     cores: the overlapped ``make train`` with a 2-thread engine beside 2 learner ranks was slower than on-policy;
     README, "Speed").
 
+    The served models' engines (``served_models``; ``num_engines x threads_per_engine`` threads each) count
+    where the driver keeps them busy:
+
+    - the LLM judge scores every piece of the rollout as it arrives while the engines generate the pieces still
+      queued (``cluster/driver/collect.py``, ``Collector._generate_and_score``): its threads add to the rollout
+      engines';
+    - the teacher is asked once a step's rollout is complete (``cluster/driver/distill.py``,
+      ``Distiller.annotate``, after ``Collector.collect`` returns, in the same thread): never beside that
+      rollout's engines, so the collecting side is busy with ``max(engines + judge, teacher)`` threads.
+
+    Busy threads are then ``max(collecting, learner)`` on-policy and ``collecting + learner`` overlapped (the
+    collecting thread, teacher included, runs beside the learner). Without served models the count and the
+    message are as before.
+
     Args:
         cfg: a validated config.
         cores: CPU cores the run's actors share (the local machine's, for a run that starts its own Ray).
+
+    Returns:
+        The warning text (names the keys and the thread counts), or None (the threads fit, or GPUs are used).
     """
     lc, rc = cfg.learner, cfg.rollout
     if lc.num_gpus_per_rank or rc.num_gpus_per_engine:
         return None
+    served = {sm.name: (sm, sm.settings.num_engines * sm.settings.threads_per_engine) for sm in served_models(cfg)}
+    judge = served["judge"][1] if "judge" in served else 0
+    teacher = served["teacher"][1] if "teacher" in served else 0
     engines, learner = rc.num_engines * rc.threads_per_engine, lc.world_size * lc.threads_per_rank
+    collecting = max(engines + judge, teacher)
     overlapped = cfg.trainer.max_staleness >= 1
-    busy = engines + learner if overlapped else max(engines, learner)
+    busy = collecting + learner if overlapped else max(collecting, learner)
     if busy <= cores:
         return None
+
+    def threads(sm: ServedModel) -> str:
+        return (f"{sm.section}.num_engines={sm.settings.num_engines} x {sm.section}.threads_per_engine="
+                f"{sm.settings.threads_per_engine}")
+
+    beside = f" + {threads(served['judge'][0])}" if judge else ""
+    if teacher:
+        beside += f" (then {threads(served['teacher'][0])} once the rollout is complete)"
     return (f"{busy} compute threads at once on {cores} CPU cores: rollout.num_engines={rc.num_engines} x "
-            f"rollout.threads_per_engine={rc.threads_per_engine}"
+            f"rollout.threads_per_engine={rc.threads_per_engine}" + beside
             + (f" beside learner.world_size={lc.world_size} x learner.threads_per_rank={lc.threads_per_rank} "
                f"(trainer.max_staleness={cfg.trainer.max_staleness} overlaps them)" if overlapped else
                f" or learner.world_size={lc.world_size} x learner.threads_per_rank={lc.threads_per_rank}")

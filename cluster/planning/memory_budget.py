@@ -53,10 +53,13 @@ Memory per GPU (GiB = 2**30 bytes), with P = ``model.num_params_b`` x 1e9 parame
   on every node that sends or receives them, the driver (``HOST_PROCESS_GIB["driver"]``, on node 0), and on
   the CPU everything the GPU would hold: a rank's static and working memory, an engine's weights, KV cache,
   sampler buffers (``memory_model.engine_sampler_bytes``) and the growth of its first weight sync
-  (``engine_sync_gib``). ``per_process`` gives one learner rank, engine, reward worker and the driver
-  (``bench/memory_plan.py`` compares them with a run's peak RSS). Checked against ``cluster.host_memory_gib``
-  when set. The architecture comes from ``model.shape``, the tiny model's keys or the ``config.json`` of a local
-  ``model.path`` (``folder_shape``).
+  (``engine_sync_gib``). The served models' engines (the LLM judge's, the distillation teacher's; CPU engines
+  that never sync, on node 0) hold each ``HOST_PROCESS_GIB["engine_cpu"]`` + their ``kv_cache_gb`` + ``b_s P_s``
+  (b_s from their ``dtype``; P_s the policy's P when they serve the policy, else counted from a local folder's
+  safetensors headers or config.json, else not counted and said so: ``served_params``). ``per_process`` gives
+  one learner rank, engine, reward worker, served engine and the driver (``bench/memory_plan.py`` compares them
+  with a run's peak RSS). Checked against ``cluster.host_memory_gib`` when set. The architecture comes from
+  ``model.shape``, the tiny model's keys or the ``config.json`` of a local ``model.path`` (``folder_shape``).
 - a GPU shared by fractional requests (``num_gpus_per_rank`` or ``num_gpus_per_engine`` below 1) must hold the
   sum of its occupants' claims.
 
@@ -65,20 +68,22 @@ Over budget raises ``PlanError`` naming the numbers.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from cluster.config import Config
-from cluster.config_sections import ModelShape
-from cluster.models.tiny_model import VOCAB_SIZE
+from cluster.config_sections import ModelConfig, ModelShape
+from cluster.models.tiny_archs import builtin_arch
+from cluster.models.tiny_model import BUILTIN_TINY_MOE, VOCAB_SIZE
 from cluster.planning import memory_model as mm
-from cluster.planning.actor_placement import PlanError, _Node
+from cluster.planning.actor_placement import PlanError, ServedModel, _Node, served_models
 from cluster.planning.memory_model import (
     learner_host_offload_gib,
     learner_memory_gib,
     rollout_weights_gib,
     zero3_load_host_gib,
 )
-from cluster.planning.shapes import folder_shape
+from cluster.planning.shapes import folder_shape, safetensors_params
 
 ROLLOUT_OVERHEAD_GIB = 2.0
 #: below this share of the GPU left free after everything modelled, the plan warns (it does not refuse).
@@ -98,8 +103,13 @@ def model_shape(cfg: Config) -> Any:
     m = cfg.model
     if m.shape is not None:
         return m.shape
-    if m.path != "builtin:tiny_moe":
+    if m.path != BUILTIN_TINY_MOE:
         return folder_shape(m.path)
+    return _tiny_moe_shape(m)
+
+
+def _tiny_moe_shape(m: ModelConfig) -> ModelShape:
+    """The shape ``builtin:tiny_moe`` is built with from the build keys of ``m``."""
     return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                       num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, vocab_size=VOCAB_SIZE,
                       moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
@@ -254,11 +264,78 @@ def engine_sync_gib(cfg: Config, p: float) -> float:
     return _BYTES[cfg.rollout.dtype] * p / _GIB + sc.max_buckets_in_flight * sc.bucket_mb / 1024
 
 
+def served_params(cfg: Config, sm: ServedModel, p: float) -> tuple[float | None, str]:
+    """Parameters of a served model's weights, for its engines' host RAM: ``(P or None, how they were counted)``.
+
+    - the policy itself (the same ``model_path`` and ``build_seed`` as ``model``; for ``builtin:tiny_moe`` also
+      the default build keys, since a served builtin is built from its seed alone): the policy's ``p``;
+    - ``builtin:tiny_moe`` otherwise: the parameters of its default build keys (``memory_model.param_count``);
+    - a local folder: the tensors its ``*.safetensors`` headers list (``shapes.safetensors_params``: the stored
+      dtype does not matter, the served dtype is applied by the caller), else the shape of its ``config.json``
+      (``folder_shape``, ``param_count``);
+    - anything else (another builtin, a hub id not yet fetched, a folder not there yet, an unreadable header or
+      config): None, with the reason in the text, which starts with ``"weights not counted: "``.
+
+    Args:
+        cfg: a validated config.
+        sm: the served model (``actor_placement.served_models``).
+        p: the policy's parameter count (``num_params``).
+    """
+    m, path, seed = cfg.model, sm.settings.model_path, sm.settings.build_seed
+    default_keys = m.build_kwargs() == ModelConfig().build_kwargs()
+    if path == m.path and seed == m.build_seed and (path != BUILTIN_TINY_MOE or default_keys):
+        return p, f"the policy model's ({path}, build_seed {seed}): {p / 1e9:.6g} B parameters"
+    if path == BUILTIN_TINY_MOE:
+        count = mm.param_count(_tiny_moe_shape(ModelConfig()))
+        return float(count), f"{path} at its default build keys: {count} parameters"
+    if path.startswith("builtin:"):
+        if builtin_arch(path) is None:
+            return None, f"weights not counted: {path} is no builtin model (the run refuses it when it starts)"
+        return None, (f"weights not counted: {path} is built at the run's start and its size is not modelled here "
+                      "(the tiny builtins hold a few MiB)")
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return None, (f"weights not counted: {path} is not a local folder (a hub id fetched at the run's start, or "
+                      "a folder not written yet)")
+    try:
+        count = safetensors_params(folder)
+        if count is not None:
+            return float(count), f"the *.safetensors headers of {path}: {count} parameters"
+        shape = folder_shape(folder)
+        if shape is not None:
+            count = mm.param_count(shape)
+            return float(count), f"the config.json of {path}: {count} parameters (as a Qwen3 layout)"
+    except (ValueError, KeyError, TypeError) as err:
+        return None, f"weights not counted: {path}: {type(err).__name__}: {err}"
+    return None, f"weights not counted: {path} holds neither *.safetensors files nor a config.json"
+
+
+def served_engine_gib(cfg: Config, sm: ServedModel, p: float) -> tuple[dict[str, float], str]:
+    """Host RAM of one engine of a served model (a CPU vLLM engine that never syncs), GiB:
+    ``({"base", "kv_cache", "weights", "total"}, how the weights were counted)``: the CPU engine's base
+    (``HOST_PROCESS_GIB["engine_cpu"]``) + its ``kv_cache_gb`` + ``b P`` (b from its ``dtype``, P from
+    ``served_params``; 0 where that counted none, and the text says so).
+
+    Args:
+        cfg: a validated config.
+        sm: the served model (``actor_placement.served_models``).
+        p: the policy's parameter count (``num_params``).
+    """
+    count, how = served_params(cfg, sm, p)
+    parts = {"base": HOST_PROCESS_GIB["engine_cpu"], "kv_cache": float(sm.settings.kv_cache_gb),
+             "weights": _BYTES[sm.settings.dtype] * count / _GIB if count else 0.0}
+    parts["total"] = sum(parts.values())
+    return parts, how
+
+
 def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float, *, on_gpu: bool,
                  offloaded: float = 0.0) -> dict[str, Any]:
     """Host RAM per node, GiB (module docstring): ``{"node i": {...parts, "total"}}``, plus ``checked``.
     ``offloaded``: GiB each learner rank keeps on the host for ZeRO-Offload (``learner_host_offload_gib``'s
-    total; part ``learner_optimizer_offload``).
+    total; part ``learner_optimizer_offload``). Each served model adds a part ``<name>_engines`` (its engines on
+    the node x ``served_engine_gib``), an entry ``<name>_engine`` to ``per_process`` and, under
+    ``served_models``, its per-engine breakdown and how its weights were counted (``"weights not counted: ..."``
+    where they were not).
 
     Raises:
         PlanError: a node's total exceeds ``cluster.host_memory_gib``.
@@ -277,6 +354,7 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
         engine = (HOST_PROCESS_GIB["engine_cpu"] + br * p / _GIB + rc.kv_cache_gb
                   + mm.engine_sampler_bytes(model_shape(cfg)) / _GIB + engine_sync_gib(cfg, p))
     buckets = sc.max_buckets_in_flight * sc.bucket_mb / 1024
+    served = {sm.name: (sm, *served_engine_gib(cfg, sm, p)) for sm in served_models(cfg)}
     out: dict[str, Any] = {}
     limit = cfg.cluster.host_memory_gib
     for n in nodes:
@@ -288,6 +366,8 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
                  "engines": engines * engine, "reward_workers": workers * HOST_PROCESS_GIB["reward"],
                  "driver": HOST_PROCESS_GIB["driver"] if n.index == 0 else 0.0,
                  "object_store_sync": buckets if ranks or engines else 0.0}
+        for name, (_, per, _) in served.items():  # the served models' engines: a part per model
+            parts[f"{name}_engines"] = sum(a.startswith(f"{name} engine ") for a in n.actors) * per["total"]
         parts = {k: round(v, 2) for k, v in parts.items()}
         # the load is over before the optimizer's host buffers exist and before any checkpoint export
         later = parts["learner_optimizer_offload"] + parts["checkpoint_export_rank0"]
@@ -301,9 +381,20 @@ def host_ram_gib(cfg: Config, nodes: list[_Node], lm: dict[str, float], p: float
                 "ranks per node lower it)"
                 + (f", learner.offload_optimizer='cpu' keeps {offloaded:.1f} GiB per rank on the host (raise "
                    "learner.world_size, or offload 'none' where the GPUs hold the optimizer)" if offloaded else "")
+                + "".join(f", the served {name} engines hold {parts[f'{name}_engines']:.1f} GiB ({name}_engines: "
+                          f"{sm.section}.num_engines={sm.settings.num_engines} x {per['total']:.2f} GiB of base, "
+                          f"{sm.section}.kv_cache_gb={sm.settings.kv_cache_gb} and {sm.settings.dtype} weights; "
+                          f"fewer engines or a smaller KV cache fit)"
+                          for name, (sm, per, _) in served.items() if parts[f"{name}_engines"])
                 + ", or spread the services over more nodes")
     out["per_process"] = {"learner_rank": round(rank, 2), "engine": round(engine, 2),
-                          "reward_worker": HOST_PROCESS_GIB["reward"], "driver": HOST_PROCESS_GIB["driver"]}
+                          "reward_worker": HOST_PROCESS_GIB["reward"], "driver": HOST_PROCESS_GIB["driver"],
+                          **{f"{name}_engine": round(per["total"], 2) for name, (_, per, _) in served.items()}}
+    if served:
+        out["served_models"] = {
+            name: {"section": sm.section, "model_path": sm.settings.model_path, "engines": sm.settings.num_engines,
+                   "per_engine_gib": {k: round(v, 2) for k, v in per.items()}, "weights": how}
+            for name, (sm, per, how) in served.items()}
     out["checked"] = limit is not None
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.config import Config
-from cluster.planning.actor_placement import PlanError, _place, _placement_groups
+from cluster.planning.actor_placement import PlanError, _place, _placement_groups, served_models
 from cluster.planning.memory_budget import _memory, num_params
 
 #: GPU memory choices, GiB (2**30 bytes) of total device memory: pass one as ``gpu_memory_gib``. Marketing "GB"
@@ -35,11 +35,14 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
         A YAML-ready dict: ``placement`` (the placement groups as requested), ``logical_cpus`` and
         ``gpus_total`` (Ray resources reserved by the actors), ``nodes`` (per node: CPUs, actors, and who holds
         each GPU), and, when ``model.num_params_b`` is set, ``memory`` (learner breakdown per rank, vLLM weights
-        and KV cache per engine GPU, the fullest GPU, headroom, warnings).
+        and KV cache per engine GPU, the fullest GPU, headroom, warnings). The served models' engines (the LLM
+        judge's, the distillation teacher's: ``actor_placement.served_models``) are among the actors, CPUs,
+        placement groups and host RAM parts.
 
     Raises:
-        PlanError: a learner rank does not fit one node, a tensor-parallel engine asks for GPU fractions, or
-            the memory of some GPU is over budget (the message names the numbers).
+        PlanError: a learner rank does not fit one node, a tensor-parallel engine asks for GPU fractions, the
+            memory of some GPU is over budget, or a node's host RAM is over ``cluster.host_memory_gib`` (the
+            message names the numbers and the parts).
     """
     if gpu_memory_gib <= 0 or gpus_per_node < 1:
         raise ValueError(f"gpu_memory_gib={gpu_memory_gib!r} must be > 0 and gpus_per_node={gpus_per_node!r} >= 1")
@@ -48,7 +51,8 @@ def plan(cfg: Config, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
     out: dict[str, Any] = {
         "placement": _placement_groups(cfg, gpus_per_node),
         "logical_cpus": lc.world_size * lc.num_cpus_per_rank + rc.num_engines * rc.num_cpus_per_engine
-        + wc.num_workers * wc.num_cpus_per_worker,
+        + wc.num_workers * wc.num_cpus_per_worker
+        + sum(sm.settings.num_engines * sm.settings.num_cpus_per_engine for sm in served_models(cfg)),
         "gpus_total": lc.world_size * lc.num_gpus_per_rank
         + rc.num_engines * rc.num_gpus_per_engine * rc.tensor_parallel_size,
     }
