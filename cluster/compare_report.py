@@ -171,6 +171,7 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
         v = _row_values(r, spike_factor)
         cells = [_fmt(v[k], float("nan"), d) for k, _, d in COLUMNS]
         lines.append(f"| {r.algorithm} seed {r.seed_index} | {r.status} | {v['steps']:.0f} | " + " | ".join(cells) + " |")
+    lines += per_step_lines([r for r in results if r.status == "ok"])
     notes = [r for r in results if r.status != "ok"]
     if notes:
         lines += ["", "## Skipped and failed runs", ""]
@@ -209,6 +210,44 @@ def write_report(out_dir: Path, results: list[RunResult], *, config_path: str, o
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+#: the per-step curves of the report, (metrics key, title); a key no run logged is left out
+STEP_CURVES = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "reward"),
+               ("actor/clip_fraction", "clip fraction"),
+               ("moe/routing_volatility_per_update", "routing volatility per update"),
+               ("moe/load_imbalance", "expert load max/mean"))
+
+
+def per_step_lines(runs: list[RunResult], max_columns: int = 20) -> list[str]:
+    """Markdown lines: per metric of ``STEP_CURVES`` that some run logged, one table of arms x steps whose cell is
+    the mean over the arm's seeds that logged it at that step (the number of seeds in brackets when fewer than
+    the arm's runs). At most ``max_columns`` steps: every k-th step, the last one always kept."""
+    algos = list(dict.fromkeys(r.algorithm for r in runs))
+    lines: list[str] = []
+    for key, title in STEP_CURVES:
+        table = {a: {} for a in algos}
+        for r in runs:
+            for h in r.history:
+                v = h.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                    table[r.algorithm].setdefault(int(h.get("step", 0)), []).append(float(v))
+        steps = sorted({st for cells in table.values() for st in cells})
+        if not steps:
+            continue
+        every = -(-len(steps) // max_columns)
+        shown = steps[::every] if steps[-1] in steps[::every] else steps[::every] + [steps[-1]]
+        if not lines:
+            lines = ["", "## Per step (mean over seeds)", ""]
+        lines += [f"{title.capitalize()} (`{key}`):", "", "| arm | " + " | ".join(str(st) for st in shown) + " |",
+                  "|" + "---|" * (len(shown) + 1)]
+        for a in algos:
+            n = sum(1 for r in runs if r.algorithm == a)
+            cells = [(f"{_mean(table[a][st]):.3f}" + (f" ({len(table[a][st])})" if len(table[a][st]) < n else ""))
+                     if st in table[a] else "–" for st in shown]
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def plot_runs(results: list[RunResult], out: Path) -> Path | None:

@@ -244,3 +244,22 @@ def test_one_run_per_command_then_report_from_saved_runs(tmp_path, capsys):
     # --seed-index outside the seeds, or with --report-only, is refused
     assert compare.main([CONFIG, "--seed-index", "2", "--seeds", "2", "--output-dir", str(tmp_path)]) == 2
     assert compare.main([CONFIG, "--seed-index", "0", "--report-only", "--output-dir", str(tmp_path)]) == 2
+
+
+def test_per_step_tables_average_the_seeds_that_logged_a_step():
+    a0 = compare_report.RunResult("gspo", 0, "", "ok", history=_history())
+    h1 = [dict(r) for r in _history()]
+    h1[1]["reward/mean"] = 0.3  # step 1: (0.1 + 0.3) / 2
+    del h1[4]["eval/accuracy"]  # step 4 evaluated by seed 0 only
+    a1 = compare_report.RunResult("gspo", 1, "", "ok", history=h1)
+    lines = compare_report.per_step_lines([a0, a1])
+    text = "\n".join(lines)
+    assert "| gspo | 0.250 | 0.500 | 0.375 (1) |" in text  # eval at steps 0, 2, 4
+    assert "| gspo | 0.200 | 0.200 | 0.300 | 0.600 |" in text  # reward at steps 1-4
+    assert "Expert load max/mean (`moe/load_imbalance`):" in text and "| gspo | – | 1.500 | 1.750 | – |" not in text
+    assert "| gspo | 1.500 | 1.750 |" in text  # only the steps that logged it are columns
+    wide = compare_report.per_step_lines([compare_report.RunResult(
+        "grpo", 0, "", "ok", history=[{"step": s, "reward/mean": float(s)} for s in range(1, 46)])], max_columns=20)
+    header = next(line for line in wide if line.startswith("| arm |"))
+    assert header == "| arm | " + " | ".join(str(s) for s in list(range(1, 46, 3)) + [45]) + " |"
+    assert compare_report.per_step_lines([]) == []
