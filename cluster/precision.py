@@ -26,6 +26,11 @@ measured case above is such a run), as is the rollout source under ``learner.pre
 ``rollout.dtype=float32``, ...) auto takes the other one if the set keys agree with it, and refuses keys that
 contradict both. Unset (``null``, the default): no key is touched, the per-key settings as before.
 
+The served models (the LLM judge, ``reward.judge``, and the distillation teacher, ``distill``) keep their own
+``dtype`` key whatever the switch says: they are fixed models outside the policy's precision, and a teacher in
+bf16 would put its rounding into the reverse KL that trains the student; set ``reward.judge.dtype`` /
+``distill.dtype`` to ``bfloat16`` for their engines' speed.
+
 The choice is in ``Config.precision_report`` (logged at the run's start, in ``devices.json`` and in
 ``--dry-run``'s output). Torch-free: the config loads without torch.
 """
