@@ -209,7 +209,8 @@ class Trainer:
         if self.distiller is not None:
             self.distiller.teacher.wait_ready()
         self.placement = placement.PlacementRecord(self.run_dir)  # placement.json, rewritten at every sync
-        self.placement.update(self.learners, self.fleet, self.reward_groups, self.env_groups)
+        self.placement.update(self.learners, self.fleet, self.reward_groups, self.env_groups,
+                              placement.served_fleets(self.rewards, self.distiller))  # judge, teacher engines
         log.info("services up in %.1fs: %d learner ranks, %d engines, %d reward workers",
                  time.perf_counter() - t0, cfg.learner.world_size, len(self.fleet), cfg.reward.num_workers)
 
@@ -221,7 +222,8 @@ class Trainer:
         report = self.fleet.sync(version)
         self.state.weight_version = version
         seconds = time.perf_counter() - t
-        self.placement.update(self.learners, self.fleet, self.reward_groups, self.env_groups)  # after any engine replacement
+        self.placement.update(self.learners, self.fleet, self.reward_groups, self.env_groups,  # after any engine
+                              placement.served_fleets(self.rewards, self.distiller))  # replacement, served ones too
         # sync/cross_node: engines on another node than learner rank 0 (their bytes crossed between nodes)
         self.last_sync = {**report.metrics(seconds), "sync/cross_node": float(self.placement.cross_node)}
         return seconds
