@@ -6,6 +6,7 @@ vLLM's own routed-experts return needs Model Runner V2, which needs Triton and i
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from learner.moe import RouterTap
@@ -56,6 +57,8 @@ def test_engine_reports_the_experts_it_ran_before_and_after_a_sync(ray_cluster, 
         ray_cluster.kill(engine)
 
 
+@pytest.mark.matrix  # the default set: the capture before and after a sync (above); episodes' R3 end to end in
+# tests/matrix/test_agent_r3.py. Moved at 1407 passed in 14 min 59 s (Zen 4), about 24.6 min estimated on the Zen 3
 def test_turns_of_an_episode_carry_each_positions_own_forward_experts(ray_cluster, tiny_moe, tmp_path):
     """R3 for episodes: turns batched continuously (``advance_turns``) report the experts of every input position
     of the episode so far; a later turn's earlier positions (served from the prefix cache) come from the turn that
