@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers.distill import distill_config
 
 
 @pytest.mark.timeout(1200)
@@ -27,15 +27,9 @@ def test_own_model_teacher_gives_zero_reverse_kl_and_another_seed_trains_the_stu
     import ray
     import torch
 
-    from cluster.config import load_config
     from cluster.driver.trainer import Trainer
 
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.run_name=distill", "trainer.total_steps=1", "trainer.eval_every=0",
-        "trainer.plots=false", "trainer.prompts_per_step=8", "trainer.group_size=4", "learner.micro_batch_size=8",
-        "warm_start.steps=0", "data.num_eval=8", "wandb.mode=disabled", "learner.algorithm=gspo_token",
-        "distill.model_path=builtin:tiny_moe", "distill.build_seed=1", "distill.num_cpus_per_engine=0.25",
-        "distill.kv_cache_gb=0.05", "rollout.kv_cache_gb=0.05", "distill.timeout_s=120"])
+    cfg = distill_config(tmp_path, "trainer.total_steps=1", "warm_start.steps=0", "rollout.kv_cache_gb=0.05")
     t = Trainer(cfg, verbose=False)
     try:
         t.start()

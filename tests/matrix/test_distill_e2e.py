@@ -12,23 +12,17 @@ import math
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers.distill import distill_config
 
 
 @pytest.mark.timeout(1800)
 def test_distillation_beside_the_reward_and_a_teacher_that_times_out(tmp_path):
     import ray
 
-    from cluster.config import load_config
     from cluster.driver.trainer import Trainer
     from cluster.runtime.model_fleet import CallFailure
 
-    cfg = load_config(REPO_ROOT / "configs" / "tiny_moe.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.run_name=distill", "trainer.total_steps=3", "trainer.eval_every=0",
-        "trainer.plots=false", "trainer.prompts_per_step=8", "trainer.group_size=4", "learner.micro_batch_size=8",
-        "warm_start.steps=20", "data.num_eval=8", "wandb.mode=disabled", "learner.algorithm=gspo_token",
-        "distill.model_path=builtin:tiny_moe", "distill.build_seed=1", "distill.reward_weight=0.5",
-        "distill.num_cpus_per_engine=0.25", "distill.kv_cache_gb=0.05", "distill.timeout_s=120"])
+    cfg = distill_config(tmp_path, "trainer.total_steps=3", "warm_start.steps=20", "distill.reward_weight=0.5")
     t = Trainer(cfg, verbose=False)
     try:
         t.start()
