@@ -25,6 +25,7 @@ from cluster.config_sections import (
     WandbConfig,
 )
 from cluster.models.hub_model import is_hub_id
+from cluster.models.resolve import check_builtin
 from cluster.precision import resolve as resolve_precision
 from learner.config import LearnerConfig, WarmStartConfig
 from learner.loss_settings import AUDITED_ALGORITHMS
@@ -79,6 +80,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
+        for field, path in (("model.path", self.model.path), ("reward.judge.model_path", self.reward.judge.model_path),
+                            ("distill.model_path", self.distill.model_path)):
+            check_builtin(path, field)
         t, lr = self.trainer, self.learner
         n = t.prompts_per_step * t.group_size
         per_rank_groups = lr.num_minibatches * lr.world_size

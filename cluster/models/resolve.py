@@ -15,6 +15,21 @@ from cluster.models.tiny_archs import ARCHS, build_tiny_arch, builtin_arch
 from cluster.models.tiny_model import BUILTIN_TINY_MOE, build_tiny_moe
 
 
+def builtin_names() -> list[str]:
+    """Every ``builtin:`` model name ``ensure_model`` builds: ``builtin:tiny_moe`` and ``builtin:tiny_<arch>``."""
+    return [BUILTIN_TINY_MOE] + [f"builtin:tiny_{a}" for a in ARCHS]
+
+
+def check_builtin(path: str | None, field: str) -> None:
+    """Refuse a ``builtin:`` name that is no builtin model (at config load, before anything starts).
+
+    Raises:
+        ValueError: naming ``field``, the value and the builtin names.
+    """
+    if path and path.startswith("builtin:") and path not in builtin_names():
+        raise ValueError(f"{field}={path!r} is no builtin model: the builtin models are {builtin_names()}")
+
+
 def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwargs: Any) -> Path:
     """The model folder for ``model.path``: builds ``builtin:tiny_moe`` into ``out_root/tiny_moe`` (with
     ``build_kwargs`` passed to ``build_tiny_moe``), ``builtin:tiny_<arch>`` (``cluster.models.tiny_archs.ARCHS``)
@@ -32,8 +47,7 @@ def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwar
         if arch is not None:
             return build_tiny_arch(Path(out_root) / f"tiny_{arch}", arch, seed=build_kwargs.get("seed", 0))
         if path_or_builtin != BUILTIN_TINY_MOE:
-            names = [BUILTIN_TINY_MOE] + [f"builtin:tiny_{a}" for a in ARCHS]
-            raise ValueError(f"model.path={path_or_builtin!r}: the builtin models are {names}")
+            raise ValueError(f"model.path={path_or_builtin!r}: the builtin models are {builtin_names()}")
         return build_tiny_moe(Path(out_root) / "tiny_moe", **build_kwargs)
     if hub_model.is_hub_id(path_or_builtin):
         return hub_model.download(path_or_builtin)  # a hub id: the snapshot folder (cluster/models/hub_model.py)

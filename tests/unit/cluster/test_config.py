@@ -404,3 +404,11 @@ def test_monitor_steps_are_counted_by_global_step():
     assert not any(monitor_step(off, s) for s in range(1, 5))
     always = load_config(path, ["learner.pre_update_pass=always"])  # the pass runs anyway: nothing to schedule
     assert not monitor_step(always, 1)
+
+
+@pytest.mark.parametrize("field", ["model.path", "reward.judge.model_path", "distill.model_path"])
+def test_an_unknown_builtin_model_is_refused_at_load_naming_the_field(field):
+    extra = ["learner.algorithm=gspo_token"] if field.startswith("distill") else []
+    with pytest.raises(ConfigError, match=rf"{field}='builtin:tiny' is no builtin model: .*builtin:tiny_moe"):
+        load_config("configs/tiny_moe.yaml", [f"{field}=builtin:tiny", *extra])
+    load_config("configs/tiny_moe.yaml", [f"{field}=builtin:tiny_llama", *extra])  # a builtin of another arch loads

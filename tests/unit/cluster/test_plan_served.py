@@ -106,7 +106,8 @@ def test_plan_places_and_budgets_the_judge_and_the_teacher(judge_folder):
 
 def test_served_weights_from_config_json_or_not_counted(tmp_path):
     """A folder with only config.json: the Qwen3-layout count of its shape (SmolLM2-135M's numbers: 134,518,848
-    parameters, float32 by default); a hub id not fetched and an unknown builtin: no weights, said so."""
+    parameters, float32 by default); a hub id not fetched and a builtin of another architecture: no weights, said so (an unknown builtin name is
+    refused at load: tests/unit/cluster/test_config.py)."""
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576,
            "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
            "tie_word_embeddings": True}
@@ -115,7 +116,7 @@ def test_served_weights_from_config_json_or_not_counted(tmp_path):
     judge = host["served_models"]["judge"]
     assert "config.json" in judge["weights"] and "134518848 parameters" in judge["weights"]
     assert judge["per_engine_gib"]["weights"] == round(4 * 134_518_848 / GIB, 2) == 0.5
-    for path in ("nobody-here/not-fetched-model", "builtin:tiny"):
+    for path in ("nobody-here/not-fetched-model", "builtin:tiny_llama"):
         judge = plan(load_config(TINY, [f"reward.judge.model_path={path}"]))["memory"]["host_ram_gib"][
             "served_models"]["judge"]
         assert judge["weights"].startswith("weights not counted: " + path)
