@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config_sections import DistillConfig
-from cluster.runtime.model_fleet import CallFailure, ModelFleet, PendingCalls
+from cluster.runtime.model_fleet import CallFailure, ModelFleet
 from rollout.contracts import Completion
 
 log = logging.getLogger(__name__)
@@ -40,32 +40,16 @@ class TeacherFleet(ModelFleet):
         super().__init__(dc, model_path, cache_dir, placement_timeout_s, engine_cls=RolloutEngine, role="teacher",
                          max_tokens=1, wait=wait)
 
-    def submit(self, completions: list[Completion]) -> "PendingTeacher":
-        """Send the samples that have response tokens to the engines (``(prompt + response, len(prompt))`` each);
-        collect with ``PendingTeacher.wait``."""
+    def logprobs(self, completions: list[Completion]) -> list[list[float] | CallFailure]:
+        """Per completion, in order, the teacher's log-prob (nats, temperature 1) of each response token (``[]``
+        for an empty response), or the ``CallFailure`` of its engine's share: the samples with response tokens go
+        to the engines as ``(prompt + response, len(prompt))``, one batched call per engine."""
         todo = [i for i, c in enumerate(completions) if c.response_token_ids]
         calls = self.dispatch("sequences_logprobs", [
             (list(completions[i].prompt_token_ids) + list(completions[i].response_token_ids),
              len(completions[i].prompt_token_ids)) for i in todo])
-        return PendingTeacher(len(completions), todo, calls)
-
-    def logprobs(self, completions: list[Completion]) -> list[list[float] | CallFailure]:
-        """Per completion, the teacher's log-prob (nats, temperature 1) of each response token, or a
-        ``CallFailure`` (``submit`` then ``wait``)."""
-        return self.submit(completions).wait()
-
-
-class PendingTeacher:
-    """Teacher calls under way (``TeacherFleet.submit``)."""
-
-    def __init__(self, count: int, todo: list[int], calls: PendingCalls):
-        self.count, self.todo, self.calls = count, todo, calls
-
-    def wait(self) -> list[list[float] | CallFailure]:
-        """One entry per completion, in order: its response tokens' teacher log-probs (``[]`` for an empty
-        response), or the ``CallFailure`` of its engine's share."""
-        out: list[Any] = [[] for _ in range(self.count)]
-        for i, got in zip(self.todo, self.calls.wait()):
+        out: list[Any] = [[] for _ in completions]
+        for i, got in zip(todo, calls.wait()):
             out[i] = got
         return out
 
