@@ -234,9 +234,6 @@ class EngineFleet:
                             cache_dir=self.cache_dir / f"engine{index}", what="rollout engine",
                             placement_timeout_s=self.cfg.cluster.placement_timeout_s)
 
-    def _engine_env(self) -> dict[str, str]:
-        return engine_env(self.cfg.rollout)
-
     def _load_current(self, engines: list[Any]) -> None:
         """Give new engines the current weights (they start with the model folder's, version 0), labelled by
         the learner when its sync runs (``LearnerRank.current_version``): a replacement started while the

@@ -40,13 +40,13 @@ def test_actor_env_keeps_cpu_settings_out_of_gpu_actors(monkeypatch):
         actor_env(1, "gpu")
 
 
-def test_engine_env_of_a_gpu_engine_has_no_cpu_settings(monkeypatch, tmp_path):
-    from cluster.runtime.services import EngineFleet
+def test_engine_env_of_a_gpu_engine_has_no_cpu_settings(monkeypatch):
+    from cluster.runtime.services import engine_env
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    gpu = EngineFleet(_cfg(1, 1), "unused", tmp_path, None)._engine_env()
+    gpu = engine_env(_cfg(1, 1).rollout)
     assert gpu["DS_ACCELERATOR"] == "cuda" and "TORCH_COMPILE_DISABLE" not in gpu
-    cpu = EngineFleet(_cfg(0, 0), "unused", tmp_path, None)._engine_env()
+    cpu = engine_env(_cfg(0, 0).rollout)
     assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["TORCH_COMPILE_DISABLE"] == "1"  # tiny_moe runs eager
 
 
