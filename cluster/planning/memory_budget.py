@@ -73,7 +73,6 @@ from typing import Any
 
 from cluster.config import Config
 from cluster.config_sections import ModelConfig, ModelShape
-from cluster.models.tiny_archs import builtin_arch
 from cluster.models.tiny_model import BUILTIN_TINY_MOE, VOCAB_SIZE
 from cluster.planning import memory_model as mm
 from cluster.planning.actor_placement import PlanError, ServedModel, _Node, served_models
@@ -273,7 +272,7 @@ def served_params(cfg: Config, sm: ServedModel, p: float) -> tuple[float | None,
     - a local folder: the tensors its ``*.safetensors`` headers list (``shapes.safetensors_params``: the stored
       dtype does not matter, the served dtype is applied by the caller), else the shape of its ``config.json``
       (``folder_shape``, ``param_count``);
-    - anything else (another builtin, a hub id not yet fetched, a folder not there yet, an unreadable header or
+    - anything else (another arch's builtin, a hub id not yet fetched, a folder not there yet, an unreadable header or
       config): None, with the reason in the text, which starts with ``"weights not counted: "``.
 
     Args:
@@ -288,9 +287,7 @@ def served_params(cfg: Config, sm: ServedModel, p: float) -> tuple[float | None,
     if path == BUILTIN_TINY_MOE:
         count = mm.param_count(_tiny_moe_shape(ModelConfig()))
         return float(count), f"{path} at its default build keys: {count} parameters"
-    if path.startswith("builtin:"):
-        if builtin_arch(path) is None:
-            return None, f"weights not counted: {path} is no builtin model (the run refuses it when it starts)"
+    if path.startswith("builtin:"):  # another arch's tiny builtin (config load refuses unknown names)
         return None, (f"weights not counted: {path} is built at the run's start and its size is not modelled here "
                       "(the tiny builtins hold a few MiB)")
     folder = Path(path).expanduser()
