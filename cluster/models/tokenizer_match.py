@@ -37,20 +37,10 @@ def builtin_identity() -> TokenizerIdentity:
                                      "unk": vocab[UNK_TOKEN]})
 
 
-def _vocab(data: dict[str, Any]) -> dict[str, int]:
-    """Token -> id of a ``tokenizer.json``: its model's vocabulary (a mapping, or Unigram's ``[piece, score]``
-    list, ids by position) and its added tokens."""
-    raw = (data.get("model") or {}).get("vocab") or {}
-    vocab = {str(tok): int(i) for tok, i in raw.items()} if isinstance(raw, dict) else \
-        {str(entry[0]): i for i, entry in enumerate(raw)}
-    for added in data.get("added_tokens") or []:
-        vocab[str(added["content"])] = int(added["id"])
-    return vocab
-
-
 def folder_identity(folder: str | Path) -> TokenizerIdentity | None:
-    """The tokenizer of a model folder from its ``tokenizer.json`` (vocabulary) and ``tokenizer_config.json``
-    (special tokens), or None when the folder has no ``tokenizer.json``.
+    """The tokenizer of a model folder from its ``tokenizer.json`` (vocabulary with the added tokens, read by the
+    ``tokenizers`` library: no torch) and ``tokenizer_config.json`` (special tokens), or None when the folder has
+    no ``tokenizer.json``.
 
     Raises:
         ValueError: a file that is not the JSON it should be (names the file).
@@ -59,11 +49,13 @@ def folder_identity(folder: str | Path) -> TokenizerIdentity | None:
     path = folder / "tokenizer.json"
     if not path.is_file():
         return None
+    from tokenizers import Tokenizer
+
     try:
-        vocab = _vocab(json.loads(path.read_text()))
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
         conf_path = folder / "tokenizer_config.json"
         conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
-    except (ValueError, KeyError, TypeError, IndexError) as err:
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises a plain Exception for a bad file
         raise ValueError(f"{folder}: cannot read its tokenizer files ({type(err).__name__}: {err})") from None
     special: dict[str, int | None] = {}
     for name in SPECIALS:

@@ -113,10 +113,13 @@ def test_loaded_tokenizer_identity_equals_the_files_and_unigram_vocabularies_rea
     from cluster.models.tiny_model import build_char_tokenizer
 
     assert mismatch(loaded_identity(build_char_tokenizer()), builtin_identity()) is None
+    from tokenizers import Tokenizer
+    from tokenizers.models import Unigram
+
     (tmp_path / "uni").mkdir()
-    (tmp_path / "uni" / "tokenizer.json").write_text(json.dumps(
-        {"model": {"type": "Unigram", "vocab": [["<unk>", 0.0], ["a", -1.0]]},
-         "added_tokens": [{"id": 2, "content": "<eos>"}]}))
+    uni = Tokenizer(Unigram([("<unk>", 0.0), ("a", -1.0)], unk_id=0))  # a vocabulary as a list: ids by position
+    uni.add_special_tokens(["<eos>"])  # an added token: id 2
+    uni.save(str(tmp_path / "uni" / "tokenizer.json"))
     (tmp_path / "uni" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<eos>"}}))
     got = folder_identity(tmp_path / "uni")
     assert got.vocab == {"<unk>": 0, "a": 1, "<eos>": 2} and got.special["eos"] == 2 and got.special["bos"] is None
