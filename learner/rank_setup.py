@@ -155,6 +155,7 @@ def build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: in
     policy starts from them instead of the folder's, wrapped with ``learner.lora``'s adapter (``enable_lora``)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from transformers import AutoModelForCausalLM
 
     from learner.attention import use_fp32_attention
@@ -186,8 +187,10 @@ def build_replica(model_path: str, cfg: LearnerConfig, rank: int, world_size: in
     if partitioned:
         del hf_ds
     engine.eval()  # no dropout anywhere: training, recompute and reference passes see one policy
-    if world_size == 1 and cfg.zero_stage == 0:
-        # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy every gradient per step
+    if world_size == 1 and (cfg.zero_stage == 0 or isinstance(engine.optimizer, BF16_Optimizer)):
+        # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy every gradient per step (a
+        # ZeRO-1/2 optimizer of float32 weights needs its reduce hooks; the bf16 one keeps its fp32 gradients
+        # itself, in backward_epilogue, which runs either way)
         engine.enable_backward_allreduce = False
     if cfg.gradient_checkpointing:
         keep_checkpointing_on(engine.module)

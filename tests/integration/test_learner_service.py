@@ -345,6 +345,29 @@ def test_bf16_accumulates_gradients_in_fp32(model_path, port, zero_stage):
     assert learner.state_checksum() != before
 
 
+def test_bf16_one_rank_skips_the_gradient_all_reduce_and_its_bf16_rounding(model_path, port):
+    """One bf16 rank (DeepSpeed's BF16_Optimizer, ZeRO-1) runs no gradient all-reduce: there is no peer, and
+    DeepSpeed's reduce flattened every gradient per optimizer step and sent it in its communication dtype,
+    bfloat16, rounding the fp32-accumulated gradients. The update is bit for bit that of the all-reduce in
+    float32 (the identity on one rank) and not that of the default bf16 one."""
+    cfg = LearnerConfig(algorithm="gspo", zero_stage=1, dtype="bfloat16", micro_batch_size=2, lr=1e-3,
+                        num_minibatches=1)
+    b = make_batch(model_path, 4, seed=17)
+    s, t = loss_normalisers(b.response_mask)
+    digests = {}
+    for reduce_dtype in (None, torch.float32, torch.bfloat16):
+        learner = _rank(model_path, cfg, port)
+        assert learner.engine.enable_backward_allreduce is False
+        if reduce_dtype is not None:
+            learner.engine.enable_backward_allreduce = True
+            learner.engine.communication_data_type = reduce_dtype
+        before = learner.state_digest()
+        learner.train_rollout_batch([b], [s], [t])
+        digests[reduce_dtype] = learner.state_digest()
+        assert digests[reduce_dtype] != before
+    assert digests[None] == digests[torch.float32] != digests[torch.bfloat16]
+
+
 def test_checkpoint_round_trip_single_rank(model_path, port, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
