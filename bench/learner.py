@@ -19,7 +19,8 @@ Variants (all from the config's learner section; each on its own engine, built o
   pass runs);
 - ``pass_always`` / ``pass_skipped``: MoE diagnostics off and a guard with ``max_grad_norm`` only, the
   pre-update pass forced on (``always``) or left to ``auto`` (nothing needs it: skipped): the cost of the pass
-  alone;
+  alone; ``pass_separate``: ``pass_always`` without ``learner.fuse_first_minibatch`` (the pass forwards the first
+  minibatch too, instead of taking it from that minibatch's training forwards);
 - ``ranks2_zero{0,1}``, ``ranks1_zero{0,1,2}``: the default with another rank count / ZeRO stage (1 rank
   trains the whole minibatch with micro-batches of ``micro_batch_size x 2`` rows: as many passes as each of
   2 ranks runs); ``ranks1_zero2_threads2``: one rank with 2 torch threads (the cores 2 ranks have);
@@ -76,6 +77,8 @@ def variants(cfg, shard_tokens: int) -> dict[str, tuple[int, dict, dict | None]]
         "pass_always": (ws, {"moe_diagnostics": False, "pre_update_pass": "always"}, lean_guard),
         "pass_skipped": (ws, {"moe_diagnostics": False, "pre_update_pass": "auto", "mismatch_monitor_every": 0},
                          lean_guard),
+        "pass_separate": (ws, {"moe_diagnostics": False, "pre_update_pass": "always", "fuse_first_minibatch": False},
+                          lean_guard),
     }
     for n in (ws, other):
         # the same rows per forward/backward in all: a rank's shard of a minibatch is ws / n times the default's
@@ -358,6 +361,11 @@ def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dic
         summary["pass_skipped_over_always"] = {"median": ratio, "min": low}
         print(f"pre-update pass: skipped / always = {ratio:.2f} by the median, {low:.2f} by the min (the pass "
               f"costs {1 - ratio:.0%} / {1 - low:.0%} of the update)")
+    if "pass_always" in rows and "pass_separate" in rows:
+        fused = {k: rows["pass_always"][k] / rows["pass_separate"][k] for k in ("median_s", "min_s")}
+        summary["pass_fused_over_separate"] = fused
+        print(f"pre-update pass with the first minibatch fused / separate = {fused['median_s']:.2f} by the median, "
+              f"{fused['min_s']:.2f} by the min")
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after} on {os.cpu_count()} cores")
     return summary
 

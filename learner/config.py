@@ -170,6 +170,15 @@ class LearnerConfig(Section):
         "those settings. Skipped, actor/entropy, actor/train_rollout_logprob_diff and the moe/ metrics are absent "
         "(learner/README.md)",
     )
+    fuse_first_minibatch: bool = Field(
+        True,
+        description="when the pre-update pass runs, it skips the first minibatch: that minibatch trains before any "
+        "optimizer step of its rollout batch, so its training forwards run at the behaviour weights and their "
+        "detached log-probs are its behaviour log-probs (old_logprob_source=recompute: ratio 1 exactly) and its "
+        "part of the pass's metrics. Saves one minibatch's forward per rollout batch. Not where the first "
+        "minibatch's results are needed before it trains (routes under the MoE router tap, PPO's critic, a "
+        "health-guard pre-check, LoRA dropout); false = the separate no-gradient forward for every minibatch",
+    )
     pack_sequences: bool = Field(
         True,
         description="sequence packing (learner/packing.py): each micro-batch's sequences run end to end in rows no "

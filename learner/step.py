@@ -7,7 +7,10 @@
    on MoE models, the experts every token is routed to (expert load, routing volatility, Routing Replay).
    It runs only when something needs it (``learner.pre_update_pass``, ``LearnerConfig.pre_update_pass_needs``);
    skipped, ``rollout_checks`` only counts non-finite rollout log-probs for the guard, and the metrics the
-   pass produces (``actor/entropy``, ``actor/train_rollout_logprob_diff``, ``moe/*``) are absent;
+   pass produces (``actor/entropy``, ``actor/train_rollout_logprob_diff``, ``moe/*``) are absent. With
+   ``learner.fuse_first_minibatch`` (``fuses_first_minibatch``) it skips the first minibatch, whose training
+   forwards run at those same weights (no optimizer step comes before them): their detached log-probs are its
+   behaviour log-probs and feed its metrics, which are all-reduced after training;
 2. the health guard's pre-update check (``learner.health.GuardDecision``) and, when the guard is on, an
    exact snapshot of the training state;
 3. ``train``: ``ppo_epochs`` passes over the minibatches, one optimizer step each (micro-batches with the
@@ -32,6 +35,7 @@ from learner.logprobs import token_log_probs
 from learner.microbatch import MicroBatch, length_order
 from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
                          volatility_metrics)
+from learner.config import PRE_UPDATE_GUARD_KEYS
 from learner.kl import kl_penalty
 from learner.objectives import LOG_RATIO_CLAMP, Objective, SequenceCounts, policy_loss, sequence_log_ratio
 from learner.policy_metrics import combine_policy_metrics
@@ -44,6 +48,19 @@ _EMPTY_POLICY_METRICS = {
     "clip_fraction": 0.0, "clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "ratio_mean": 1.0,
     "ratio_min": 1.0, "ratio_max": 1.0, "log_ratio_abs_max": 0.0, "num_tokens": 0.0,
 }
+
+
+@dataclass
+class _PassSums:
+    """This rank's sums of the pre-update pass's metrics over the micro-batches accounted so far."""
+
+    load: torch.Tensor  # [layers, experts] float64 expert counts on response tokens (MoE diagnostics)
+    diff: list[float] = field(default_factory=lambda: [0.0, 0.0])  # sum |lp - rollout lp|, response tokens
+    ent: float = 0.0
+    nonfinite: float = 0.0
+    mismatch: list[float] = field(default_factory=lambda: [0.0, 0.0])  # top-k sets differing from the engine's, compared
+    mm_sum: list[float] = field(default_factory=lambda: [0.0] * 5)  # learner/rollout_correction.mismatch_sums, summed
+    mm_max: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ... and maxed
 
 
 @dataclass
@@ -84,12 +101,17 @@ class RolloutBatchStep:
         self.moe_diag = self.tap is not None and self.cfg.moe_diagnostics
         self.run_pre_update = self.pre_update_decision()
         self.t = _Totals()
-        self.pre_lps: list[list[torch.Tensor]] = []
+        self.pre_lps: list[list[torch.Tensor]] = [[] for _ in minibatches]  # per minibatch and micro-batch
         self.routes: list[list[torch.Tensor]] = []
-        self.corrections: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []  # per micro: (weights, kept)
+        # per minibatch and micro-batch: (weights, kept)
+        self.corrections: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = [[] for _ in minibatches]
         self.nonfinite = 0.0
         self.critic = critic  # PPO's value model (learner/critic.py), or None
         self.token_adv: list[list[torch.Tensor]] = []  # PPO: GAE advantages per minibatch and micro-batch
+        self.fused = self.fuses_first_minibatch()
+        n_layers, n_experts = (len(self.tap.layers), self.tap.num_experts) if self.tap is not None else (0, 0)
+        self.sums = _PassSums(load=torch.zeros((n_layers, n_experts), dtype=torch.float64))
+        self.entropy_den = max(float(sum(int(t) for t in num_tokens)), 1.0)
 
     def run(self) -> RolloutTrainResult:
         """The phases in order; returns the step's result (the same on every rank), built from its metrics dict by
@@ -104,6 +126,10 @@ class RolloutBatchStep:
         snapshot = self.r.snapshot() if self.guard.on and not refused else None
         if not refused and (self.critic is None or self.critic.policy_trains()):
             self.train(counts)
+        if self.fused:  # the first minibatch's part came from its training forwards (or now, if none ran)
+            if not self.pre_lps[0]:
+                self.account_minibatch(0, collective=True)
+            out.update(self.pass_metrics())
         out.update(self.metrics())
         if self.guard.on:
             out.update(self.guard_verdict(out, snapshot))
@@ -156,43 +182,75 @@ class RolloutBatchStep:
         return self.tap is not None and (self.moe_diag or self.cfg.routing_replay != "off"
                                          or any(mb.rollout_routes is not None for mb in self.minibatches))
 
+    def fuses_first_minibatch(self) -> bool:
+        """Whether the pre-update pass leaves the first minibatch to its training forwards
+        (``learner.fuse_first_minibatch``): only when the pass runs and nothing needs that minibatch's results
+        before it trains: no routes recorded (``wants_routes``), no PPO critic, no health-guard pre-check on the
+        pass's metrics, and no LoRA dropout (the training forward would be another policy than the pass's)."""
+        guard = self.guard.guard or {}
+        return (self.run_pre_update and self.cfg.fuse_first_minibatch and not self.wants_routes()
+                and self.critic is None and not any(k in guard for k in PRE_UPDATE_GUARD_KEYS)
+                and not self.cfg.lora.dropout)
+
     def pre_update_pass(self) -> dict[str, Any]:
-        """Forward every minibatch at the current weights; returns entropy, log-prob difference and (MoE)
-        expert-load metrics, all-reduced."""
-        tap = self.tap
-        total_tokens = float(sum(int(t) for t in self.num_tokens))
-        n_layers, n_experts = (len(tap.layers), tap.num_experts) if tap is not None else (0, 0)
-        load_counts = torch.zeros((n_layers, n_experts), dtype=torch.float64)
-        diff_sum, diff_count, ent_sum, nonfinite = 0.0, 0.0, 0.0, 0.0
-        mismatch = [0.0, 0.0]  # (token, layer) pairs whose learner top-k set differs from the engine's, compared
-        mm_sum, mm_max = [0.0] * 5, [0.0, 0.0]  # learner/rollout_correction.mismatch_sums, summed / maxed
-        for mb in self.minibatches:
-            mb_routes: list[torch.Tensor] | None = [] if self.wants_routes() else None
-            micros, lps, ent = self.r.inference_pass(mb, collective=True, entropy_den=max(total_tokens, 1.0), routes=mb_routes)
-            ent_sum += ent
-            self.pre_lps.append(lps)
-            if mb_routes is not None:  # recorded: the training forwards run under the tap (padded)
-                self.routes.append(mb_routes)
-            self.corrections.append([])
-            for k, (micro, lp) in enumerate(zip(micros, lps)):
-                diff_sum += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
-                diff_count += float(micro.mask.sum())
-                weights, kept, dropped = rollout_correction(lp, micro.old_log_probs, micro.mask, self.cfg.rollout_correction,
-                                                            self.cfg.rollout_correction_low, self.cfg.rollout_correction_high)
-                self.corrections[-1].append((weights, kept))
-                sums = mismatch_sums(lp, micro.old_log_probs, micro.mask, dropped)
-                mm_sum = [a + b for a, b in zip(mm_sum, sums[:2] + sums[4:])]
-                mm_max = [max(a, b) for a, b in zip(mm_max, sums[2:4])]
-                if self.guard.on:
-                    bad = ~(torch.isfinite(lp) & torch.isfinite(micro.old_log_probs))
-                    nonfinite += float((bad & micro.mask).sum())
-                if self.moe_diag:
-                    load_counts += expert_counts(mb_routes[k], response_positions(micro.mask).cpu(), n_experts)
-                if tap is not None and micro.rollout_routes is not None:
-                    changed, compared = topk_set_changes(mb_routes[k], rollout_replay_ids(micro.rollout_routes, tap.top_k),
-                                                         response_positions(micro.mask).cpu())
-                    mismatch[0], mismatch[1] = mismatch[0] + changed, mismatch[1] + compared
-        pre = self.r.all_reduce([diff_sum, diff_count, ent_sum, nonfinite, *mismatch] + load_counts.reshape(-1).tolist())
+        """Forward every minibatch (not the first when ``self.fused``) at the current weights and account its
+        metrics. Returns entropy, log-prob difference and (MoE) expert-load metrics, all-reduced; when fused,
+        ``{}`` (``pass_metrics`` after training), with the guard's non-finite count of the minibatches
+        forwarded plus the first one's rollout log-probs all-reduced into ``self.nonfinite``. Collective."""
+        for m in range(1 if self.fused else 0, len(self.minibatches)):
+            self.account_minibatch(m, collective=True)
+        if not self.fused:
+            return self.pass_metrics()
+        if self.guard.on:
+            first = self.minibatches[0]
+            bad = float((~torch.isfinite(first.old_log_probs) & first.response_mask.bool()).sum())
+            (self.nonfinite,) = self.r.all_reduce([self.sums.nonfinite + bad])
+        return {}
+
+    def account_minibatch(self, m: int, collective: bool) -> None:
+        """The pre-update forwards of minibatch ``m`` (no gradient, in minibatch order): its log-probs in
+        ``pre_lps[m]``, routes (when ``wants_routes``) appended to ``routes``, its corrections and metric sums
+        accounted."""
+        mb_routes: list[torch.Tensor] | None = [] if self.wants_routes() else None
+        micros, lps, ent = self.r.inference_pass(self.minibatches[m], collective=collective,
+                                                 entropy_den=self.entropy_den, routes=mb_routes)
+        self.sums.ent += ent
+        self.pre_lps[m] = lps
+        if mb_routes is not None:  # recorded: the training forwards run under the tap (padded)
+            self.routes.append(mb_routes)
+        for k, (micro, lp) in enumerate(zip(micros, lps)):
+            self.account_micro(m, micro, lp, mb_routes[k] if mb_routes is not None else None)
+
+    def account_micro(self, m: int, micro: MicroBatch, lp: torch.Tensor, routes: torch.Tensor | None) -> None:
+        """Account one micro-batch of minibatch ``m``, its behaviour log-probs ``lp`` (float32 ``[b, w-1]``,
+        detached, 0 outside ``micro.mask``): the log-prob difference to the engine's, the mismatch correction
+        (appended to ``corrections[m]``), the mismatch sums, non-finite values (guard on) and, with the routers'
+        ``routes`` (``[layers, b*w, k]``), expert counts and the routing mismatch against the engine's."""
+        s, tap = self.sums, self.tap
+        s.diff[0] += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
+        s.diff[1] += float(micro.mask.sum())
+        weights, kept, dropped = rollout_correction(lp, micro.old_log_probs, micro.mask, self.cfg.rollout_correction,
+                                                    self.cfg.rollout_correction_low, self.cfg.rollout_correction_high)
+        self.corrections[m].append((weights, kept))
+        sums = mismatch_sums(lp, micro.old_log_probs, micro.mask, dropped)
+        s.mm_sum = [a + b for a, b in zip(s.mm_sum, sums[:2] + sums[4:])]
+        s.mm_max = [max(a, b) for a, b in zip(s.mm_max, sums[2:4])]
+        if self.guard.on:
+            bad = ~(torch.isfinite(lp) & torch.isfinite(micro.old_log_probs))
+            s.nonfinite += float((bad & micro.mask).sum())
+        if routes is None:
+            return
+        positions = response_positions(micro.mask).cpu()
+        if self.moe_diag:
+            s.load += expert_counts(routes, positions, tap.num_experts)
+        if micro.rollout_routes is not None:
+            changed, compared = topk_set_changes(routes, rollout_replay_ids(micro.rollout_routes, tap.top_k), positions)
+            s.mismatch[0], s.mismatch[1] = s.mismatch[0] + changed, s.mismatch[1] + compared
+
+    def pass_metrics(self) -> dict[str, Any]:
+        """The pass's metrics from ``self.sums``, all-reduced (sets ``self.nonfinite``). Collective."""
+        s, tap = self.sums, self.tap
+        pre = self.r.all_reduce([*s.diff, s.ent, s.nonfinite, *s.mismatch] + s.load.reshape(-1).tolist())
         diff_sum, diff_count, ent_sum, self.nonfinite = pre[:4]
         out: dict[str, Any] = {
             "actor/entropy": ent_sum,
@@ -200,10 +258,10 @@ class RolloutBatchStep:
         }
         if pre[5] > 0:
             out["moe/rollout_routing_mismatch"] = pre[4] / pre[5]
-        mm = self.r.all_reduce(mm_sum)
-        out.update(mismatch_metrics(mm[:2] + [0.0, 0.0] + mm[2:], self.r.all_reduce(mm_max, "max")))
+        mm = self.r.all_reduce(s.mm_sum)
+        out.update(mismatch_metrics(mm[:2] + [0.0, 0.0] + mm[2:], self.r.all_reduce(s.mm_max, "max")))
         if self.moe_diag:
-            counts = torch.tensor(pre[6:], dtype=torch.float64).reshape(load_counts.shape)
+            counts = torch.tensor(pre[6:], dtype=torch.float64).reshape(s.load.shape)
             out.update(load_metrics(counts, tap.layers))
         return out
 
@@ -246,8 +304,13 @@ class RolloutBatchStep:
         """Forward, loss and backward of micro-batch ``k`` of minibatch ``m``. Returns (the policy loss, whether
         the total loss is finite)."""
         cfg, t = self.cfg, self.t
+        behaviour_pass = m == 0 and self.fused and k == len(self.pre_lps[0])  # fused, first epoch
+        lp, ent = self.forward(m, k, mb, measure, vol, entropy_den=self.entropy_den if behaviour_pass else None)
+        if behaviour_pass:  # at the behaviour weights: its own behaviour log-probs and pass metrics
+            self.pre_lps[0].append(torch.where(mb.mask, lp.detach(), 0.0))
+            self.sums.ent += ent
+            self.account_micro(0, mb, self.pre_lps[0][k], None)
         old = self.pre_lps[m][k] if cfg.old_logprob_source == "recompute" else mb.old_log_probs
-        lp = self.forward(m, k, mb, measure, vol)
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
         # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
         weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)
@@ -272,15 +335,16 @@ class RolloutBatchStep:
         self.sequence_ratio_stats(lp.detach(), old, mb.mask, result.per_sequence)
         return value, finite
 
-    def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float]) -> torch.Tensor:
+    def forward(self, m: int, k: int, mb: MicroBatch, measure: bool, vol: list[float],
+                entropy_den: float | None = None) -> tuple[torch.Tensor, float]:
         """Training forward of micro-batch ``k`` of minibatch ``m``: the ``[b, w-1]`` log-probs (``Replica.log_probs``:
-        packed with ``learner.pack_sequences``), or, when the pre-update pass recorded routes, a padded forward
-        under the router tap with Routing Replay when configured (R2: the pre-update pass's experts; R3: the
-        engine's) that adds the routing changes against the routers' own pre-update choice to ``vol`` when
-        ``measure``."""
+        packed with ``learner.pack_sequences``; with ``entropy_den`` also its entropy sum, else 0.0), or, when the
+        pre-update pass recorded routes, a padded forward under the router tap with Routing Replay when configured
+        (R2: the pre-update pass's experts; R3: the engine's) that adds the routing changes against the routers'
+        own pre-update choice to ``vol`` when ``measure`` (entropy 0.0: the pass measured it)."""
         r, tap = self.r, self.tap
         if tap is None or not self.routes:
-            return r.log_probs(r.engine, mb)[0]
+            return r.log_probs(r.engine, mb, entropy_den=entropy_den)
         before = self.routes[m][k]
         mode = self.cfg.routing_replay
         replay = before if mode == "learner" else r.rollout_replay(mb) if mode == "rollout" else None
@@ -291,7 +355,7 @@ class RolloutBatchStep:
             used, _ = topk_set_changes(record.used_tensor().cpu(), before, sel)
             own, compared = topk_set_changes(record.router_tensor().cpu(), before, sel)
             vol[0], vol[1], vol[2] = vol[0] + used, vol[1] + own, vol[2] + compared
-        return token_log_probs(logits, mb.targets, r.temperature)
+        return token_log_probs(logits, mb.targets, r.temperature), 0.0
 
     @torch.no_grad()
     def sequence_ratio_stats(self, lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,

@@ -168,7 +168,8 @@ def test_pre_update_pass_skipped_when_nothing_needs_it(model_path):
         out, grads = _train_captured(learner, batches, guard={"max_grad_norm": 1e6})
         runs[mode] = (out, grads, calls[0], learner.state_digest())
     passes = sum(len(micro_slices(b.attention_mask, 2)) for b in batches)  # 3 + 3
-    assert runs["always"][2] == 2 * passes and runs["auto"][2] == passes
+    first = len(micro_slices(batches[0].attention_mask, 2))  # the first minibatch's pass fuses with its training
+    assert runs["always"][2] == 2 * passes - first and runs["auto"][2] == passes
     assert runs["auto"][3] == runs["always"][3]  # bit-identical weights after the update
     lean, full = runs["auto"][0].metrics, runs["always"][0].metrics
     for key in ("actor/entropy", "actor/train_rollout_logprob_diff"):
@@ -177,6 +178,56 @@ def test_pre_update_pass_skipped_when_nothing_needs_it(model_path):
     assert lean["health/skipped"] == 0.0 and lean["health/nonfinite_log_probs"] == 0.0
     for key in ("loss/policy", "actor/clip_fraction", "actor/grad_norm", "actor/seq_ratio_mean"):
         assert lean[key] == full[key], key
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_fused_first_minibatch_gives_the_update_and_metrics_of_the_separate_pass(model_path, ppo_epochs):
+    """Recomputed behaviour log-probs: the first minibatch's taken from its own training forwards (fused) give
+    every optimizer step's gradient, the weights and the pass's metrics of the separate no-gradient forward,
+    with one minibatch's forwards fewer; with 2 epochs the first minibatch's second pass still compares with the
+    behaviour weights' log-probs (a current-weights "old" would put its ratio at 1 and change its gradient)."""
+    batches = [make_batch(model_path, 5, seed=74), make_batch(model_path, 5, seed=75)]
+    runs = {}
+    for fused in (False, True):
+        cfg = LearnerConfig(zero_stage=1, micro_batch_size=2, lr=1e-3, num_minibatches=2, moe_diagnostics=False,
+                            old_logprob_source="recompute", rollout_correction="seq_geo_rs",
+                            rollout_correction_low=0.9998, rollout_correction_high=1.0002, ppo_epochs=ppo_epochs,
+                            fuse_first_minibatch=fused)
+        learner = _rank(model_path, cfg)
+        calls = _count_forwards(learner)
+        out, grads = _train_captured(learner, batches, guard={"max_grad_norm": 1e6})
+        runs[fused] = (out.metrics, grads, calls[0], learner.full_state_dict())
+    first = len(micro_slices(batches[0].attention_mask, 2))
+    assert runs[True][2] == runs[False][2] - first
+    assert len(runs[True][1]) == len(runs[False][1]) == 2 * ppo_epochs
+    for got, want in zip(runs[True][1], runs[False][1]):
+        assert_same_gradient(got, want)
+    assert_same_update(runs[True][3], runs[False][3], runs[False][1][0], lr=1e-3)
+    fused, separate = runs[True][0], runs[False][0]
+    for key in ("actor/entropy", "actor/train_rollout_logprob_diff", "mismatch/log_ratio_abs_max",
+                "mismatch/masked_seq_share", "loss/policy", "actor/clip_fraction", "actor/seq_ratio_mean"):
+        assert fused[key] == pytest.approx(separate[key], rel=1e-6, abs=1e-9), key
+    assert separate["actor/train_rollout_logprob_diff"] > 1e-4  # the rollout noise it measures, not 0
+    assert 0.0 < separate["mismatch/masked_seq_share"] < 1.0  # the correction drops some sequences, not all
+
+
+def test_fused_first_minibatch_refused_before_update_still_reports_the_pass(model_path):
+    """A non-finite rollout log-prob in the first minibatch refuses the update before any optimizer step, as
+    with the separate pass; the first minibatch's forward then runs after all, so the metrics are complete."""
+    batches = [make_batch(model_path, 4, seed=76), make_batch(model_path, 4, seed=77)]
+    row = int(batches[0].response_mask.any(-1).nonzero()[0])
+    batches[0].old_log_probs[row, int(batches[0].response_mask[row].nonzero()[0])] = float("inf")
+    got = {}
+    for fused in (False, True):
+        learner = _rank(model_path, LearnerConfig(zero_stage=1, micro_batch_size=2, num_minibatches=2,
+                                                  moe_diagnostics=False, old_logprob_source="recompute",
+                                                  fuse_first_minibatch=fused))
+        before = learner.state_digest()
+        out = learner.train_rollout_batch(batches, *_norms(batches), guard={"max_grad_norm": 1e6})
+        assert out.skipped and out.optimizer_steps == 0 and learner.state_digest() == before
+        assert out.failed_checks == ("nonfinite_log_probs",) and out.metrics["health/nonfinite_log_probs"] == 1.0
+        got[fused] = out.metrics
+    assert got[True]["actor/entropy"] == pytest.approx(got[False]["actor/entropy"], rel=1e-6)
 
 
 def test_pre_update_pass_runs_when_a_setting_needs_it(model_path):
