@@ -37,7 +37,9 @@ def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False, p
         micro-batches, by ``micro_batch_size`` rows or by ``max_tokens_per_micro_batch``), ZeRO stage ``cfg.zero_stage``, bf16 when ``cfg.dtype`` is
         bfloat16, gradients accumulated in fp32 whatever the dtype (``data_types.grad_accum_dtype``; DeepSpeed's
         default is the model's dtype, and it accumulates bf16 weights' gradients in fp32 at ZeRO stages 1-3
-        only, which ``LearnerConfig`` enforces), global-norm gradient clipping ``cfg.grad_clip``, and a client
+        only, which ``LearnerConfig`` enforces) and reduced across ranks in fp32 (``communication_data_type``;
+        DeepSpeed's default is bf16 for bf16 weights: twice the bytes for unrounded gradients), global-norm
+        gradient clipping ``cfg.grad_clip``, and a client
         optimizer allowed. With ``cfg.offload_optimizer == "cpu"``: ``zero_optimization.offload_optimizer =
         {"device": "cpu", "pin_memory": on_gpu}`` (page-locked host buffers speed the GPU's copies; on the CPU
         there is nothing to copy from); the client optimizer must then be DeepSpeed's CPU Adam, which DeepSpeed
@@ -65,6 +67,9 @@ def build_ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool = False, p
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
         "fp16": {"enabled": False},
         "data_types": {"grad_accum_dtype": "fp32"},  # float32 runs: the same as DeepSpeed's default
+        # gradients reduced across ranks in fp32: DeepSpeed's default for bf16 is bf16, which rounds the
+        # fp32-accumulated gradients before the fp32 master weights see them (FSDP's reduce_dtype in verl is fp32)
+        "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,

@@ -358,6 +358,7 @@ def test_bf16_one_rank_skips_the_gradient_all_reduce_and_its_bf16_rounding(model
     for reduce_dtype in (None, torch.float32, torch.bfloat16):
         learner = _rank(model_path, cfg, port)
         assert learner.engine.enable_backward_allreduce is False
+        assert learner.engine.communication_data_type == torch.float32  # where ranks reduce (learner/ds_config.py)
         if reduce_dtype is not None:
             learner.engine.enable_backward_allreduce = True
             learner.engine.communication_data_type = reduce_dtype

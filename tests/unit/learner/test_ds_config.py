@@ -16,6 +16,7 @@ def test_bf16_accumulates_gradients_in_fp32(zero_stage):
     ds = build_ds_config(LearnerConfig(zero_stage=zero_stage, dtype="bfloat16", micro_batch_size=4), world_size=2)
     assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["communication_data_type"] == "fp32"  # reduced across ranks unrounded (DeepSpeed's default: bf16)
     assert ds["zero_optimization"]["stage"] == zero_stage
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 1
 
