@@ -33,9 +33,11 @@ Variants (all from the config's learner section; each on its own engine, built o
   ``packed_bins``): the default with the other ``learner.packing_layout``; ``bf16_autocast``: with
   ``learner.autocast=bfloat16`` (float32 configs); ``bf16_deepspeed``: with ``learner.dtype=bfloat16`` at ZeRO
   stage >= 1, the learner ``precision=bf16`` runs (float32 configs; compare with ``ranks1_zero1`` for the stage);
-- the ceiling, ``plain_torch_padded`` / ``plain_torch_packed``: one plain torch forward+backward of the same
-  batch in the bench's own process (transformers, 1 thread, no DeepSpeed, Ray or optimizer), padded micro-batches
-  of ``micro_batch_size`` rows, or packed (``learner.packing``). Learner and ceiling are printed as tokens/s over the
+- the ceiling, ``plain_torch_padded`` / ``plain_torch_packed`` / ``plain_torch_packed_bf16``: one plain torch
+  forward+backward of the same batch in the bench's own process (transformers, 1 thread, no DeepSpeed, Ray or
+  optimizer), padded micro-batches of ``micro_batch_size`` rows, or packed (``learner.packing``); float32 weights,
+  or bfloat16 with float32 attention (the learner's bf16 on the CPU). A variant is compared with the ceiling of
+  its own ``learner.dtype``. Learner and ceiling are printed as tokens/s over the
   batch's real tokens, and the log-prob gap of bf16 autocast against float32 on the response tokens.
 
 The batch line gives, under ``packing``, the positions the default variant's training forwards run (packed, and
@@ -285,7 +287,8 @@ def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
         build_s = time.perf_counter() - t0
         seconds: dict[str, list[float]] = {name: [] for name in [*table, *PLAIN]}
         last: dict[str, dict] = {}
-        model = plain_model(model_path)
+        models = {dtype: plain_model(model_path, dtype) for dtype in {d for _, d in PLAIN.values()}}
+        model = models["float32"]
         names = list(table)
         for rnd in range(rounds + 1):  # round 0: warm-up
             # the order rotates by one each round: no variant always runs first, after the ceiling's passes in
@@ -297,26 +300,35 @@ def run(cfg, model_path: str, rounds: int, only: list[str] | None) -> dict:
                 if rnd:
                     seconds[name].append(time.perf_counter() - t)
                 last[name] = outs[0]
-            for name, packed in PLAIN.items():
-                s = plain_torch(model, batch, cfg.learner.micro_batch_size, cfg.rollout.temperature, packed)
+            for name, (packed, dtype) in PLAIN.items():
+                s = plain_torch(models[dtype], batch, cfg.learner.micro_batch_size, cfg.rollout.temperature, packed)
                 if rnd:
                     seconds[name].append(s)
         gap = bf16_gap(model, batch, cfg.rollout.temperature)
     finally:
         ray.shutdown()
-    return {"batch": facts, "build_s": build_s, "seconds": seconds, "last": last, "table": table, "bf16_gap": gap}
+    return {"batch": facts, "build_s": build_s, "seconds": seconds, "last": last, "table": table, "bf16_gap": gap,
+            "learner_dtype": cfg.learner.dtype}
 
 
-# the ceiling: plain torch forward+backward of the batch's tokens in the bench's own process (1 thread)
-PLAIN = {"plain_torch_padded": False, "plain_torch_packed": True}
+# the ceiling: plain torch forward+backward of the batch's tokens in the bench's own process (1 thread):
+# name -> (packed, dtype of the weights)
+PLAIN = {"plain_torch_padded": (False, "float32"), "plain_torch_packed": (True, "float32"),
+         "plain_torch_packed_bf16": (True, "bfloat16")}
 
 
-def plain_model(model_path: str):
-    """The model in float32 under plain transformers, for the ceiling."""
+def plain_model(model_path: str, dtype: str = "float32"):
+    """The model in ``dtype`` under plain transformers, for the ceiling (bf16: attention in float32, as the
+    learner runs it on the CPU, learner/attention.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    from learner.attention import use_fp32_attention
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    if dtype == "bfloat16":
+        use_fp32_attention(model)
+    return model
 
 
 def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dict:
@@ -337,19 +349,20 @@ def report(res: dict, load_before: tuple, load_after: tuple, rounds: int) -> dic
               f"{'ran' if ran else 'skipped':15s}  {over or '(config)'}")
     tokens = res["batch"]["real_tokens"]
     ceiling = {name: tokens / statistics.median(sec[name]) for name in PLAIN}
-    best = max(ceiling.values())
+    best = {dtype: max(c for name, c in ceiling.items() if PLAIN[name][1] == dtype) for _, dtype in PLAIN.values()}
     print(f"tokens/s over the batch's {tokens} real tokens (learner: one update, its passes included; ceiling: "
-          f"one plain torch forward+backward of the same tokens in this process, 1 thread; a learner rank's "
-          f"threads are the mean over its last update's micro-batches):")
+          f"one plain torch forward+backward of the same tokens in this process, 1 thread, in the learner's "
+          f"dtype; a learner rank's threads are the mean over its last update's micro-batches):")
     for name in [*table, *PLAIN]:
         tps = tokens / statistics.median(sec[name])
         # a rank with elastic threads (learner.max_threads_per_rank) may run 2+ threads on an idle machine:
         # the ceiling runs 1, so compare per thread (perf/learner_threads_mean of the last update)
         threads = res["last"].get(name, {}).get("perf/learner_threads_mean", 1.0) if name in table else 1.0
+        dtype = PLAIN[name][1] if name in PLAIN else table[name][1].get("dtype", res["learner_dtype"])
         row = rows.setdefault(name, {"median_s": statistics.median(sec[name]), "all_s": sec[name]})
-        row.update(tokens_per_s=tps, threads=threads)
-        print(f"   {name:22s} {tps:10.0f} tokens/s on {threads:.2f} thread(s) = {tps / threads / best:.2f}x the "
-              f"ceiling per thread")
+        row.update(tokens_per_s=tps, threads=threads, dtype=dtype)
+        print(f"   {name:24s} {tps:10.0f} tokens/s on {threads:.2f} thread(s) = {tps / threads / best[dtype]:.2f}x "
+              f"the {dtype} ceiling per thread")
     gap = res["bf16_gap"]
     print(f"bf16 autocast log-prob gap against float32 on the response tokens: mean {gap['mean']:.2e}, "
           f"max {gap['max']:.2e} nats")
