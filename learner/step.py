@@ -124,10 +124,11 @@ class RolloutBatchStep:
         refused = self.guard.refuse_before_update(out, self.nonfinite)
         counts = self.r.aligned_counts([len(self.r.slices(mb)) for mb in self.minibatches])
         snapshot = self.r.snapshot() if self.guard.on and not refused else None
-        if not refused and (self.critic is None or self.critic.policy_trains()):
+        trains = not refused and (self.critic is None or self.critic.policy_trains())  # the same on every rank
+        if trains:
             self.train(counts)
-        if self.fused:  # the first minibatch's part came from its training forwards (or now, if none ran)
-            if not self.pre_lps[0]:
+        if self.fused:  # the first minibatch's part came from its training forwards, or comes now if none ran
+            if not trains:  # (not by this rank's pre_lps[0]: a rank whose shard of it is empty must join too)
                 self.account_minibatch(0, collective=True)
             out.update(self.pass_metrics())
         out.update(self.metrics())
