@@ -38,7 +38,9 @@ KV_BLOCK_TOKENS = 16
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 ZERO3_PREFETCH_BUCKET_SIZE = 50_000_000
 GIB = float(2**30)
-#: GiB of one learner rank beyond its model state: the CUDA context, NCCL and DeepSpeed's communication buckets.
+#: GiB of one learner rank beyond its model state: the CUDA context, NCCL and DeepSpeed's communication buckets
+#: (at ZeRO 2-3 with contiguous gradients, one reduce buffer of ``reduce_bucket_size`` = 5e8 elements in the
+#: communication dtype, float32 in every run since bf16 reduces in fp32 (learner/ds_config.py): 1.86 GiB).
 LEARNER_OVERHEAD_GIB = 4.0
 #: float32 chunks of ``learner.logprobs.token_log_probs`` alive at once (logits, exp, gradient), 2**25 each.
 LOGPROB_CHUNK_BYTES = 3 * 4 * 2**25
