@@ -50,6 +50,11 @@ _EMPTY_POLICY_METRICS = {
 }
 
 
+def _rollout_nonfinite(mb: TrainBatch) -> float:
+    """Non-finite rollout (behaviour) log-probs on ``mb``'s response tokens."""
+    return float((~torch.isfinite(mb.old_log_probs) & mb.response_mask.bool()).sum())
+
+
 @dataclass
 class _PassSums:
     """This rank's sums of the pre-update pass's metrics over the micro-batches accounted so far."""
@@ -129,7 +134,7 @@ class RolloutBatchStep:
             self.train(counts)
         if self.fused:  # the first minibatch's part came from its training forwards, or comes now if none ran
             if not trains:  # (not by this rank's pre_lps[0]: a rank whose shard of it is empty must join too)
-                self.account_minibatch(0, collective=True)
+                self.account_minibatch(0)
             out.update(self.pass_metrics())
         out.update(self.metrics())
         if self.guard.on:
@@ -172,8 +177,7 @@ class RolloutBatchStep:
         tokens over all ranks (a non-finite learner log-prob is caught in training as ``nonfinite_loss`` and
         undone). No forward, no metrics. Collective when the guard is on."""
         if self.guard.on:
-            bad = sum(float((~torch.isfinite(mb.old_log_probs) & mb.response_mask.bool()).sum()) for mb in self.minibatches)
-            (self.nonfinite,) = self.r.all_reduce([bad])
+            (self.nonfinite,) = self.r.all_reduce([sum(_rollout_nonfinite(mb) for mb in self.minibatches)])
         return {}
 
     def wants_routes(self) -> bool:
@@ -199,21 +203,19 @@ class RolloutBatchStep:
         ``{}`` (``pass_metrics`` after training), with the guard's non-finite count of the minibatches
         forwarded plus the first one's rollout log-probs all-reduced into ``self.nonfinite``. Collective."""
         for m in range(1 if self.fused else 0, len(self.minibatches)):
-            self.account_minibatch(m, collective=True)
+            self.account_minibatch(m)
         if not self.fused:
             return self.pass_metrics()
         if self.guard.on:
-            first = self.minibatches[0]
-            bad = float((~torch.isfinite(first.old_log_probs) & first.response_mask.bool()).sum())
-            (self.nonfinite,) = self.r.all_reduce([self.sums.nonfinite + bad])
+            (self.nonfinite,) = self.r.all_reduce([self.sums.nonfinite + _rollout_nonfinite(self.minibatches[0])])
         return {}
 
-    def account_minibatch(self, m: int, collective: bool) -> None:
+    def account_minibatch(self, m: int) -> None:
         """The pre-update forwards of minibatch ``m`` (no gradient, in minibatch order): its log-probs in
         ``pre_lps[m]``, routes (when ``wants_routes``) appended to ``routes``, its corrections and metric sums
-        accounted."""
+        accounted. Collective."""
         mb_routes: list[torch.Tensor] | None = [] if self.wants_routes() else None
-        micros, lps, ent = self.r.inference_pass(self.minibatches[m], collective=collective,
+        micros, lps, ent = self.r.inference_pass(self.minibatches[m], collective=True,
                                                  entropy_den=self.entropy_den, routes=mb_routes)
         self.sums.ent += ent
         self.pre_lps[m] = lps

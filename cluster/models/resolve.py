@@ -43,11 +43,10 @@ def ensure_model(path_or_builtin: str, out_root: str | os.PathLike, **build_kwar
         ValueError: an unknown ``builtin:`` name, or build arguments ``build_tiny_moe`` refuses.
     """
     if path_or_builtin.startswith("builtin:"):
+        check_builtin(path_or_builtin, "model.path")
         arch = builtin_arch(path_or_builtin)
         if arch is not None:
             return build_tiny_arch(Path(out_root) / f"tiny_{arch}", arch, seed=build_kwargs.get("seed", 0))
-        if path_or_builtin != BUILTIN_TINY_MOE:
-            raise ValueError(f"model.path={path_or_builtin!r}: the builtin models are {builtin_names()}")
         return build_tiny_moe(Path(out_root) / "tiny_moe", **build_kwargs)
     if hub_model.is_hub_id(path_or_builtin):
         return hub_model.download(path_or_builtin)  # a hub id: the snapshot folder (cluster/models/hub_model.py)
