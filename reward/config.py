@@ -358,14 +358,33 @@ class OpenEnvConfig(Section):
         return self
 
 
+class GatewayConfig(Section):
+    """The session gateway of ``env.agent`` runs (section ``env.gateway``): the OpenAI-compatible HTTP endpoint in
+    front of the rollout engines that an agent program talks to (``cluster/runtime/gateway.py``, docs/agents.md)."""
+
+    host: str = Field(
+        "127.0.0.1", description="address the gateway binds to; 127.0.0.1 serves env workers on the driver's node "
+        "only, a node address (or 0.0.0.0) serves env workers on other nodes",
+    )
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 = a free port chosen at start")
+    fork_policy: Literal["longest", "refuse"] = Field(
+        "longest",
+        description="an episode whose agent sent a history that is not an extension of what the gateway returned "
+        "(edited, summarised, reasoning stripped) forks: longest = train the branch with the most sampled tokens "
+        "(counted in agent/forks); refuse = answer the request with an error, the episode ends as the agent does",
+    )
+    model_name: str = Field("policy", description="the model id /v1/models lists and responses name")
+
+
 class EnvConfig(Section):
     """Multi-turn environments (section ``env``): which environment an episode runs in and how the env workers
     run it (``reward/environment.py``, ``reward/env_worker.py``).
 
-    The section is on when ``cls``, ``tools`` or ``openenv`` is set (``enabled``), and then exactly one of them
-    is: ``cls`` names an ``Environment`` subclass; ``tools`` names tool functions for a ``ToolsEnvironment``,
-    whose episode reward is the row's verifier on the final assistant text; ``openenv`` an OpenEnv server
-    (``OpenEnvConfig``, played through ``reward.openenv_env``).
+    The section is on when ``cls``, ``tools``, ``openenv`` or ``agent`` is set (``enabled``), and then exactly one
+    of them is: ``cls`` names an ``Environment`` subclass; ``tools`` names tool functions for a
+    ``ToolsEnvironment``, whose episode reward is the row's verifier on the final assistant text; ``openenv`` an
+    OpenEnv server (``OpenEnvConfig``, played through ``reward.openenv_env``); ``agent`` an agent program that
+    talks to the session gateway (``GatewayConfig``) through an OpenAI client.
     """
 
     cls: str | None = Field(
@@ -403,22 +422,40 @@ class EnvConfig(Section):
         "hermes", description="how tool calls are written in the model's text (the rollout's tool-call parser)",
     )
     openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig)
+    agent: str | None = Field(
+        None, description="'module.path:function', an agent program called once per episode in an env worker with "
+        "the row (dict) and an OpenAI client (sync, or async for an async function) whose base URL is the episode's "
+        "session on the gateway; it returns the reward (a float or named components) or None (the row's verifier "
+        "scores the last assistant message). None = not used",
+    )
+    episode_timeout_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False,
+        description="an agent program's whole episode, seconds (env.agent); past it the episode ends with status "
+        "timeout and its session refuses further requests",
+    )
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @property
     def enabled(self) -> bool:
         """True when episodes run in environments (``cls``, ``tools`` or ``openenv`` is set)."""
-        return self.cls is not None or bool(self.tools) or self.openenv.enabled
+        return self.cls is not None or bool(self.tools) or self.openenv.enabled or self.agent is not None
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
         if self.cls is not None and self.tools:
             raise ValueError(f"env.cls={self.cls!r} and env.tools={self.tools} are both set: set exactly one (an "
                              "Environment subclass, or tool functions scored by the row's verifier)")
+        ways = [k for k, on in (("cls", self.cls is not None), ("tools", bool(self.tools)),
+                                ("openenv", self.openenv.enabled), ("agent", self.agent is not None)) if on]
+        if self.agent is not None and len(ways) > 1:
+            raise ValueError(f"env.agent={self.agent!r} is set beside env.{', env.'.join(w for w in ways if w != 'agent')}: "
+                             "an agent program brings its own tools; set exactly one way to define the episode")
         if self.openenv.enabled and (self.cls is not None or self.tools):
             raise ValueError(f"env.openenv ({self.openenv.app or self.openenv.url!r}) and env.cls={self.cls!r} / "
                              f"env.tools={self.tools} are set: set exactly one way to define the environment")
         named = ([("env.cls", self.cls)] if self.cls is not None else []) + [
-            (f"env.tools[{i}]", name) for i, name in enumerate(self.tools)]
+            (f"env.tools[{i}]", name) for i, name in enumerate(self.tools)] + (
+            [("env.agent", self.agent)] if self.agent is not None else [])
         for key, name in named:
             module, _, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
             if not module or not attr or ":" in attr:

@@ -241,6 +241,11 @@ class EnvWorker:
         self.reward_cfg = reward_cfg if reward_cfg is not None else RewardConfig()
         self._env_cls = load_environment_class(cfg.cls) if cfg.cls is not None else None
         self._tools = load_tools(cfg.tools) if cfg.cls is None else []
+        self._agents = None  # env.agent: the agent programs under way (reward.agent_runner)
+        if cfg.agent is not None:
+            from reward.agent_runner import AgentRuns, load_agent
+
+            self._agents = AgentRuns(load_agent(cfg.agent), cfg.episode_timeout_s)
         self._openenv = None
         if cfg.openenv.enabled:
             from reward.openenv_env import OpenEnvBackend
@@ -329,6 +334,33 @@ class EnvWorker:
             env = ToolsEnvironment(row, seed, self._tools, verifier)
         holder.append(env)
         return env.initial_messages(), env.tools()
+
+    def start_agent(self, episode_id: str, row: Any, session: dict[str, str]) -> None:
+        """``env.agent``: run the agent program of one episode against its gateway session
+        (``reward.agent_runner.AgentRuns.start``); returns at once.
+
+        Raises:
+            ValueError: this worker runs no agent (``env.agent`` unset).
+        """
+        if self._agents is None:
+            raise ValueError("start_agent: env.agent is unset on this env worker")
+        self._agents.start(episode_id, as_row_dict(row), session)
+
+    def verify(self, row: Any, text: str) -> tuple[float, bool]:
+        """``(score, correct)`` of the row's verifier on ``text`` (an agent that returned no reward: its last
+        assistant message), read as the reward worker reads a verifier (``reward.worker.interpret``); a failed
+        verifier gives its ``reward`` section's error score."""
+        from reward.worker import interpret
+
+        row = as_row_dict(row)
+        out = self._runner.call(self._verifier_for(row), text, row, timeout_s=self.cfg.tool_timeout_s,
+                                method="verify")
+        score, correct, _, _ = interpret(out, self.reward_cfg)
+        return float(score), bool(correct if correct is not None else score >= 1.0)
+
+    def agent_threads(self) -> int:
+        """Agent programs still running on this worker (0 without ``env.agent``)."""
+        return 0 if self._agents is None else self._agents.running()
 
     def _verifier_for(self, row: dict) -> Callable:
         name = self.reward_cfg.verifier or row.get("verifier")

@@ -272,6 +272,8 @@ class EpisodeRunner:
         tokenizer: the model's tokenizer (renders the environment's replies and first messages).
     """
 
+    episode_cls = Episode  # the record of one episode (the gateway's runner keeps more)
+
     def __init__(self, cfg: Config, fleet, pool: EnvPool, tokenizer):
         self.cfg, self.fleet, self.pool, self.tokenizer = cfg, fleet, pool, tokenizer
         self.chat = bool(getattr(tokenizer, "chat_template", None))
@@ -289,7 +291,7 @@ class EpisodeRunner:
         0 = greedy (evaluation)."""
         self.fleet.settle()
         round_ = next(self.rounds)
-        episodes = [Episode(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
+        episodes = [self.episode_cls(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
                             (i * G + k) % len(self.pool), group=i) for i, row in enumerate(rows) for k in range(G)]
         t0 = time.perf_counter()
         self.start_episodes(episodes)

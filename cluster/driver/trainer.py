@@ -29,8 +29,8 @@ from cluster import precision
 from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
-from cluster.driver import (agent_loop, audit_dump, checkpoint, length_slices, partial_episodes, partial_rollout,
-                            step_metrics)
+from cluster.driver import (agent_loop, audit_dump, checkpoint, gateway_episodes, length_slices, partial_episodes,
+                            partial_rollout, step_metrics)
 from cluster.driver.distill import Distiller
 from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
 from cluster.driver.collect import Collected, Collector
@@ -120,6 +120,7 @@ class Trainer:
         self.distiller: Distiller | None = None  # distill set: the teacher's log-probs and per-token advantages
         self.episodes: agent_loop.EpisodeRunner | None = None  # env set: multi-turn episodes
         self.env_groups: services.RewardGroups | None = None  # the env workers' placement groups
+        self.gateway: Any = None  # env.agent: the session gateway actor (cluster.runtime.gateway)
         self.rl_lr: RLLearningRate | None = None
         self.placement: placement.PlacementRecord | None = None  # placement.json
         self.logger: MetricsLogger | None = None
@@ -144,8 +145,8 @@ class Trainer:
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **m.build_kwargs()))
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        if cfg.env.enabled:  # episodes continue on their sampled ids: the template must allow it
-            agent_loop.check_template(self.tokenizer)
+        if cfg.env.enabled and (cfg.env.agent is None or cfg.env.gateway.fork_policy == "refuse"):
+            agent_loop.check_template(self.tokenizer)  # episodes continue on their sampled ids (agents fork)
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
         self.user_modules = user_code.check_user_verifiers(
@@ -203,8 +204,12 @@ class Trainer:
         if cfg.env.enabled:  # multi-turn episodes: env workers beside the reward workers
             self.env_groups = services.RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources,
                                                     cfg.cluster.placement_timeout_s)
-            self.episodes = agent_loop.EpisodeRunner(cfg, self.fleet, agent_loop.EnvPool(cfg, self.env_groups),
-                                                     self.tokenizer)
+            pool = agent_loop.EnvPool(cfg, self.env_groups)
+            if cfg.env.agent is not None:  # agent programs behind the session gateway
+                self.episodes, self.gateway = gateway_episodes.start_gateway_runner(cfg, self.fleet, pool,
+                                                                                   self.tokenizer)
+            else:
+                self.episodes = agent_loop.EpisodeRunner(cfg, self.fleet, pool, self.tokenizer)
         self.learners.wait_ready()
         if self.distiller is not None:
             self.distiller.teacher.wait_ready()
@@ -431,5 +436,7 @@ class Trainer:
         if self.episodes is not None:
             self.episodes.pool.shutdown()
             self.env_groups.remove_all()
+        if self.gateway is not None:
+            self.gateway.stop.remote()  # the actor goes with the job; this only stops accepting requests
         if self.learners is not None:
             self.learners.shutdown()

@@ -174,8 +174,9 @@ def check_user_loss(cfg: Config, cwd: Path | None = None) -> list[str]:
 
 
 def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
-    """Import the environment class (``env.cls``) or tool functions (``env.tools``) on the driver, with their
-    tools' schemas, and list their modules for the workers (the env workers import them), as for a verifier.
+    """Import the environment class (``env.cls``), tool functions (``env.tools``, with their tools' schemas) or
+    agent (``env.agent``) on the driver, and list their modules for the workers (the env workers import them), as
+    for a verifier.
 
     Returns:
         ``[]`` without ``env``; otherwise the paths for the runtime env's ``py_modules`` (none for modules inside
@@ -196,15 +197,20 @@ def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
     cwd = with_working_dir_on_path(cwd)
     if ec.openenv.enabled:
         return _check_openenv(cfg, cwd)
-    names = [ec.cls] if ec.cls is not None else list(ec.tools)
+    names = [ec.cls] if ec.cls is not None else [ec.agent] if ec.agent is not None else list(ec.tools)
+    key = "env.cls" if ec.cls is not None else "env.agent" if ec.agent is not None else "env.tools"
     try:
         if ec.cls is not None:
             load_environment_class(ec.cls)
+        elif ec.agent is not None:
+            from reward.agent_runner import load_agent
+
+            load_agent(ec.agent)
         else:
             tool_schemas(load_tools(ec.tools))
     except ValueError as err:
-        key = "env.cls" if ec.cls is not None else "env.tools"
-        raise ConfigError(_not_found(f"{key}={ec.cls or ec.tools!r}", err, "environment", names[0], cwd)) from None
+        raise ConfigError(_not_found(f"{key}={ec.cls or ec.agent or ec.tools!r}", err, "environment", names[0],
+                                     cwd)) from None
     return sorted({src for name in names if (src := _shipped_source(name)) is not None})
 
 

@@ -1,0 +1,260 @@
+"""The session gateway: an OpenAI-compatible HTTP endpoint per episode in front of the rollout engines
+(``env.agent``; docs/agents.md "Agent programs").
+
+One async Ray actor (``Gateway``) runs a uvicorn server with a FastAPI app on its own event loop, on the driver's
+node (``env.gateway.host``, 127.0.0.1 by default). Why an actor and not Ray Serve: a run has one gateway whose
+state is the sessions under way, which the driver reads turn by turn; Serve's replicas, router and HTTP proxy
+would add a second process hop and a controller to a job that needs neither, and Serve's autoscaling has nothing
+to scale (the work is on the engines, which scale as they do today).
+
+Every episode gets a session: ``open`` returns its base URL ``http://host:port/s/<session id>/v1`` and its key
+(the ``Authorization: Bearer`` token, compared with ``hmac.compare_digest``). Routes under the base URL:
+``POST /chat/completions`` (stream or not), ``POST /responses`` (the Responses API), ``GET /models``; and
+``POST /s/<id>/close`` (an agent program, or its runner, ends the episode with a reward).
+
+The gateway samples nothing itself: the driver stays in charge. An HTTP request becomes an event in its session's
+inbox; the driver's ``exchange(session, answer)`` answers the request under way (with the sampled turn parsed
+into a ``Reply``, or a ``ProtocolError``) and waits for the session's next event: the agent's next request, the
+session's close, or the deadline. So a request is a turn the agent loop schedules like any other (engine
+affinity, continuous batching, no turn open at a weight sync).
+
+Errors (OpenAI's error body): 400 a malformed request (naming the field), 401 a missing or wrong key, 404 an
+unknown session, 409 a closed session or a second request while one is under way in the same session, 503 when
+the driver fails the request (an engine lost mid-request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rollout.openai_protocol import (
+    ProtocolError,
+    Reply,
+    chat_completion,
+    chat_completion_chunks,
+    models_list,
+    parse_chat_request,
+    sse,
+)
+from rollout.openai_responses import parse_responses_request, response_events, response_object
+
+
+@dataclass
+class _Session:
+    """One episode's session: its key, the request under way (a future the driver answers) and its inbox."""
+
+    key: str
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: asyncio.Future | None = None
+    closed: bool = False
+    requests: int = 0
+
+
+def _error(err: ProtocolError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class Gateway:
+    """The gateway actor (module docstring). Wrap with ``ray.remote`` (async actor).
+
+    Args:
+        host: address to bind (``env.gateway.host``).
+        port: TCP port, 0 = a free one (``env.gateway.port``).
+        model_name: the model id served (``env.gateway.model_name``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, model_name: str = "policy"):
+        self.host, self.port, self.model_name = host, port, model_name
+        self.sessions: dict[str, _Session] = {}
+        self.counters: dict[str, float] = {}
+        self.ids = itertools.count()
+        self.server = None
+
+    # -- the driver's calls -----------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Serve on ``host:port``; returns the server's root URL (``http://host:port``)."""
+        import uvicorn
+
+        config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        task = asyncio.get_running_loop().create_task(self.server.serve())
+        while not self.server.started:
+            if task.done():
+                raise RuntimeError(f"the gateway did not start on {self.host}:{self.port}: {task.exception()!r}")
+            await asyncio.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://{self.host}:{self.port}"
+
+    async def open(self, session_id: str) -> dict[str, str]:
+        """A new session: ``{"base_url": .../s/<id>/v1, "api_key": key, "session_id": id}``.
+
+        Raises:
+            ValueError: ``session_id`` is already open.
+        """
+        if session_id in self.sessions:
+            raise ValueError(f"gateway session {session_id!r} is already open")
+        key = secrets.token_urlsafe(24)
+        self.sessions[session_id] = _Session(key)
+        return {"base_url": f"http://{self.host}:{self.port}/s/{session_id}/v1", "api_key": key,
+                "session_id": session_id}
+
+    async def exchange(self, session_id: str, answer: Any = None, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Answer the session's request under way (``answer``: a ``Reply``, a ``ProtocolError``, or None when
+        none is under way) and wait for its next event.
+
+        Returns:
+            ``{"kind": "request", "request": <ChatRequest fields>, "request_id": str}``, ``{"kind": "end",
+            "reward": ..., "status": ..., "error": ...}`` (the session was closed), or ``{"kind": "timeout"}``
+            (nothing within ``timeout_s`` seconds: the session is closed).
+
+        Raises:
+            KeyError: an unknown session.
+        """
+        s = self.sessions[session_id]
+        if answer is not None and s.pending is not None and not s.pending.done():
+            s.pending.set_result(answer)
+        try:
+            return await asyncio.wait_for(s.inbox.get(), timeout_s)
+        except asyncio.TimeoutError:
+            self._close(s, {"kind": "timeout"})
+            return {"kind": "timeout"}
+
+    async def close(self, session_id: str) -> None:
+        """End a session from the driver (its episode is over): a request under way gets 409, later ones too."""
+        if (s := self.sessions.get(session_id)) is not None:
+            self._close(s, {"kind": "end", "reward": None, "status": "closed", "error": "closed by the trainer"})
+            self.sessions.pop(session_id, None)
+
+    async def take_counters(self) -> dict[str, float]:
+        """The gateway's counters since the last call (``gateway/*``: requests, errors by status, streams)."""
+        out, self.counters = self.counters, {}
+        return out
+
+    async def stop(self) -> None:
+        """Stop serving."""
+        if self.server is not None:
+            self.server.should_exit = True
+
+    # -- the HTTP side ----------------------------------------------------------------------------------------
+    def _count(self, key: str, n: float = 1.0) -> None:
+        self.counters[key] = self.counters.get(key, 0.0) + n
+
+    def _close(self, s: _Session, event: dict[str, Any]) -> None:
+        if s.closed:
+            return
+        s.closed = True
+        if s.pending is not None and not s.pending.done():
+            s.pending.set_result(ProtocolError(409, "the episode of this session ended", code="session_closed"))
+        s.inbox.put_nowait(event)
+
+    def _session(self, session_id: str, authorization: str | None) -> _Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise ProtocolError(404, f"unknown session {session_id!r}", code="session_not_found")
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(token.encode(), s.key.encode()):
+            raise ProtocolError(401, "missing or wrong API key for this session", type="authentication_error",
+                                code="invalid_api_key")
+        if s.closed:
+            raise ProtocolError(409, "the episode of this session ended", code="session_closed")
+        return s
+
+    async def _turn(self, session_id: str, authorization: str | None, body: Any, api: str):
+        """One request: checked, put in the session's inbox, answered when the driver gives its turn."""
+        self._count("gateway/requests")
+        try:
+            s = self._session(session_id, authorization)
+            if s.pending is not None and not s.pending.done():
+                raise ProtocolError(409, "a request of this session is already under way (one at a time)",
+                                    code="concurrent_request")
+            req = parse_chat_request(body) if api == "chat" else parse_responses_request(body)
+        except ProtocolError as err:
+            self._count(f"gateway/errors/{err.status}")
+            return _error(err)
+        s.requests += 1
+        request_id = f"{session_id}-{s.requests}"
+        s.pending = asyncio.get_running_loop().create_future()
+        s.inbox.put_nowait({"kind": "request", "request": dataclasses.asdict(req), "request_id": request_id})
+        answer = await s.pending
+        if isinstance(answer, ProtocolError):
+            self._count(f"gateway/errors/{answer.status}")
+            return _error(answer)
+        kw = dict(request_id=request_id, model=self.model_name, created=int(time.time()))
+        if not req.stream:
+            return JSONResponse(chat_completion(answer, **kw) if api == "chat"
+                                else response_object(answer, request=req, **kw))
+        self._count("gateway/streams")
+        events = (chat_completion_chunks(answer, include_usage=req.include_usage, **kw) if api == "chat"
+                  else response_events(answer, request=req, **kw))
+        return StreamingResponse(iter([sse(events, api=api)]), media_type="text/event-stream")
+
+    async def _close_route(self, session_id: str, authorization: str | None, body: Any):
+        try:
+            s = self._session(session_id, authorization)
+        except ProtocolError as err:
+            return _error(err)
+        body = body if isinstance(body, dict) else {}
+        self._close(s, {"kind": "end", "reward": body.get("reward"), "status": str(body.get("status", "ok")),
+                        "error": body.get("error")})
+        return JSONResponse({"session_id": session_id, "closed": True})
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="gspo-rl session gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def _body(request: Request) -> Any:
+            try:
+                return await request.json()
+            except ValueError:
+                return None
+
+        @app.post("/s/{session_id}/v1/chat/completions")
+        async def chat(session_id: str, request: Request, authorization: str | None = Header(None)):
+            return await self._turn(session_id, authorization, await _body(request), "chat")
+
+        @app.post("/s/{session_id}/v1/responses")
+        async def responses(session_id: str, request: Request, authorization: str | None = Header(None)):
+            return await self._turn(session_id, authorization, await _body(request), "responses")
+
+        @app.get("/s/{session_id}/v1/models")
+        async def models(session_id: str, authorization: str | None = Header(None)):
+            try:
+                self._session(session_id, authorization)
+            except ProtocolError as err:
+                return _error(err)
+            return JSONResponse(models_list(self.model_name))
+
+        @app.post("/s/{session_id}/close")
+        async def close(session_id: str, request: Request, authorization: str | None = Header(None)):
+            return await self._close_route(session_id, authorization, await _body(request))
+
+        return app
+
+
+def start_gateway(host: str, port: int, model_name: str):
+    """The gateway actor on this (the driver's) node, serving: ``(handle, root URL)``.
+
+    Raises:
+        RuntimeError: the server did not start (its port taken, ...).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(Gateway).options(
+        num_cpus=0, max_concurrency=4096, name=None,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(host, port, model_name)
+    return actor, ray.get(actor.start.remote(), timeout=120)
+
+
+__all__ = ["Gateway", "Reply", "start_gateway"]

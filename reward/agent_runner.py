@@ -1,0 +1,122 @@
+"""Agent programs run as episodes (``env.agent``): the user's function, called once per episode in an env worker
+with the row and an OpenAI client pointed at the episode's gateway session (docs/agents.md "Agent programs").
+
+``AgentRuns.start`` runs ``fn(row, client)`` in a thread of its own (a coroutine function gets an
+``openai.AsyncOpenAI`` client and its own event loop in that thread), so many episodes run at once on one
+worker. When the function returns, raises or its thread is abandoned, the runner closes the session over the
+gateway's REST route (``POST /s/<id>/close`` with the session key) with the reward it returned (a float, named
+components, or None: the row's verifier scores the last assistant message) or the error. The run never waits on
+an agent here: the driver's deadline (``env.episode_timeout_s``) ends an episode whose agent hangs, and its
+session then refuses the agent's next request (409), which ends a well-behaved client.
+
+A program that is not Python (a CLI harness) is run the same way by a small function that starts it with
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set from ``session_env`` and closes the session with its reward
+(``close_session``), as ``reward/envs/cli_agent.py`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from typing import Any, Callable
+
+from reward.environment import resolve_user_object
+
+
+def load_agent(name: str, key: str = "env.agent") -> Callable[..., Any]:
+    """The agent function ``"module.path:function"`` names.
+
+    Raises:
+        ValueError: it cannot be imported (as ``reward.environment.resolve_user_object``) or is not callable.
+    """
+    fn = resolve_user_object(name, key)
+    if not callable(fn) or inspect.isclass(fn):
+        raise ValueError(f"{key}={name!r} is {fn!r}, not a function (row, client) -> reward")
+    return fn
+
+
+def reward_value(value: Any) -> float | dict[str, float] | None:
+    """What an agent returned, checked: None, a finite number, or a non-empty ``{str: finite number}``.
+
+    Raises:
+        ValueError: anything else (the message shows the value).
+    """
+    def finite(v: Any) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+    if value is None or finite(value):
+        return None if value is None else float(value)
+    if isinstance(value, dict) and value and all(isinstance(k, str) and finite(v) for k, v in value.items()):
+        return {k: float(v) for k, v in value.items()}
+    raise ValueError(f"an agent must return None, a finite number or a dict of them by name, got {value!r}"[:300])
+
+
+def session_env(session: dict[str, str]) -> dict[str, str]:
+    """Environment variables that point an OpenAI client (or a CLI harness) at a session."""
+    return {"OPENAI_BASE_URL": session["base_url"], "OPENAI_API_KEY": session["api_key"]}
+
+
+def close_session(session: dict[str, str], reward: Any = None, status: str = "ok", error: str | None = None,
+                  timeout_s: float = 30.0) -> bool:
+    """End a session over the gateway's REST route with the episode's reward; True when the gateway took it
+    (False: the session had ended already, e.g. at its deadline)."""
+    import httpx
+
+    url = session["base_url"].removesuffix("/v1") + "/close"
+    try:
+        r = httpx.post(url, json={"reward": reward, "status": status, "error": error}, timeout=timeout_s,
+                       headers={"Authorization": f"Bearer {session['api_key']}"})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+class AgentRuns:
+    """The agent programs under way on one env worker.
+
+    Args:
+        fn: the agent function (``load_agent``).
+        timeout_s: ``env.episode_timeout_s``, the clients' HTTP timeout too.
+    """
+
+    def __init__(self, fn: Callable[..., Any], timeout_s: float):
+        self.fn, self.timeout_s = fn, timeout_s
+        self.threads: dict[str, threading.Thread] = {}
+        self.lock = threading.Lock()
+
+    def start(self, episode_id: str, row: dict, session: dict[str, str]) -> None:
+        """Run the agent on ``row`` against ``session`` (``Gateway.open``'s answer) in a new thread."""
+        t = threading.Thread(target=self._run, args=(episode_id, row, session), daemon=True,
+                             name=f"agent-{session['session_id']}")
+        with self.lock:
+            self.threads[episode_id] = t
+        t.start()
+
+    def running(self) -> int:
+        """Agent threads still running (those past their episode's deadline included)."""
+        with self.lock:
+            self.threads = {k: t for k, t in self.threads.items() if t.is_alive()}
+            return len(self.threads)
+
+    def _call(self, row: dict, session: dict[str, str]) -> Any:
+        import openai
+
+        kw = dict(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=self.timeout_s)
+        if inspect.iscoroutinefunction(self.fn):
+            async def main() -> Any:
+                async with openai.AsyncOpenAI(**kw) as client:
+                    return await self.fn(row, client)
+            return asyncio.run(main())
+        with openai.OpenAI(**kw) as client:
+            return self.fn(row, client)
+
+    def _run(self, episode_id: str, row: dict, session: dict[str, str]) -> None:
+        try:
+            reward = reward_value(self._call(row, session))
+        except Exception as e:  # noqa: BLE001 - the agent's failure is its episode's, reported to the driver
+            close_session(session, None, "error", f"{type(e).__name__}: {e}"[:500])
+            return
+        close_session(session, reward, "ok")

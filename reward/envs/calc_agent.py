@@ -1,0 +1,47 @@
+"""The calculator agent written as a plain OpenAI program (``env.agent: reward.envs.calc_agent:run``).
+
+Nothing in it knows about training: it is the loop anyone writes against the Chat Completions API, with one
+function tool. ``configs/tiny_agent_openai.yaml`` trains the embedded tiny model with it through the session
+gateway, the task of ``configs/tiny_agent_calc.yaml`` (whose episodes run as ``env.tools``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from reward.envs.calculator import calc
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate an arithmetic expression of integers with +, - and * and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]},
+    },
+}]
+
+
+def run(row: dict, client, max_turns: int = 3) -> None:
+    """Answer ``row["prompt"]`` with the calculator's help; returns None, so the row's verifier scores the last
+    assistant message.
+
+    Args:
+        row: the task row (``prompt``, ``answer``, ...).
+        client: an ``openai.OpenAI`` client (the gateway gives each episode its own base URL and key).
+        max_turns: model calls at most.
+    """
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(max_turns):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return None
+        for call in message.tool_calls:
+            try:
+                result = calc(**json.loads(call.function.arguments))
+            except (TypeError, ValueError) as err:
+                result = f"Error: {err}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return None
