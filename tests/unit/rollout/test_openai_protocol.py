@@ -50,6 +50,7 @@ def _error(call, body) -> ProtocolError:
 def test_chat_request_normal_form():
     body = {"model": "policy", "messages": [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}]},
+        {"role": "developer", "content": "Answer in digits."},
         USER,
         {"role": "assistant", "content": None, "refusal": None, "audio": None, "tool_calls": [
             {"id": "call_x_0", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "3+4"}'}}]},
@@ -59,7 +60,8 @@ def test_chat_request_normal_form():
         "n": 1, "seed": 3, "logprobs": True, "parallel_tool_calls": False, "user": "u", "metadata": {"a": "b"}}
     request = parse_chat_request(body)
     assert request == ChatRequest(
-        messages=[{"role": "system", "content": "Be brief.\nUse tools."}, USER,
+        messages=[{"role": "system", "content": "Be brief.\nUse tools."},
+                  {"role": "developer", "content": "Answer in digits."}, USER,
                   {"role": "assistant", "content": "", "tool_calls": [
                       {"id": "call_x_0", "type": "function",
                        "function": {"name": "calc", "arguments": '{"expression": "3+4"}'}}]},
@@ -276,6 +278,20 @@ def test_chat_completion_only_tool_calls_has_null_content_and_comes_back_as_empt
     client.chat.completions.create(model="policy", messages=[USER, message], tools=[CALC])
     assert gateway.requests[1].messages[1] == assistant_message(TWO_CALLS, ["call_r1_0", "call_r1_1"])
     assert gateway.requests[1].messages[1]["content"] == ""
+
+
+@pytest.mark.parametrize("dump", [
+    lambda message: message.model_dump(),
+    lambda message: message.model_dump(exclude_none=True),
+    lambda message: message.model_dump(exclude_unset=True)])
+@pytest.mark.parametrize("reply", [CALL_REPLY, TWO_CALLS, TEXT_REPLY])
+def test_a_dumped_message_sent_back_normalizes_to_the_assistant_message(reply, dump):
+    gateway = Gateway([reply, TEXT_REPLY])
+    client = _client(gateway)
+    message = client.chat.completions.create(model="policy", messages=[USER], tools=[CALC]).choices[0].message
+    client.chat.completions.create(model="policy", messages=[USER, dump(message)], tools=[CALC])
+    ids = [tool_call_id("r1", k) for k in range(len(reply.tool_calls))]
+    assert gateway.requests[1].messages[1] == assistant_message(reply, ids)
 
 
 @pytest.mark.parametrize("reply", [CALL_REPLY, TWO_CALLS, TEXT_REPLY, Reply("cut", [], "length", 3, 8)])
