@@ -69,9 +69,16 @@ class ProtocolError(Exception):
         self.param = param
         self.code = code
 
+    def __reduce__(self):  # picklable with its fields (it crosses Ray calls from the driver to the gateway)
+        return (_protocol_error, (self.status, self.message, self.param, self.code, self.type))
+
     def body(self) -> dict:
         """The error response body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _protocol_error(status: int, message: str, param: str | None, code: str | None, type: str) -> ProtocolError:
+    return ProtocolError(status, message, param=param, code=code, type=type)
 
 
 @dataclass

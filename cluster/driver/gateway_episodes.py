@@ -43,6 +43,8 @@ from rollout.tool_calls import parse
 
 log = logging.getLogger("cluster.train")
 
+SCORED = ("ok", "cut_tokens")  # episodes scored by what the agent returned or by the verifier
+
 
 @dataclass
 class AgentEpisode(Episode):
@@ -56,6 +58,7 @@ class AgentEpisode(Episode):
     branches: list[Episode] = field(default_factory=list)
     end: dict = field(default_factory=dict)
     opened: float = 0.0
+    cut: bool = False  # a request was refused for want of room (context_length_exceeded)
 
     def fork(self, prompt_ids: list[int]) -> None:
         """Keep the branch so far in ``branches`` and start a new one from ``prompt_ids`` (nothing sampled)."""
@@ -130,7 +133,13 @@ class GatewayEpisodeRunner(EpisodeRunner):
                 return True
             ev = ray.get(self.gateway.exchange.remote(e.session["session_id"], error, self._remaining(e)))
         e.end = ev
-        e.status = {"timeout": "timeout", "end": "ok" if ev.get("status") == "ok" else "error"}[ev["kind"]]
+        if ev["kind"] == "timeout":
+            e.status = "timeout"
+        elif ev.get("status") == "ok" or e.cut:  # an agent stopped by a context error is scored as it stands
+            e.status, e.end = ("cut_tokens", {**ev, "reward": ev.get("reward") if ev.get("status") == "ok" else None}
+                               ) if e.cut else ("ok", ev)
+        else:
+            e.status = "error"
         return False
 
     def _take_request(self, e: AgentEpisode, req: dict) -> ProtocolError | None:
@@ -155,6 +164,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
                 return ProtocolError(400, str(err), param="messages")
         room = self.cfg.rollout.max_model_len - len(prompt if ids is None else e.prompt_ids + e.response_ids + ids)
         if room < 2:
+            e.cut = e.truncated = True
             return ProtocolError(400, f"the messages take {self.cfg.rollout.max_model_len - room} tokens; the "
                                  f"model's context is {self.cfg.rollout.max_model_len} (rollout.max_model_len)",
                                  param="messages", code="context_length_exceeded")
@@ -214,7 +224,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         """Close every session; each episode's branch (``fork_policy``) and verdict (module docstring)."""
         ray.get([self.gateway.close.remote(e.session["session_id"]) for e in episodes if e.session], timeout=60)
         verify = {e.episode_id: self.pool.workers[e.worker].verify.remote(_row_dict(e.row), e.final_text)
-                  for e in episodes if e.status == "ok" and e.end.get("reward") is None and not e.worker_lost}
+                  for e in episodes if e.status in SCORED and e.end.get("reward") is None and not e.worker_lost}
         results = []
         for e in episodes:
             e.keep_longest()
@@ -226,7 +236,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
 
     def _score(self, e: AgentEpisode, verify: dict, detail: dict) -> tuple[float, bool, str]:
         failed = 0.0 if self.cfg.env.on_error == "zero" else math.nan
-        if e.status != "ok":
+        if e.status not in SCORED:
             detail["error"] = e.end.get("error") or ("agent past env.episode_timeout_s" if e.status == "timeout"
                                                      else "the agent's env worker died")
             log.warning("episode %s (row %s): agent %s: %s", e.episode_id, e.row.uid, e.status, detail["error"])
