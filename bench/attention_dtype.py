@@ -13,12 +13,14 @@ import argparse
 import statistics
 import time
 
-import torch
-import torch.nn.functional as F
+# torch is imported where it is used, so that --help answers at once (tests/unit/cluster/test_docs_commands.py).
 
 
 def median_ms(dtype: torch.dtype, upcast: bool, rows: int, heads: int, tokens: int, head_dim: int, reps: int) -> float:
     """Median ms of one causal SDPA forward + backward over ``[rows, heads, tokens, head_dim]`` inputs."""
+    import torch
+    import torch.nn.functional as F
+
     q, k, v = (torch.randn(rows, heads, tokens, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
     times = []
@@ -41,6 +43,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
+    import torch
+
     torch.set_num_threads(1)
     shape = (a.rows, a.heads, a.tokens, a.head_dim, a.reps)
     fp32 = median_ms(torch.float32, False, *shape)
