@@ -100,7 +100,7 @@ class Episode:
         """The episode as the learner trains on it: the prompt ids, then every turn and reply, masked."""
         versions = self.sampled_versions or [0]
         return Completion(
-            prompt_uid=self.row.uid, sample_index=self.sample_index, prompt_token_ids=list(self.prompt_ids),
+            prompt_uid=self.row.uid, sample_index=self.sample_index, prompt_token_ids=list(self.prompt_ids or self.row.prompt_token_ids),
             response_token_ids=list(self.response_ids), response_logprobs=list(self.logprobs),
             response_text=self.final_text, finish_reason="length" if self.truncated else "stop",
             weight_version=min(versions), token_versions=list(self.versions), response_mask=list(self.mask),

@@ -86,7 +86,10 @@ class Gateway:
         """Serve on ``host:port``; returns the server's root URL (``http://host:port``)."""
         import uvicorn
 
-        config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning", access_log=False)
+        # keep-alive well past the clients' (httpx: 5 s), so a client never sends on a connection the server is
+        # closing (an APIConnectionError under load)
+        config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning", access_log=False,
+                                timeout_keep_alive=120, backlog=4096)
         self.server = uvicorn.Server(config)
         task = asyncio.get_running_loop().create_task(self.server.serve())
         while not self.server.started:
