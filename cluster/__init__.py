@@ -1,8 +1,12 @@
 """The wiring: the only package that knows Ray placement and the driver loop.
 
-At the top, the front doors and the config: ``train`` (``gspo-train``), ``submit`` (``gspo-submit``), ``compare``
-(``gspo-compare``), ``config`` (the run config composed from the services' sections) and ``common`` (the
-repository root, a free port, a mean). The rest lives in rooms:
+At the top, the front door and the config: ``train`` (``gspo-train``), ``config`` (the run config composed from
+the services' sections) and ``common`` (the repository root, a free port, a mean). The rest lives in rooms:
+
+- ``submit``: the run as a Ray job (``gspo-submit``, ``python -m cluster.submit``) and a user's folder shipped
+  with it.
+- ``compare``: equal-budget comparisons (``gspo-compare``, ``python -m cluster.compare``): the runs, their report
+  and what differs beyond the spread.
 
 - ``driver``: the run itself (``Trainer``: collect, score, prepare, train, sync, log) and its parts: rollout
   collection, batching, checkpoints, resume, evaluation, the health guard's policy, scaling, metrics.

@@ -117,7 +117,7 @@ RESUME_FREE = (
     "distill.kv_cache_gb", "distill.timeout_s",  # the teacher's engines (its model and signal: RL only, below)
 )
 # Keys that act only from the first RL step on (the objective, the rollout batch and its sampling, the reward):
-# free to change on a checkpoint written before any RL step (a warm start: cluster/compare.py resumes every
+# free to change on a checkpoint written before any RL step (a warm start: cluster/compare/runs.py resumes every
 # algorithm from one), refused on a later one.
 RESUME_RL_ONLY = (
     "learner.algorithm", "learner.clip_low", "learner.clip_high", "learner.loss_agg", "learner.loss_options",

@@ -33,7 +33,8 @@ from typing import Any
 
 import ray
 
-from cluster.driver.agent_loop import Episode, EpisodeRunner, _named_argument, _row_dict, spliced_routing
+from cluster.driver.agent_loop import EpisodeRunner
+from cluster.driver.episodes import Episode, _named_argument, _row_dict, spliced_routing
 from reward.contracts import RewardResult
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
 from rollout.contracts import SampledTurn, TurnRequest

@@ -1,14 +1,14 @@
 """Partial rollouts of multi-turn episodes (``trainer.partial_rollouts=true`` with ``env`` set): episodes that
 continue across weight syncs, so a step never waits for its slowest episode.
 
-The loop (``cluster.driver.agent_loop.TurnLoop``, advanced by ``EpisodeRunner.pump``) stays under way between
+The loop (``cluster.driver.episodes.TurnLoop``, advanced by ``EpisodeRunner.pump``) stays under way between
 collections: up to ``2 P`` groups are admitted, and a collection ends as soon as ``P`` groups have every episode
 ended; the rest goes on after the weight sync. The unit of a partial rollout is the **turn**: at the end of a
 collection no new turn is given to the engines and the open turns finish under the weights that started them (a
 drain, at most one turn long), so every turn has one weight version and the engines hold no open request at the
 sync; tool calls under way go on through the sync (the env workers do not depend on the weights). The next turn
 of an episode is sampled from its exact ids by the new weights, each sampled token keeping its version and
-behaviour log-prob, and R3 its own turn's experts (``agent_loop.spliced_routing``).
+behaviour log-prob, and R3 its own turn's experts (``episodes.spliced_routing``).
 
 The staleness bound (``trainer.max_staleness = k``): before a collection at version ``V``, an episode not yet
 trained whose oldest sampled token is older than ``V - k`` is restarted: its environment is aborted and a new
@@ -33,8 +33,9 @@ from typing import Any, Callable
 
 from cluster.config import Config
 from cluster.data.prompts import PromptStream
-from cluster.driver.agent_loop import Episode, EpisodeRunner, TurnLoop, episode_metrics, fill_missing_routing
+from cluster.driver.agent_loop import EpisodeRunner
 from cluster.driver.collect import Collected
+from cluster.driver.episodes import Episode, TurnLoop, episode_metrics, fill_missing_routing
 from cluster.driver.partial_buffer import take_ready
 from reward.contracts import RewardResult
 from rollout.contracts import PromptRow

@@ -18,7 +18,7 @@ CONTROL_FILE = "control.yaml"
 
 def apply_control(run_dir: Path, fleet: Any, rewards: Any, envs: Any = None) -> None:
     """Resize ``fleet`` (``cluster.runtime.services.EngineFleet``), ``rewards`` (``reward.pool.RewardPool``) and
-    ``envs`` (``cluster.driver.agent_loop.EnvPool``, or None without episodes) to what ``run_dir/control.yaml``
+    ``envs`` (``cluster.driver.env_pool.EnvPool``, or None without episodes) to what ``run_dir/control.yaml``
     asks for, if anything."""
     path = run_dir / CONTROL_FILE
     if not path.is_file():

@@ -34,6 +34,8 @@ from cluster.driver import (agent_loop, audit_dump, checkpoint, gateway_episodes
 from cluster.driver.distill import Distiller
 from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
 from cluster.driver.collect import Collected, Collector
+from cluster.driver.env_pool import EnvPool
+from cluster.driver.episodes import check_template, token_mismatch
 from cluster.driver.evaluation import evaluate
 from cluster.driver.guard import GuardPolicy
 from cluster.driver.progress import run_with_progress, summarize
@@ -146,7 +148,7 @@ class Trainer:
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         if cfg.env.enabled and (cfg.env.agent is None or cfg.env.gateway.fork_policy == "refuse"):
-            agent_loop.check_template(self.tokenizer)  # episodes continue on their sampled ids (agents fork)
+            check_template(self.tokenizer)  # episodes continue on their sampled ids (agent programs fork)
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
         self.user_modules = user_code.check_user_verifiers(
@@ -204,7 +206,7 @@ class Trainer:
         if cfg.env.enabled:  # multi-turn episodes: env workers beside the reward workers
             self.env_groups = services.RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources,
                                                     cfg.cluster.placement_timeout_s)
-            pool = agent_loop.EnvPool(cfg, self.env_groups)
+            pool = EnvPool(cfg, self.env_groups)
             if cfg.env.agent is not None:  # agent programs behind the session gateway
                 self.episodes, self.gateway = gateway_episodes.start_gateway_runner(cfg, self.fleet, pool,
                                                                                    self.tokenizer)
@@ -256,7 +258,7 @@ class Trainer:
             adv = self.distiller.advantages(c, adv)
         batch = build_train_batch(c.completions, adv.returns, adv.advantages, self.pad_id)
         if self.episodes is not None:  # the ids trained on are the ids sampled (must be 0)
-            c.reward_metrics["agent/token_mismatch"] = float(agent_loop.token_mismatch(
+            c.reward_metrics["agent/token_mismatch"] = float(token_mismatch(
                 batch.input_ids, batch.response_mask,
                 [c.sampled[r.detail["episode_id"]] for r in c.results]))
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)

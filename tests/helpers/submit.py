@@ -1,4 +1,4 @@
-"""Job submission through the Ray Jobs API (cluster/submit.py).
+"""Job submission through the Ray Jobs API (cluster/submit/job.py).
 
 The slow tests start their own Ray heads on 127.0.0.1 with private temp dirs (/tmp/gspo-ray-t-*) and end
 exactly those heads' processes; they never run ``ray stop``.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.submit import LocalHead, head_processes
+from cluster.submit.job import LocalHead, head_processes
 from tests.helpers import REPO_ROOT
 
 PY = sys.executable

@@ -1,4 +1,4 @@
-"""Job submission through the Ray Jobs API (cluster/submit.py).
+"""Job submission through the Ray Jobs API (cluster/submit/job.py).
 
 The slow tests start their own Ray heads on 127.0.0.1 with private temp dirs (/tmp/gspo-ray-t-*) and end
 exactly those heads' processes; they never run ``ray stop``.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import submit
-from cluster.submit import head_processes, stop_head_processes
+from cluster.submit import job as submit
+from cluster.submit.job import head_processes, stop_head_processes
 from tests.helpers import REPO_ROOT
 from tests.helpers.submit import PY, _cli, _env, _private_temp
 from tests.helpers.submit import head  # noqa: F401 - fixtures

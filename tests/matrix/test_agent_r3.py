@@ -49,7 +49,7 @@ def test_episodes_replay_the_engines_experts_per_position(tmp_path):
 @pytest.mark.timeout(900)
 def test_partial_episodes_keep_each_turns_experts_across_syncs(tmp_path):
     """With trainer.partial_rollouts an episode's later turns come from newer weights: every position still has
-    engine experts (its rows spliced turn by turn, cluster.driver.agent_loop.spliced_routing), the learner
+    engine experts (its rows spliced turn by turn, cluster.driver.episodes.spliced_routing), the learner
     trains with them, and the trained ids are the sampled ones."""
     from cluster.config import load_config
     from cluster.driver.trainer import Trainer

@@ -115,7 +115,7 @@ def test_the_warm_start_lays_out_chat_demonstrations_for_env_tools_only():
 def test_smollm2s_own_template_is_prefix_stable_and_ignores_tools():
     from transformers import AutoTokenizer
 
-    from cluster.driver.agent_loop import check_template
+    from cluster.driver.episodes import check_template
 
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     assert tok.chat_template == SMOLLM2_TEMPLATE

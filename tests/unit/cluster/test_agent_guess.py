@@ -10,7 +10,8 @@ import pytest
 
 from cluster.config import ConfigError, load_config
 from cluster.data.agent_guess import agent_guess_rows, guess_prompt, guess_turns
-from cluster.driver.agent_loop import EpisodeRunner, _named_argument
+from cluster.driver.agent_loop import EpisodeRunner
+from cluster.driver.episodes import _named_argument
 from cluster.driver.warm_start import demonstration
 from reward.config import EnvConfig
 from reward.env_worker import EnvWorker

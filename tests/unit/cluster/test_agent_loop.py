@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.data.agent_calc import agent_calc_rows, calc_turns
-from cluster.driver.agent_loop import Episode, _named_argument, episode_metrics, token_mismatch
+from cluster.driver.episodes import Episode, _named_argument, episode_metrics, token_mismatch
 from cluster.driver.batching import build_sft_batch, build_train_batch
 from cluster.driver.warm_start import demonstration
 from rollout.contracts import PromptRow
@@ -99,7 +99,7 @@ def test_the_progress_line_shows_turns_per_episode_for_episodes_only():
 
 def test_a_template_that_drops_earlier_turns_is_refused_before_any_service_starts():
     from cluster.config import ConfigError
-    from cluster.driver.agent_loop import check_template
+    from cluster.driver.episodes import check_template
     from cluster.models.tiny_model import build_char_tokenizer
     from tests.helpers.chat_tokenizers import REASONING_STRIPPING_TEMPLATE, build_bpe_tokenizer
 

@@ -1,4 +1,4 @@
-"""The equal-budget comparison (cluster/compare.py, its report cluster/compare_report.py): settings per algorithm,
+"""The equal-budget comparison (cluster/compare/runs.py, its report cluster/compare/report.py): settings per algorithm,
 the report's figures on hand-made histories, and (slow) two real 2-step runs that share one warm start and end in
 a report and a plot."""
 
@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from cluster import compare, compare_report
+from cluster.compare import report
+from cluster.compare import runs as compare
 from cluster.config import load_config
 from tests.helpers import assert_png
 from tests.helpers.compare import CONFIG
@@ -85,7 +86,7 @@ def _history():
 
 
 def test_summarise_hand_values():
-    s = compare_report.summarise(_history(), spike_factor=5.0)
+    s = report.summarise(_history(), spike_factor=5.0)
     assert s["steps"] == 4
     assert (s["start_accuracy"], s["final_accuracy"], s["best_accuracy"]) == (0.25, 0.375, 0.5)
     assert s["reward"] == pytest.approx(0.6)  # last quarter of 4 steps = the last step
@@ -94,30 +95,30 @@ def test_summarise_hand_values():
     assert s["routing_volatility"] == pytest.approx(0.2) and s["routing_volatility_router"] == pytest.approx(0.3)
     # median grad norm 2.0 -> threshold 10: step 2's peak 11 is the one spike
     assert s["grad_norm_spikes"] == 1
-    assert compare_report.summarise(_history(), spike_factor=6.0)["grad_norm_spikes"] == 0
+    assert report.summarise(_history(), spike_factor=6.0)["grad_norm_spikes"] == 0
     assert s["rl_time_s"] == pytest.approx(10.0) and s["tokens_per_s"] == pytest.approx(50.0)
     assert s["entropy_final"] == 1.5
     assert s["load_imbalance"] == pytest.approx(1.625)  # steps 2 and 3 logged it
-    empty = compare_report.summarise([{"step": 0}])
+    empty = report.summarise([{"step": 0}])
     assert math.isnan(empty["final_accuracy"]) and math.isnan(empty["reward"]) and empty["steps"] == 0
 
 
 def test_mean_spread():
-    assert compare_report.mean_spread([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
-    m, s = compare_report.mean_spread([0.5, float("nan")])
+    assert report.mean_spread([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    m, s = report.mean_spread([0.5, float("nan")])
     assert m == 0.5 and math.isnan(s)
-    assert all(math.isnan(x) for x in compare_report.mean_spread([]))
+    assert all(math.isnan(x) for x in report.mean_spread([]))
 
 
 def test_report_and_plot_from_results(tmp_path):
     runs = [
-        compare_report.RunResult("gspo", 0, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=10.0,
+        report.RunResult("gspo", 0, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=10.0,
                                  history=_history()),
-        compare_report.RunResult("gspo", 1, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=14.0,
+        report.RunResult("gspo", 1, "", "ok", settings="gspo, clip [1-0.0003, 1+0.0004]", wall_s=14.0,
                                  history=_history()),
-        compare_report.RunResult("grpo_rr", 0, "", "skipped", note="not supported"),
+        report.RunResult("grpo_rr", 0, "", "skipped", note="not supported"),
     ]
-    path = compare_report.write_report(tmp_path, runs, config_path="configs/x.yaml", overrides=["a.b=1"],
+    path = report.write_report(tmp_path, runs, config_path="configs/x.yaml", overrides=["a.b=1"],
                                        shared={"RL steps": 4}, spike_factor=5.0)
     text = path.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| gspo | "))
@@ -125,7 +126,7 @@ def test_report_and_plot_from_results(tmp_path):
     assert "0.375 ± 0.000" in row  # final accuracy
     assert any(line.startswith("| grpo_rr | ") and "0 (skipped)" in line for line in text.splitlines())
     assert "grpo_rr seed 0: skipped: not supported" in text
-    assert_png(compare_report.plot_runs(runs, tmp_path / "curves.png"), 1100, 750)
+    assert_png(report.plot_runs(runs, tmp_path / "curves.png"), 1100, 750)
 
 
 def test_cli_refuses_bad_arguments(tmp_path, capsys):
@@ -182,7 +183,7 @@ def test_arms_are_the_config_plus_their_overrides(tmp_path, capsys):
 
 
 def test_differences_beyond_the_spread():
-    from cluster.compare_spread import chance_disjoint, spread_lines
+    from cluster.compare.spread import chance_disjoint, spread_lines
 
     # 3 seeds each: disjoint ranges by chance with probability 2 / C(6, 3) = 0.1
     assert chance_disjoint(3, 3) == pytest.approx(0.1) and chance_disjoint(4, 4) == pytest.approx(2 / 70)
@@ -209,7 +210,7 @@ def _save_run(runs_dir, arm, k, overrides, accuracy):
     history = [dict(r) for r in _history()]
     history[-1]["eval/accuracy"] = accuracy
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
-    r = compare_report.RunResult(arm, k, str(run_dir), "ok", settings=arm, wall_s=5.0, history=history)
+    r = report.RunResult(arm, k, str(run_dir), "ok", settings=arm, wall_s=5.0, history=history)
     return compare.save_result(r, CONFIG, overrides)
 
 
@@ -247,19 +248,19 @@ def test_one_run_per_command_then_report_from_saved_runs(tmp_path, capsys):
 
 
 def test_per_step_tables_average_the_seeds_that_logged_a_step():
-    a0 = compare_report.RunResult("gspo", 0, "", "ok", history=_history())
+    a0 = report.RunResult("gspo", 0, "", "ok", history=_history())
     h1 = [dict(r) for r in _history()]
     h1[1]["reward/mean"] = 0.3  # step 1: (0.1 + 0.3) / 2
     del h1[4]["eval/accuracy"]  # step 4 evaluated by seed 0 only
-    a1 = compare_report.RunResult("gspo", 1, "", "ok", history=h1)
-    lines = compare_report.per_step_lines([a0, a1])
+    a1 = report.RunResult("gspo", 1, "", "ok", history=h1)
+    lines = report.per_step_lines([a0, a1])
     text = "\n".join(lines)
     assert "| gspo | 0.250 | 0.500 | 0.375 (1) |" in text  # eval at steps 0, 2, 4
     assert "| gspo | 0.200 | 0.200 | 0.300 | 0.600 |" in text  # reward at steps 1-4
     assert "Expert load max/mean (`moe/load_imbalance`):" in text and "| gspo | – | 1.500 | 1.750 | – |" not in text
     assert "| gspo | 1.500 | 1.750 |" in text  # only the steps that logged it are columns
-    wide = compare_report.per_step_lines([compare_report.RunResult(
+    wide = report.per_step_lines([report.RunResult(
         "grpo", 0, "", "ok", history=[{"step": s, "reward/mean": float(s)} for s in range(1, 46)])], max_columns=20)
     header = next(line for line in wide if line.startswith("| arm |"))
     assert header == "| arm | " + " | ".join(str(s) for s in list(range(1, 46, 3)) + [45]) + " |"
-    assert compare_report.per_step_lines([]) == []
+    assert report.per_step_lines([]) == []

@@ -129,7 +129,7 @@ def test_gpu_configs_that_offload_give_cpu_adam_the_ranks_cores():
 
 
 def test_a_gpu_job_is_submitted_without_the_cpu_settings(monkeypatch):
-    from cluster.submit import job_runtime_env
+    from cluster.submit.job import job_runtime_env
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")

@@ -151,7 +151,7 @@ def test_algorithm_core_is_pure_torch(name):
 HEAVY_FOR_CONFIG = ("torch", "ray", "vllm", "deepspeed", "transformers")
 
 
-@pytest.mark.parametrize("module", ["cluster.config", "cluster.submit"])
+@pytest.mark.parametrize("module", ["cluster.config", "cluster.submit.job"])
 def test_config_loads_without_torch(module):
     """``import cluster.config`` (and ``cluster.submit``, which loads configs before it submits) in a fresh
     interpreter, run from another directory, leaves torch and the other heavy packages out of ``sys.modules``:

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from cluster.driver.agent_loop import Episode, spliced_routing
+from cluster.driver.episodes import Episode, spliced_routing
 from cluster.driver.partial_episodes import EpisodeBacklog, EpisodeGroup, oldest_version
 from reward.contracts import RewardResult
 from rollout.contracts import PromptRow

@@ -136,7 +136,7 @@ def test_algorithm_is_refused_after_rl_steps_and_free_on_a_warm_start_checkpoint
                    "trainer.dynamic_sampling: checkpoint False, config True", "step-2 checkpoint"):
         assert needle in msg
     with caplog.at_level(logging.INFO, logger="cluster.driver.checkpoint"):
-        notes = _check(_saved(step=0), dapo)  # cluster/compare.py: every algorithm resumes one warm start
+        notes = _check(_saved(step=0), dapo)  # cluster/compare/runs.py: every algorithm resumes one warm start
     assert "learner.algorithm: 'gspo' -> 'grpo' (the checkpoint is from before the first RL step)" in notes
     assert "learner.algorithm: 'gspo' -> 'grpo'" in caplog.text
     with pytest.raises(ResumeMismatch, match="rollout.temperature: checkpoint 1.0, config 0.7"):

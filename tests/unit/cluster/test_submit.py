@@ -1,4 +1,4 @@
-"""Job submission through the Ray Jobs API (cluster/submit.py).
+"""Job submission through the Ray Jobs API (cluster/submit/job.py).
 
 The slow tests start their own Ray heads on 127.0.0.1 with private temp dirs (/tmp/gspo-ray-t-*) and end
 exactly those heads' processes; they never run ``ray stop``.
@@ -10,9 +10,9 @@ import shlex
 
 import pytest
 
-from cluster import submit
+from cluster.submit import job as submit
 from cluster.config import ConfigError
-from cluster.submit import LocalHead
+from cluster.submit.job import LocalHead
 from tests.helpers import REPO_ROOT
 from tests.helpers.submit import _cli
 

@@ -1,4 +1,4 @@
-"""A user's own folder submitted with the job (cluster/submit_folder.py, cluster.submit.prepare_config): what
+"""A user's own folder submitted with the job (cluster/submit/folder.py, cluster.submit.job.prepare_config): what
 travels, and the errors before submission. No cluster is started."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import submit, submit_folder
+from cluster.submit import folder as submit_folder
+from cluster.submit import job as submit
 from cluster.config import ConfigError
 from tests.helpers import REPO_ROOT
 from tests.helpers.submit import _cli, _env

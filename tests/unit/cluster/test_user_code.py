@@ -126,7 +126,7 @@ def test_absolute_paths_leaves_builtin_and_absolute_alone(tmp_path):
 
 
 def test_job_runtime_env_carries_user_modules(tmp_path):
-    from cluster.submit import job_runtime_env
+    from cluster.submit.job import job_runtime_env
 
     rt = job_runtime_env(py_modules=[str(tmp_path / "myrew.py")], extra={"py_modules": ["s3://b/m.zip"]})
     assert rt["py_modules"] == [str(tmp_path / "myrew.py"), "s3://b/m.zip"]

@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.compare_report import DEFAULT_SPIKE_FACTOR, RunResult, _row_values, plot_runs, write_report
+from cluster.compare.report import DEFAULT_SPIKE_FACTOR, RunResult, _row_values, plot_runs, write_report
 from cluster.config import Config, ConfigError, absolute_paths, load_config
 
 log = logging.getLogger("cluster.compare")

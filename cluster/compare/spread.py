@@ -1,4 +1,4 @@
-"""What differs beyond the spread over seeds in an equal-budget comparison (``cluster/compare_report.py``).
+"""What differs beyond the spread over seeds in an equal-budget comparison (``cluster/compare/report.py``).
 
 With a handful of seeds per arm, a test statistic is not worth much; the rule here is plain and conservative:
 an arm differs from the baseline arm on a figure when the ranges (min to max over seeds) of the two do not

@@ -1,4 +1,4 @@
-"""The report of an equal-budget comparison (``cluster/compare.py``): the record of one (algorithm, seed) run,
+"""The report of an equal-budget comparison (``cluster/compare/runs.py``): the record of one (algorithm, seed) run,
 its figures from its metrics records, their mean and spread over seeds, ``report.md`` and ``curves.png``.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.common import mean as _mean
-from cluster.compare_spread import FIGURES, spread_lines
+from cluster.compare.spread import FIGURES, spread_lines
 
 DEFAULT_SPIKE_FACTOR = 5.0
 

@@ -13,7 +13,7 @@ What travels is what ``ray job submit --working-dir`` ships, with Ray's own runt
   Ray 2.60's job client packs every ``py_modules`` entry as a folder, so a single-file module there is refused
   here, naming it.
 
-Left out: the runtime env's ``excludes`` (``cluster.submit.WORKING_DIR_EXCLUDES``: ``.git``, ``.venv``,
+Left out: the runtime env's ``excludes`` (``cluster.submit.job.WORKING_DIR_EXCLUDES``: ``.git``, ``.venv``,
 ``__pycache__``, ``outputs``, ...), what a ``.gitignore`` (unless ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``) or a
 ``.rayignore`` in the folder names. The package must stay under Ray's limit, the GCS's largest message,
 ``RAY_max_grpc_message_size`` (512 MiB by default; ``ray._private.runtime_env.packaging.GCS_STORAGE_MAX_SIZE``),

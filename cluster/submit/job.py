@@ -9,7 +9,7 @@ working directory or on ``PYTHONPATH``) as ``py_modules``, the driver connects t
 A config outside the repository is a user's own project: its folder (the working directory when the config
 lies in it, else the config's folder, or ``--folder DIR``) is the job's ``working_dir`` instead, this project's
 packages travel as ``py_modules``, the folder's modules import by name on every node and its relative data
-paths resolve in the shipped copy (``cluster.submit_folder``); what is too large for Ray or missing is refused
+paths resolve in the shipped copy (``cluster.submit.folder``); what is too large for Ray or missing is refused
 before anything is submitted.
 
 Where the job goes:
@@ -41,11 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import submit_folder
+from cluster.submit import folder as submit_folder
 from cluster.common import REPO_ROOT
 from cluster.config import ConfigError, load_config
 from cluster.runtime.user_code import check_user_env, check_user_loss, check_user_verifiers, verifier_names
-# The local head and the Jobs API client; re-exported (cluster.submit.LocalHead etc.).
+# The local head and the Jobs API client; re-exported (cluster.submit.job.LocalHead etc.).
 from cluster.runtime.local_head import (
     HEAD_STATE_FILE,
     LocalHead,
@@ -109,7 +109,7 @@ CPU_ONLY_FORWARDED = ("DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE")
 def job_runtime_env(extra_env: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
                     py_modules: list[str] | None = None, on_gpu: bool = False,
                     working_dir: Path | None = None) -> dict[str, Any]:
-    """The job's runtime env: the repository (or ``working_dir``, a user's folder: ``cluster.submit_folder``) as
+    """The job's runtime env: the repository (or ``working_dir``, a user's folder: ``cluster.submit.folder``) as
     ``working_dir`` (minus ``WORKING_DIR_EXCLUDES``), the user
     verifier modules as ``py_modules`` (``cluster.runtime.user_code.check_user_verifiers``: files or folders outside
     the repository, shipped to every node and put on the job's and its workers' ``PYTHONPATH``), the
@@ -158,7 +158,7 @@ def path_overrides(config: str, overrides: list[str], cwd: Path | None = None,
 
     On a multi-node cluster these paths must exist on the head node (shared filesystem, same mount point).
 
-    ``folder``: the user's folder that travels with the job (``cluster.submit_folder``): a relative data path
+    ``folder``: the user's folder that travels with the job (``cluster.submit.folder``): a relative data path
     found in it stays relative (the job runs in the shipped copy); one found nowhere (folder, ``cwd``, the
     repository root) is refused.
 
