@@ -1,0 +1,44 @@
+"""The example agent programs of ``reward/envs/`` (MCP, CLI harness, OpenAI Agents SDK, summarising) run
+unmodified against the real session gateway served in-process, with a script in the driver's place
+(``tests.helpers.gateway_script``): what each sends over HTTP, and how its session ends."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from rollout.openai_protocol import Reply
+from tests.helpers.gateway_script import call_reply, play, text_reply
+
+ROW = {"prompt": "What is 6*7?", "answer": "42"}
+
+
+def _mcp_servers() -> list[psutil.Process]:
+    """This process's descendants that are the calculator's MCP server."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if "reward.envs.mcp_calc_server" in " ".join(p.cmdline())]
+
+
+def test_mcp_agent_calls_the_servers_tool_and_sends_back_its_result():
+    from reward.envs import mcp_agent
+
+    servers: list[psutil.Process] = []
+
+    def answer_while_the_server_runs(request: dict) -> Reply:
+        servers.extend(_mcp_servers())
+        return text_reply("The answer is 42.")
+
+    played = play(mcp_agent.run, ROW, [call_reply("calc", expression="2**3"), call_reply("calc", expression="6*7"),
+                                       answer_while_the_server_runs])
+    first, second, third = played.requests
+    tool = first["tools"][0]["function"]
+    assert tool["name"] == "calc" and tool["parameters"]["required"] == ["expression"]
+    assert "+, - and *" in tool["description"]
+    error = second["messages"][-1]
+    assert error["role"] == "tool" and "only integers, + - * and parentheses" in error["content"]
+    assert third["messages"][-1] == {"role": "tool", "content": "42", "tool_call_id": "call_scripted-2_0"}
+    assert third["messages"][:len(second["messages"])] == second["messages"]
+    assert played.end == {"kind": "end", "reward": None, "status": "ok", "error": None}
+    assert played.agent_done and played.exhausted == 0
+    assert len(servers) == 1, "the MCP server was not running during the episode"
+    assert not servers[0].is_running(), "the MCP server outlived its episode"
