@@ -42,3 +42,23 @@ def test_mcp_agent_calls_the_servers_tool_and_sends_back_its_result():
     assert played.agent_done and played.exhausted == 0
     assert len(servers) == 1, "the MCP server was not running during the episode"
     assert not servers[0].is_running(), "the MCP server outlived its episode"
+
+
+@pytest.mark.parametrize("answer,reward", [("It is 42.", 1.0), ("It is 41.", 0.0)])
+def test_cli_agent_program_closes_its_session_with_its_own_reward(answer, reward):
+    from reward.envs import cli_agent
+
+    played = play(cli_agent.run, ROW, [call_reply("calc", expression="6*7"), text_reply(answer)])
+    assert [r["messages"][-1]["role"] for r in played.requests] == ["user", "tool"]
+    assert played.requests[1]["messages"][-1]["content"] == "42"
+    # the program's own close, not the runner's (whose reward would be None): a session takes one close
+    assert played.end == {"kind": "end", "reward": reward, "status": "ok", "error": None}
+    assert played.agent_done and played.exhausted == 0
+
+
+def test_cli_agent_program_that_fails_ends_its_episode_as_an_error():
+    from reward.envs import cli_agent
+
+    played = play(cli_agent.run, ROW, [])  # its first request fails (503): the program exits with 1
+    assert played.exhausted == 1
+    assert played.end["status"] == "error" and "calc_cli exited with status 1" in played.end["error"]
