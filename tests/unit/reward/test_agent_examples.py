@@ -62,3 +62,36 @@ def test_cli_agent_program_that_fails_ends_its_episode_as_an_error():
     played = play(cli_agent.run, ROW, [])  # its first request fails (503): the program exits with 1
     assert played.exhausted == 1
     assert played.end["status"] == "error" and "calc_cli exited with status 1" in played.end["error"]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_sdk_agent_runs_its_tool_and_ends_on_its_answer(api):
+    from reward.envs import sdk_agent
+
+    fn = sdk_agent.run if api == "responses" else sdk_agent.run_chat
+    played = play(fn, ROW, [call_reply("calc", expression="6*7"), text_reply("It is 42.")])
+    first, second = played.requests
+    assert [r["api"] for r in played.requests] == [api, api]
+    assert first["messages"] == [{"role": "system", "content": sdk_agent.INSTRUCTIONS},
+                                 {"role": "user", "content": ROW["prompt"]}]
+    assert first["tools"][0]["function"]["name"] == "calc"
+    assert second["messages"][:2] == first["messages"]
+    assert second["messages"][2]["tool_calls"][0]["function"]["name"] == "calc"
+    assert second["messages"][3] == {"role": "tool", "content": "42", "tool_call_id": "call_scripted-1_0"}
+    # no request after the answer: the last sampled turn, which the verifier scores, is the final output
+    assert played.end == {"kind": "end", "reward": None, "status": "ok", "error": None}
+    assert played.agent_done and played.exhausted == 0
+
+
+def test_openai_agents_sdk_final_output_is_the_last_reply():
+    from reward.envs import sdk_agent
+
+    outputs = []
+
+    async def agent(row, client):
+        outputs.append(await sdk_agent.answer(row["prompt"], client, "chat", max_turns=2))
+        outputs.append(await sdk_agent.answer(row["prompt"], client, "chat", max_turns=1))
+
+    played = play(agent, ROW, [call_reply("calc", expression="6*7"), text_reply("It is 42."),
+                               call_reply("calc", expression="6*7")])
+    assert outputs == ["It is 42.", None] and len(played.requests) == 3
