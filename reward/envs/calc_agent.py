@@ -45,10 +45,14 @@ def chat(prompt: str, client, max_turns: int = 3) -> list[dict]:
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             break
-        for call in message.tool_calls:
-            try:
-                result = calc(**json.loads(call.function.arguments))
-            except (TypeError, ValueError) as err:
-                result = f"Error: {err}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": call_tool(call)}
+                     for call in message.tool_calls]
     return messages
+
+
+def call_tool(call) -> str:
+    """The calculator's answer to one tool call of a reply (its text, or ``"Error: ..."`` for bad arguments)."""
+    try:
+        return calc(**json.loads(call.function.arguments))
+    except (TypeError, ValueError) as err:
+        return f"Error: {err}"

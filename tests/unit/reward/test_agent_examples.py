@@ -95,3 +95,23 @@ def test_openai_agents_sdk_final_output_is_the_last_reply():
     played = play(agent, ROW, [call_reply("calc", expression="6*7"), text_reply("It is 42."),
                                call_reply("calc", expression="6*7")])
     assert outputs == ["It is 42.", None] and len(played.requests) == 3
+
+
+def test_summarising_agent_forks_its_session_after_k_turns():
+    from reward.envs import summary_agent
+    from rollout.gateway_session import continuation
+    from rollout.openai_protocol import assistant_message, tool_call_id
+
+    script = [call_reply("calc", expression="6*7"), call_reply("calc", expression="42+8"),
+              call_reply("calc", expression="50*2"), text_reply("It is 100.")]
+    played = play(lambda row, client: summary_agent.run(row, client, k=2), {"prompt": "What is (6*7+8)*2?"}, script)
+    requests = [r["messages"] for r in played.requests]
+    assert len(requests) == 4 and played.end["status"] == "ok"
+    # what the gateway's branch stands for after each request: its messages and the assistant turn returned
+    known = [m + [assistant_message(reply, [tool_call_id(f"scripted-{i + 1}", 0)])]
+             for i, (m, reply) in enumerate(zip(requests, script))]
+    assert continuation(known[0], requests[1]) == [requests[1][-1]]
+    assert continuation(known[1], requests[2]) is None, "the summary should fork the session"
+    assert continuation(known[2], requests[3]) == [requests[3][-1]]
+    assert requests[2] == [summary_agent.summary("What is (6*7+8)*2?", [
+        'calc({"expression": "6*7"}) returned 42', 'calc({"expression": "42+8"}) returned 50'])]
