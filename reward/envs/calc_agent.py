@@ -31,17 +31,28 @@ def run(row: dict, client, max_turns: int = 3) -> None:
         client: an ``openai.OpenAI`` client (the gateway gives each episode its own base URL and key).
         max_turns: model calls at most.
     """
-    messages = [{"role": "user", "content": row["prompt"]}]
+    chat(row["prompt"], client, max_turns)
+    return None
+
+
+def chat(prompt: str, client, max_turns: int = 3) -> list[dict]:
+    """The calculator loop on ``prompt``: the conversation's messages, ending with the model's answer unless
+    ``max_turns`` ran out during tool calls (``reward/envs/calc_cli.py`` scores the answer itself)."""
+    messages = [{"role": "user", "content": prompt}]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
-            return None
-        for call in message.tool_calls:
-            try:
-                result = calc(**json.loads(call.function.arguments))
-            except (TypeError, ValueError) as err:
-                result = f"Error: {err}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return None
+            break
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": call_tool(call)}
+                     for call in message.tool_calls]
+    return messages
+
+
+def call_tool(call) -> str:
+    """The calculator's answer to one tool call of a reply (its text, or ``"Error: ..."`` for bad arguments)."""
+    try:
+        return calc(**json.loads(call.function.arguments))
+    except (TypeError, ValueError) as err:
+        return f"Error: {err}"
