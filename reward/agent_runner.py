@@ -86,15 +86,15 @@ class AgentRuns:
     def __init__(self, fn: Callable[..., Any], timeout_s: float):
         import ssl
 
-        import httpx  # imported here, once: threads importing a module at the same time see it half-made
+        import httpx  # noqa: F401 - imported once here: threads importing a module at once see it half-made
         import openai  # noqa: F401
 
         self.fn, self.timeout_s = fn, timeout_s
-        # One connection pool for the sync clients and one TLS context for the async ones: a client of its own
-        # builds a TLS context (about 20 ms here), which 256 episodes a step would pay one after another.
+        # One TLS context for every episode's HTTP client: a client that builds its own takes about 20 ms here,
+        # which 256 episodes a step would pay one after another. Each episode has a connection pool of its own: one
+        # pool shared by 256 threads serialised them on its lock (4.4x the gateway's time per request,
+        # bench/gateway.py).
         self.tls = ssl.create_default_context()
-        self.limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.http = httpx.Client(verify=self.tls, limits=self.limits, timeout=timeout_s)
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
 
@@ -112,24 +112,25 @@ class AgentRuns:
             self.threads = {k: t for k, t in self.threads.items() if t.is_alive()}
             return len(self.threads)
 
-    def _call(self, row: dict, session: dict[str, str]) -> Any:
-        import openai
-
+    def _call(self, row: dict, session: dict[str, str], http: Any) -> Any:
         import httpx
         import openai
 
         kw = dict(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=self.timeout_s)
         if inspect.iscoroutinefunction(self.fn):
             async def main() -> Any:
-                async with httpx.AsyncClient(verify=self.tls, limits=self.limits, timeout=self.timeout_s) as http:
-                    return await self.fn(row, openai.AsyncOpenAI(http_client=http, **kw))
+                async with httpx.AsyncClient(verify=self.tls, timeout=self.timeout_s) as ahttp:
+                    return await self.fn(row, openai.AsyncOpenAI(http_client=ahttp, **kw))
             return asyncio.run(main())
-        return self.fn(row, openai.OpenAI(http_client=self.http, **kw))
+        return self.fn(row, openai.OpenAI(http_client=http, **kw))
 
     def _run(self, episode_id: str, row: dict, session: dict[str, str]) -> None:
-        try:
-            reward = reward_value(self._call(row, session))
-        except Exception as e:  # noqa: BLE001 - the agent's failure is its episode's, reported to the driver
-            close_session(session, None, "error", f"{type(e).__name__}: {e}"[:500], http=self.http)
-            return
-        close_session(session, reward, "ok", http=self.http)
+        import httpx
+
+        with httpx.Client(verify=self.tls, timeout=self.timeout_s) as http:
+            try:
+                reward = reward_value(self._call(row, session, http))
+            except Exception as e:  # noqa: BLE001 - the agent's failure is its episode's, reported to the driver
+                close_session(session, None, "error", f"{type(e).__name__}: {e}"[:500], http=http)
+                return
+            close_session(session, reward, "ok", http=http)
