@@ -20,6 +20,10 @@ from rollout.tool_calls import TAG_ARGUMENT_KEY
 FAILED = ("timeout", "error")
 
 
+TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
+                     "turn_rewards", "routed_experts")
+
+
 @dataclass
 class Episode:
     """One episode under way (the driver's record; ``EpisodeRunner`` owns it).
@@ -63,6 +67,20 @@ class Episode:
         self.versions += [version] * len(ids)
         if logprobs is not None:
             self.sampled += ids
+
+    def trajectory(self) -> dict[str, Any]:
+        """The sequence so far (ids, mask, log-probs, versions, sampled ids, turn starts and rewards, routing), copied:
+        ``restart`` puts it back (an agent episode's branches, ``cluster.driver.gateway_episodes``)."""
+        return {k: (list(v) if isinstance(v, list) else v) for k in TRAJECTORY_FIELDS for v in [getattr(self, k)]}
+
+    def restart(self, trajectory: dict[str, Any] | None = None, prompt_ids: list[int] | None = None) -> None:
+        """Make ``trajectory`` (a ``trajectory()``) the episode's sequence, or with None a new one from
+        ``prompt_ids`` with nothing sampled yet."""
+        fresh = {k: [] for k in TRAJECTORY_FIELDS} | {"routed_experts": None, "prompt_ids": list(prompt_ids or [])}
+        for k, v in (trajectory or fresh).items():
+            setattr(self, k, v)
+        if trajectory is None:
+            self.turn_end = None
 
     @property
     def sampled_versions(self) -> list[int]:

@@ -56,30 +56,21 @@ class AgentEpisode(Episode):
     known: list[dict] = field(default_factory=list)
     raw_text: dict = field(default_factory=dict)  # canonical assistant message -> the text the engine sampled
     request: dict = field(default_factory=dict)
-    branches: list[Episode] = field(default_factory=list)
+    branches: list[dict] = field(default_factory=list)  # earlier branches (Episode.trajectory)
     end: dict = field(default_factory=dict)
     opened: float = 0.0
     cut: bool = False  # a request was refused for want of room (context_length_exceeded)
 
     def fork(self, prompt_ids: list[int]) -> None:
         """Keep the branch so far in ``branches`` and start a new one from ``prompt_ids`` (nothing sampled)."""
-        self.branches.append(Episode(
-            self.episode_id, self.row, self.sample_index, self.seed, self.worker, group=self.group,
-            prompt_ids=list(self.prompt_ids), tools=list(self.tools), response_ids=list(self.response_ids),
-            mask=list(self.mask), logprobs=list(self.logprobs), versions=list(self.versions),
-            sampled=list(self.sampled), turn_starts=list(self.turn_starts), turn_rewards=list(self.turn_rewards),
-            routed_experts=self.routed_experts))
-        self.prompt_ids, self.response_ids, self.mask, self.logprobs = list(prompt_ids), [], [], []
-        self.versions, self.sampled, self.turn_starts, self.turn_rewards = [], [], [], []
-        self.routed_experts, self.turn_end = None, None
+        self.branches.append(self.trajectory())
+        self.restart(None, prompt_ids)
 
     def keep_longest(self) -> None:
         """Make the branch with the most sampled tokens the episode's (ties: the latest)."""
-        best = max(self.branches, key=lambda b: len(b.sampled), default=None)
-        if best is not None and len(best.sampled) > len(self.sampled):
-            for name in ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
-                         "turn_rewards", "routed_experts"):
-                setattr(self, name, getattr(best, name))
+        best = max(self.branches, key=lambda b: len(b["sampled"]), default=None)
+        if best is not None and len(best["sampled"]) > len(self.sampled):
+            self.restart(best)
 
 
 class GatewayEpisodeRunner(EpisodeRunner):
@@ -137,8 +128,8 @@ class GatewayEpisodeRunner(EpisodeRunner):
         if ev["kind"] == "timeout":
             e.status = "timeout"
         elif ev.get("status") == "ok" or e.cut:  # an agent stopped by a context error is scored as it stands
-            e.status, e.end = ("cut_tokens", {**ev, "reward": ev.get("reward") if ev.get("status") == "ok" else None}
-                               ) if e.cut else ("ok", ev)
+            e.status = "cut_tokens" if e.truncated else "ok"  # a turn cut at its limit, or no room: as env episodes
+            e.end = ev if ev.get("status") == "ok" else {**ev, "reward": None}
         else:
             e.status = "error"
         return False

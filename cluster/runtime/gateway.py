@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import itertools
 import json
 import secrets
 import time
@@ -78,8 +77,8 @@ class Gateway:
         self.host, self.port, self.model_name = host, port, model_name
         self.sessions: dict[str, _Session] = {}
         self.counters: dict[str, float] = {}
-        self.ids = itertools.count()
         self.server = None
+        self.task: asyncio.Task | None = None
 
     # -- the driver's calls -----------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -91,7 +90,7 @@ class Gateway:
         config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning", access_log=False,
                                 timeout_keep_alive=120, backlog=4096)
         self.server = uvicorn.Server(config)
-        task = asyncio.get_running_loop().create_task(self.server.serve())
+        self.task = task = asyncio.get_running_loop().create_task(self.server.serve())
         while not self.server.started:
             if task.done():
                 raise RuntimeError(f"the gateway did not start on {self.host}:{self.port}: {task.exception()!r}")
@@ -144,10 +143,13 @@ class Gateway:
         out, self.counters = self.counters, {}
         return out
 
-    async def stop(self) -> None:
-        """Stop serving."""
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving: open requests are answered 409 (their sessions closed), then the server ends."""
+        for s in self.sessions.values():
+            self._close(s, {"kind": "end", "reward": None, "status": "closed", "error": "the gateway stopped"})
         if self.server is not None:
             self.server.should_exit = True
+            await asyncio.wait([self.task], timeout=timeout_s)
 
     # -- the HTTP side ----------------------------------------------------------------------------------------
     def _count(self, key: str, n: float = 1.0) -> None:
@@ -207,9 +209,11 @@ class Gateway:
             s = self._session(session_id, authorization)
         except ProtocolError as err:
             return _error(err)
-        body = body if isinstance(body, dict) else {}
-        self._close(s, {"kind": "end", "reward": body.get("reward"), "status": str(body.get("status", "ok")),
-                        "error": body.get("error")})
+        try:
+            event = close_event(body)
+        except ProtocolError as err:  # the session stays open: the program may close it again, correctly
+            return _error(err)
+        self._close(s, event)
         return JSONResponse({"session_id": session_id, "closed": True})
 
     def _app(self) -> FastAPI:
@@ -242,6 +246,31 @@ class Gateway:
             return await self._close_route(session_id, authorization, await _body(request))
 
         return app
+
+
+def close_event(body: Any) -> dict[str, Any]:
+    """The end event of a close request's body ``{"reward": None | number | {name: number}, "status": "ok" |
+    "error", "error": str | None}`` (every key optional; status ``ok`` by default).
+
+    Raises:
+        ProtocolError: 400 naming the field: a body that is not an object, a reward that is not None, a finite
+            number or a non-empty dict of them (``reward.agent_runner.reward_value``), another status.
+    """
+    from reward.agent_runner import reward_value
+
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise ProtocolError(400, f"the body must be a JSON object, got {body!r}"[:300], param="body")
+    status = body.get("status", "ok")
+    if status not in ("ok", "error"):
+        raise ProtocolError(400, f"status must be 'ok' or 'error', got {status!r}"[:300], param="status")
+    try:
+        reward = reward_value(body.get("reward"))
+    except ValueError as err:
+        raise ProtocolError(400, str(err), param="reward") from None
+    error = body.get("error")
+    return {"kind": "end", "reward": reward, "status": status, "error": None if error is None else str(error)[:500]}
 
 
 def start_gateway(host: str, port: int, model_name: str):

@@ -1,0 +1,144 @@
+"""An agent program's requests onto its episode (cluster/driver/gateway_episodes.py): continue on the sampled ids,
+fork where the history diverges, the errors a request can get, and the branch that trains. No Ray: the gateway
+handle is a stand-in that records the answers the driver sends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.config import load_config
+from cluster.driver.gateway_episodes import AgentEpisode, GatewayEpisodeRunner
+from rollout.contracts import PromptRow, SampledTurn
+from rollout.gateway_session import canonical_message, continuation, format_call, render_plain
+from rollout.openai_protocol import ProtocolError
+from tests.helpers.chat_tokenizers import REASONING_STRIPPING_TEMPLATE, build_bpe_tokenizer
+
+CALC = [{"type": "function", "function": {"name": "calc", "description": "Add.", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+class _Handle:
+    """Stands in for the gateway actor's handle: ``exchange.remote(...)`` records what the driver answered."""
+
+    def __init__(self):
+        self.sent: list[tuple] = []
+        self.exchange = self
+
+    def remote(self, *args):
+        self.sent.append(args)
+        return f"ref{len(self.sent)}"
+
+
+def _runner(template: str | None = None, **overrides) -> GatewayEpisodeRunner:
+    args = ["env.tools=[]", "env.agent=reward.envs.calc_agent:run", "env.tool_format=hermes",
+            "rollout.max_model_len=256"] + [f"{k}={v}" for k, v in overrides.items()]
+    cfg = load_config("configs/tiny_agent_calc.yaml", args)
+    tok = build_bpe_tokenizer() if template is None else build_bpe_tokenizer(template)
+    return GatewayEpisodeRunner(cfg, None, None, tok, _Handle())
+
+
+def _episode() -> AgentEpisode:
+    e = AgentEpisode("u#0@1.0", PromptRow("u", "12+30=", [1], "42"), 0, seed=3, worker=0)
+    e.session = {"session_id": "s"}
+    return e
+
+
+def _request(messages, **kw) -> dict:
+    return {"messages": messages, "tools": CALC, "max_tokens": None, "stop": [], "temperature": None,
+            "top_p": None, **kw}
+
+
+def _sample(r: GatewayEpisodeRunner, e: AgentEpisode, text: str, version: int = 5) -> dict:
+    """The engine samples ``text`` (ending on the EOS token); returns the assistant message the gateway sent."""
+    ids = r.tokenizer(text, add_special_tokens=False)["input_ids"] + [r.tokenizer.eos_token_id]
+    r._on_turn(e, SampledTurn(e.episode_id, ids, [-0.5] * len(ids), text, "stop", None, version), {})
+    reply = r.gateway.sent[-1][1]
+    return {"role": "assistant", "content": reply.content or None, "tool_calls": [
+        {"id": f"call_{k}", "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        for k, c in enumerate(reply.tool_calls)] or None}
+
+
+USER = {"role": "user", "content": "What is 12+30?"}
+CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "12+30"}}</tool_call>'
+
+
+def test_a_continued_history_appends_only_the_new_messages_after_the_sampled_ids():
+    r, e = _runner(), _episode()
+    assert r._take_request(e, _request([USER])) is None
+    prompt = list(e.prompt_ids)
+    assert prompt == r.tokenizer.apply_chat_template([USER], tools=CALC, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+    sent = _sample(r, e, CALL)
+    assert r.gateway.sent[-1][1].tool_calls == [{"name": "calc", "arguments": {"expression": "12+30"}}]
+    sampled = list(e.sampled)
+    tool = {"role": "tool", "tool_call_id": "call_0", "content": "42"}
+    assert r._take_request(e, _request([USER, sent, tool])) is None
+    assert e.prompt_ids == prompt and e.response_ids[:len(sampled)] == sampled  # nothing re-tokenized
+    assert e.mask == [1] * len(sampled) + [0] * (len(e.response_ids) - len(sampled)) and not e.branches
+    assert r.forks == 0
+
+
+def test_an_edited_history_forks_and_the_longest_branch_trains():
+    r, e = _runner(), _episode()
+    r._take_request(e, _request([USER]))
+    sent = _sample(r, e, CALL)
+    first = list(e.sampled)
+    summary = {"role": "user", "content": "Summary: the calculator said 42. Answer now."}
+    assert r._take_request(e, _request([summary])) is None  # the history was replaced: a new branch
+    assert r.forks == 1 and e.branches[0]["sampled"] == first and e.sampled == [] and e.response_ids == []
+    assert e.prompt_ids == r.tokenizer.apply_chat_template([summary], tools=CALC, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False)
+    _sample(r, e, "42")
+    e.keep_longest()
+    assert e.sampled == first  # the call's branch holds more sampled tokens than the answer's
+    assert sent["tool_calls"] and continuation([USER, sent], [summary]) is None
+
+
+def test_a_template_that_strips_reasoning_forks_every_turn_and_each_turn_keeps_its_sampled_ids():
+    r, e = _runner(REASONING_STRIPPING_TEMPLATE), _episode()
+    r._take_request(e, _request([USER]))
+    sent = _sample(r, e, "<think>\nadd them\n</think>\n\n" + CALL)
+    first = list(e.sampled)
+    tool = {"role": "tool", "tool_call_id": "call_0", "content": "42"}
+    assert r._take_request(e, _request([USER, sent, tool])) is None
+    assert r.forks == 1 and e.branches[0]["sampled"] == first  # the delta is not prefix-stable: re-rendered whole
+    assert "add them" not in r.tokenizer.decode(e.prompt_ids)  # the template dropped the earlier reasoning
+
+
+def test_refused_forks_context_limits_and_sampling_overrides():
+    r, e = _runner(**{"env.gateway.fork_policy": "refuse"}), _episode()
+    r._take_request(e, _request([USER], temperature=0.2))
+    assert r.overridden == 1
+    _sample(r, e, CALL)
+    err = r._take_request(e, _request([{"role": "user", "content": "start again"}]))
+    assert isinstance(err, ProtocolError) and err.status == 400 and err.code == "history_diverged"
+    small, e2 = _runner(**{"rollout.max_model_len": 48}), _episode()  # the tools alone take more
+    err = small._take_request(e2, _request([USER]))
+    assert err.code == "context_length_exceeded" and err.param == "messages" and e2.cut
+
+
+def test_plain_mode_renders_the_rows_prompt_as_its_ids_and_a_history_in_the_tool_format():
+    tag = [{"role": "user", "content": "1+2="},
+           {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "calc",
+                                                                               "arguments": '{"expression": "1+2"}'}}]},
+           {"role": "tool", "content": "3"}]
+    assert render_plain(tag, "tag") == "1+2=<call>calc 1+2</call><result>3</result>"
+    raw = {canonical_message(tag[1]): "<call>calc  1+2</call>"}
+    assert render_plain(tag, "tag", raw) == "1+2=<call>calc  1+2</call><result>3</result>"
+    assert format_call("hermes", "calc", {"expression": "1+2"}) == CALL.replace("12+30", "1+2")
+    with pytest.raises(ValueError, match="role 'critic'"):
+        render_plain([{"role": "critic", "content": "x"}], "tag")
+
+
+def test_canonical_messages_ignore_what_clients_rewrite():
+    a = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expression":"1+2"}'}}]}
+    b = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_zz", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "1+2"}'}}]}
+    assert canonical_message(a) == canonical_message(b)
+    assert canonical_message(a) != canonical_message({**b, "content": "x"})
+    assert continuation([USER, a], [USER, b, {"role": "tool", "content": "3"}]) == [{"role": "tool", "content": "3"}]
+    assert continuation([USER, a], [USER, b]) is None  # nothing new
+    assert continuation([USER, a], [USER, b, {"role": "assistant", "content": "x"}]) is None  # not a reply
