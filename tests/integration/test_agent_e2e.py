@@ -57,6 +57,40 @@ def test_episodes_train_on_exactly_the_sampled_ids(trainer):
     assert m2["agent/token_mismatch"] == 0.0 and m2["step"] == 2
 
 
+def test_an_openai_program_behind_the_gateway_plays_the_same_episodes(trainer):
+    """The calculator agent written as a plain ``openai`` program (reward/envs/calc_agent.py, env.agent) through
+    the session gateway, on the same engine, weights, rows and seed as the env.tools episodes: the same ids,
+    masks, versions and rewards; every request continued its session (no fork)."""
+    import ray
+
+    from cluster.config import load_config
+    from cluster.driver.env_pool import EnvPool
+    from cluster.driver.gateway_episodes import start_gateway_runner
+    from cluster.runtime.services import RewardGroups
+
+    t = trainer
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_agent_openai.yaml",
+                      [f"trainer.output_dir={t.cfg.trainer.output_dir}", "trainer.run_name=agent", *OVERRIDES])
+    groups = RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources, cfg.cluster.placement_timeout_s)
+    runner, gateway = start_gateway_runner(cfg, t.fleet, EnvPool(cfg, groups), t.tokenizer)
+    try:
+        rows = t.train_rows[:4]
+        want, want_scored, _, want_sampled = t.episodes.run(rows, 4, seed=11)
+        got, scored, metrics, sampled = runner.run(rows, 4, seed=11)
+    finally:
+        runner.pool.shutdown()
+        groups.remove_all()
+        ray.get(gateway.stop.remote(), timeout=30)
+    assert [c.response_token_ids for c in got] == [c.response_token_ids for c in want]
+    assert [c.response_mask for c in got] == [c.response_mask for c in want]
+    assert [c.token_versions for c in got] == [c.token_versions for c in want]
+    assert [r.score for r in scored] == [r.score for r in want_scored]
+    assert sorted(map(len, sampled.values())) == sorted(map(len, want_sampled.values()))
+    assert metrics["agent/forks"] == 0.0 and metrics["gateway/requests"] >= 16.0
+    errors = {k: v for k, v in metrics.items() if k.startswith("gateway/errors")}
+    assert metrics["agent/env_failed"] == 0.0 and set(errors) <= {"gateway/errors/400"}, errors  # 400: no room
+
+
 def test_held_out_accuracy_comes_from_greedy_episodes(trainer):
     out = trainer.evaluate()
     assert out["eval/num_prompts"] == 8.0 and 0.0 <= out["eval/accuracy"] <= 1.0
