@@ -140,13 +140,13 @@ def check_front_door(kind: str, args: list[str], tmp: Path, monkeypatch) -> tupl
             if kind == "train":
                 code = train.main(args if "--dry-run" in args else [*args, "--dry-run"])
             elif kind == "submit":
-                from cluster.submit import build_parser, prepare_config
+                from cluster.submit.job import build_parser, prepare_config
 
                 ns = build_parser().parse_args(args)
                 prep = prepare_config(ns.config, list(ns.overrides), ns.folder)
                 code = train.main([ns.config, *prep["overrides"], "--dry-run"])
             else:
-                from cluster import compare
+                from cluster.compare import runs as compare
 
                 monkeypatch.setattr(compare, "run_one", lambda *a, **k: (_ for _ in ()).throw(_Stop()))
                 code = compare.main([*args, "--output-dir", str(tmp / "compare")])
