@@ -142,3 +142,29 @@ def test_canonical_messages_ignore_what_clients_rewrite():
     assert continuation([USER, a], [USER, b, {"role": "tool", "content": "3"}]) == [{"role": "tool", "content": "3"}]
     assert continuation([USER, a], [USER, b]) is None  # nothing new
     assert continuation([USER, a], [USER, b, {"role": "assistant", "content": "x"}]) is None  # not a reply
+
+
+@pytest.mark.parametrize("on_error, want", [("zero", 0.0), ("drop", float("nan"))])
+def test_an_agent_that_fails_or_times_out_ends_its_episode_scored_by_on_error(on_error, want):
+    import math
+
+    r = _runner(**{"env.on_error": on_error})
+    for event, status in [({"kind": "timeout"}, "timeout"),
+                          ({"kind": "end", "reward": None, "status": "error", "error": "ValueError: boom"}, "error")]:
+        e = _episode()
+        assert r._on_event(e, event) is False and e.status == status
+        detail: dict = {}
+        score, correct, got = r._score(e, {}, detail)
+        assert got == status and not correct and (math.isnan(score) if math.isnan(want) else score == want)
+        assert detail["error"]
+
+
+def test_an_agent_reward_is_taken_as_returned_and_named_components_are_summed():
+    r, e = _runner(), _episode()
+    assert r._on_event(e, {"kind": "end", "reward": {"found": 1.0, "speed": 0.25}, "status": "ok"}) is False
+    detail: dict = {}
+    assert r._score(e, {}, detail) == (1.25, True, "ok") and detail["components"] == {"found": 1.0, "speed": 0.25}
+    e2 = _episode()
+    e2.cut = e2.truncated = True  # its last request got context_length_exceeded and the agent raised on it
+    r._on_event(e2, {"kind": "end", "reward": None, "status": "error", "error": "BadRequestError"})
+    assert e2.status == "cut_tokens" and e2.end["reward"] is None  # scored as it stands, by the verifier
