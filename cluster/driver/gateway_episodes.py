@@ -68,17 +68,18 @@ class AgentEpisode(Episode):
             prompt_ids=list(self.prompt_ids), tools=list(self.tools), response_ids=list(self.response_ids),
             mask=list(self.mask), logprobs=list(self.logprobs), versions=list(self.versions),
             sampled=list(self.sampled), turn_starts=list(self.turn_starts), turn_rewards=list(self.turn_rewards),
-            routed_experts=self.routed_experts))
+            routed_experts=self.routed_experts, branch=self.branch))
         self.prompt_ids, self.response_ids, self.mask, self.logprobs = list(prompt_ids), [], [], []
         self.versions, self.sampled, self.turn_starts, self.turn_rewards = [], [], [], []
         self.routed_experts, self.turn_end = None, None
+        self.branch = len(self.branches)  # the new branch's turns are told apart in the engines' token records
 
     def keep_longest(self) -> None:
         """Make the branch with the most sampled tokens the episode's (ties: the latest)."""
         best = max(self.branches, key=lambda b: len(b.sampled), default=None)
         if best is not None and len(best.sampled) > len(self.sampled):
             for name in ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
-                         "turn_rewards", "routed_experts"):
+                         "turn_rewards", "routed_experts", "branch"):
                 setattr(self, name, getattr(best, name))
 
 
@@ -194,7 +195,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         r = super()._request(e, turn_seed)
         asked = e.request.get("max_tokens")
         return TurnRequest(r.episode_id, r.context_ids, min(r.max_tokens, asked) if asked else r.max_tokens,
-                           r.stop + [s for s in e.request.get("stop") or [] if s not in r.stop], r.seed)
+                           r.stop + [s for s in e.request.get("stop") or [] if s not in r.stop], r.seed, r.branch)
 
     def _on_turn(self, e: AgentEpisode, turn: SampledTurn, stepping: dict) -> None:
         """A sampled turn: onto the episode (exact ids, log-probs, version, routing), parsed into the reply."""
@@ -229,7 +230,8 @@ class GatewayEpisodeRunner(EpisodeRunner):
         results = []
         for e in episodes:
             e.keep_longest()
-            detail = {"episode_id": e.episode_id, "episode": e.status, "turns": e.turns, "forks": len(e.branches)}
+            detail = {"episode_id": e.episode_id, "episode": e.status, "turns": e.turns, "forks": len(e.branches),
+                      "branch": e.branch}  # the branch that trains (the token check)
             score, correct, status = self._score(e, verify, detail)
             results.append(RewardResult(score=score, correct=correct, status=status, detail=detail,
                                         elapsed_s=time.monotonic() - e.opened))
