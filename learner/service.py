@@ -109,6 +109,7 @@ class LearnerRank:
         # rank 0's collective weight-transfer group with the engines (sync.transport=collective), kept across syncs
         self.transfer_group: weight_sync.TransferGroup | None = None
         self.synced_version, self.weights_changed = 0, False  # the weights' version for the engines: current_version
+        self.trained_turns: list[tuple[int, int, str]] = []  # the last rollout batch's, for take_trained_turns
         self.objective = resolve_objective(cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg, cfg.loss_options)
         init_distributed(cfg, rank, world_size, local_rank, master_addr, master_port)
         checkpoint.seed_all(seed)
@@ -226,10 +227,20 @@ class LearnerRank:
         """
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
-        result = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
-                                  self.critic, monitor).run()
+        step = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
+                                self.critic, monitor)
+        result = step.run()
+        self.trained_turns = step.trained_turns
         self.weights_changed |= not result.skipped  # a refused update put the weights back
         return result
+
+    def take_trained_turns(self) -> list[tuple[int, int, str]]:
+        """The sampled turns this rank trained in its last ``train_rollout_batch`` (its first epoch, as its
+        micro-batches held them), for the token check: ``(context_len, sampled_len, digest)`` per turn
+        (``learner.token_digests.trained_turn_digests``); empty when no optimizer step ran. Cleared by the call.
+        Not collective."""
+        out, self.trained_turns = self.trained_turns, []
+        return out
 
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> SFTStepResult:
         """One optimizer step of token-mean cross-entropy on ``batch`` (this rank's shard).

@@ -33,6 +33,7 @@ from learner.critic import Critic
 from learner.health import GuardDecision
 from learner.logprobs import token_log_probs
 from learner.microbatch import MicroBatch, length_order
+from learner.token_digests import trained_turn_digests
 from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
                          volatility_metrics)
 from learner.config import PRE_UPDATE_GUARD_KEYS
@@ -117,6 +118,7 @@ class RolloutBatchStep:
         n_layers, n_experts = (len(self.tap.layers), self.tap.num_experts) if self.tap is not None else (0, 0)
         self.sums = _PassSums(load=torch.zeros((n_layers, n_experts), dtype=torch.float64))
         self.entropy_den = max(float(sum(int(t) for t in num_tokens)), 1.0)
+        self.trained_turns: list[tuple[int, int, str]] = []  # (context_len, sampled_len, digest) per trained turn
 
     def run(self) -> RolloutTrainResult:
         """The phases in order; returns the step's result (the same on every rank), built from its metrics dict by
@@ -271,14 +273,15 @@ class RolloutBatchStep:
     # -- phase 3 ------------------------------------------------------------------------------------------
     def train(self, counts: list[int]) -> None:
         """``ppo_epochs`` passes over the minibatches, one optimizer step each; stops early when the guard says."""
-        for _epoch in range(self.cfg.ppo_epochs):
+        for epoch in range(self.cfg.ppo_epochs):
             for m, batch in enumerate(self.minibatches):
-                if self.train_minibatch(m, batch, counts[m]):
+                if self.train_minibatch(m, batch, counts[m], first_epoch=epoch == 0):
                     return
 
-    def train_minibatch(self, m: int, batch: TrainBatch, n_passes: int) -> bool:
+    def train_minibatch(self, m: int, batch: TrainBatch, n_passes: int, first_epoch: bool = True) -> bool:
         """Accumulate the gradient of minibatch ``m`` over ``n_passes`` micro-batch passes (zero-weighted
-        passes beyond this rank's share) and take one optimizer step. Returns True when the guard stops."""
+        passes beyond this rank's share) and take one optimizer step. Returns True when the guard stops. In the
+        first epoch each micro-batch's sampled turns are digested for the token check (``trained_turns``)."""
         engine, t = self.r.engine, self.t
         slices = self.r.slices(batch)
         updates = len(t.grad_norms)  # optimizer steps applied in this call so far
@@ -292,6 +295,8 @@ class RolloutBatchStep:
                 self.r.dummy_pass(with_grad=True)
                 continue
             mb = MicroBatch(batch, *slices[k], self.r.device, "response_mask")
+            if first_epoch:  # what this micro-batch trains, digested as the engines digest what they sampled
+                self.trained_turns += trained_turn_digests(mb.input_ids, mb.mask)
             loss, finite = self.micro_batch_backward(m, k, mb, measure, vol)
             step_loss += loss
             bad_loss = bad_loss or not finite

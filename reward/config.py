@@ -434,6 +434,13 @@ class EnvConfig(Section):
         "timeout and its session refuses further requests",
     )
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    debug_rerender: bool = Field(
+        False,
+        description="DEBUG ONLY, never for training: every turn after the first is sampled on the episode's history "
+        "decoded to text, one piece per prompt, turn and reply joined by newlines, and tokenized again (a naive "
+        "re-rendering), while the episode keeps training on its sampled ids; agent/token_mismatch then counts "
+        "those turns (it shows the token check failing)",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -128,6 +128,9 @@ class TurnRequest:
             ``rollout.max_model_len``), >= 1.
         stop: strings that end the turn right after them (a tool call's closing tag; kept in the output).
         seed: None, or the turn's sampler seed (reproducible episodes).
+        branch: which of the episode's trajectories the turn extends (0; an agent program's history that forked
+            starts branch 1, 2, ...): kept in the engine's token record, so the token check tells a branch that
+            trains from one that does not.
     """
 
     episode_id: str
@@ -135,6 +138,7 @@ class TurnRequest:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    branch: int = 0
 
 
 @dataclass

@@ -36,6 +36,7 @@ from rollout.engine_sampling import Sampling
 from rollout.engine_turns import TurnSampling
 from rollout.engine_weights import WeightUpdates
 from rollout.routing_capture import RoutingStore
+from rollout.token_records import TokenRecords
 from rollout.vllm_setup import _short_tmp, checkpoint_weight_names, eos_token_ids, llm_kwargs, runner_environment
 
 
@@ -96,6 +97,7 @@ class RolloutEngine(Sampling, TurnSampling, WeightUpdates):
                                             self._llm.get_tokenizer().eos_token_id)
         self._syncing = False  # between start_weight_update and a successful finish: no sampling
         self._open_turns: dict[str, tuple[TurnRequest, str]] = {}  # advance_turns' turns: (request, vLLM id)
+        self._token_records = TokenRecords()  # each turn's context and sampled ids, digested (the token check)
 
     def _set_environment(self, cache_dir: str | None) -> None:
         cfg = self.cfg

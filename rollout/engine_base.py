@@ -14,6 +14,7 @@ from typing import Any
 from rollout.config import RolloutConfig
 from rollout.contracts import TurnRequest
 from rollout.routing_capture import RoutingStore
+from rollout.token_records import TokenRecords
 
 
 class EngineBase:
@@ -30,6 +31,7 @@ class EngineBase:
     _checkpoint_names: set[str] | None
     _tied_embeddings: bool
     _open_turns: dict[str, tuple[TurnRequest, str]]
+    _token_records: TokenRecords
 
     def _take_routing(self) -> None:
         self._routing.add(self._llm.collective_rpc("rollout_take_routing")[0])

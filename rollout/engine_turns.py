@@ -40,7 +40,7 @@ class TurnSampling(EngineBase):
         outputs = self._llm.generate(inputs, params, use_tqdm=False) if requests else []
         if self._routing_layers and requests:
             self._take_routing()
-        return [self._turn(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
+        return [self._turn(r, out) for r, out in zip(requests, outputs, strict=True)]
 
     def advance_turns(self, requests: list[TurnRequest], temperature: float | None = None,
                       slice_s: float = 0.05) -> tuple[list[SampledTurn], float]:
@@ -81,7 +81,7 @@ class TurnSampling(EngineBase):
         done = [self._open_turns.pop(out.request_id) for out in ended]
         if self._routing_layers and done:  # each ended turn's routing, the running turns' kept for later
             self._routing.add(self._llm.collective_rpc("rollout_take_routing", args=([rid for _, rid in done],))[0])
-        return [self._turn(r, out.outputs[0]) for (r, _), out in zip(done, ended)], busy
+        return [self._turn(r, out) for (r, _), out in zip(done, ended)], busy
 
     def abort_turns(self) -> int:
         """Abort every open turn of ``advance_turns`` (the caller gave up on its episodes); returns how many."""
@@ -113,10 +113,21 @@ class TurnSampling(EngineBase):
                                  include_stop_str_in_output=True, seed=r.seed) for r in requests]
         return [TokensPrompt(prompt_token_ids=list(r.context_ids)) for r in requests], params
 
-    def _turn(self, request: TurnRequest, sample: Any) -> SampledTurn:
+    def take_token_records(self) -> tuple[list[tuple[str, int, int, int, str]], int]:
+        """The token check's records of the turns this engine sampled since the last call (``sample_turns``,
+        ``advance_turns``; aborted turns have none), and how many were dropped for room (``rollout.
+        token_records``): ``([(episode_id, branch, context_len, sampled_len, digest)], lost)``, oldest first. The
+        context is the prompt vLLM ran (its ``prompt_token_ids``), the digest ``rollout.token_records.turn_digest``.
+        The driver drains them once per step (docs/agents.md "The token check")."""
+        return self._token_records.take()
+
+    def _turn(self, request: TurnRequest, out: Any) -> SampledTurn:
+        sample = out.outputs[0]
         token_ids = list(sample.token_ids)
         if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
             raise RuntimeError(f"episode {request.episode_id}: vLLM returned no log-prob for some sampled tokens")
+        ran = out.prompt_token_ids if out.prompt_token_ids is not None else request.context_ids
+        self._token_records.add(request.episode_id, request.branch, ran, token_ids)
         return SampledTurn(
             episode_id=request.episode_id, token_ids=token_ids,
             logprobs=[float(step[tok].logprob) for tok, step in zip(token_ids, sample.logprobs, strict=True)],

@@ -18,9 +18,10 @@ Engines never wait on tools: whenever an engine is idle it samples every episode
 wait for their environment; the loop waits on whichever call ends first. The share of the rollout's wall time
 the engines spent sampling is ``agent/engine_busy_share``.
 
-The ids trained on are the ids sampled: ``token_mismatch`` (``cluster/driver/episodes.py``, with the episode
-record and the loop's state) compares every trained row of the learner's batch
-with the turns the engines returned (``agent/token_mismatch``, which must be 0).
+The ids trained on are the ids sampled: each engine keeps a digest of every turn's context and sampled ids, each
+learner rank digests the turns it trained, and the driver compares the two (``cluster.driver.token_check``,
+``agent/token_mismatch``, which must be 0). ``env.debug_rerender`` (debug only) samples later turns on a
+re-rendered history instead (``episodes.rerendered_context``), so that the check fails.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import ray
 from cluster.config import Config
 from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import (FAILED, Episode, TurnLoop, _named_argument, _row_dict, episode_metrics,
-                                     fill_missing_routing, spliced_routing)
+                                     fill_missing_routing, rerendered_context, spliced_routing)
 from reward.contracts import RewardResult
 from reward.env_worker import EnvOutcome
 from rollout.chat_delta import TurnEnd, reply_ids
@@ -65,12 +66,14 @@ class EpisodeRunner:
         self.rounds = itertools.count(1)  # rounds played: episode ids stay unique (a prompt may come twice)
         self.slice_s = 0.05  # an engine call returns after this long even when no turn ended (advance_turns)
         self.depth = 2  # advance_turns calls queued per engine
+        self.rerender = cfg.env.debug_rerender  # debug only: later turns sampled on a re-rendered history
+        self.rerendered = 0  # turns sampled on a re-rendered history (env.debug_rerender)
 
     def run(self, rows: list[PromptRow], G: int, seed: int, temperature: float | None = None) -> tuple[
             list[Completion], list[RewardResult], dict[str, float], dict[str, list[int]]]:
         """The G episodes of every row in ``rows``, in prompt order: their completions and verdicts, the
         ``agent/*`` metrics of the round, and each episode's sampled ids by episode id (``<uid>#<k>@<round>.<i>``,
-        unique in a run; also in its verdict's ``detail["episode_id"]``; for ``token_mismatch``). ``seed`` seeds
+        unique in a run; also in its verdict's ``detail["episode_id"]``, which the token check goes by). ``seed`` seeds
         the environments (one seed per group) and the sampling; ``temperature``: None = ``rollout.temperature``,
         0 = greedy (evaluation)."""
         self.fleet.settle()
@@ -204,11 +207,18 @@ class EpisodeRunner:
                     loop.ready.append(e)
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
+        """The episode's next turn: its exact ids (or, with ``env.debug_rerender``, after its first turn and where
+        it fits, its re-rendered history), the room left, the tool format's stops, the turn's seed, its branch."""
         turn_seed[e.episode_id] += 1
-        room = self.cfg.rollout.max_model_len - len(e.prompt_ids) - len(e.response_ids)
-        return TurnRequest(e.episode_id, e.prompt_ids + e.response_ids,
-                           max_tokens=min(self.cfg.rollout.max_response_tokens, room), stop=list(self.stops),
-                           seed=(e.seed * 64 + e.sample_index) * 64 + turn_seed[e.episode_id])
+        context = e.prompt_ids + e.response_ids
+        if self.rerender and e.turns:  # debug only: the history re-rendered, the ids trained stay the sampled ones
+            again = rerendered_context(self.tokenizer, e, self.chat)
+            if len(again) < self.cfg.rollout.max_model_len:
+                context, self.rerendered = again, self.rerendered + 1
+        room = self.cfg.rollout.max_model_len - len(context)
+        return TurnRequest(e.episode_id, context, max_tokens=min(self.cfg.rollout.max_response_tokens, room),
+                           stop=list(self.stops), seed=(e.seed * 64 + e.sample_index) * 64 + turn_seed[e.episode_id],
+                           branch=e.branch)
 
     def _on_turn(self, e: Episode, turn: SampledTurn, stepping: dict) -> None:
         e.turn_starts.append(len(e.response_ids))

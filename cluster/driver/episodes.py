@@ -1,6 +1,7 @@
 """Multi-turn episodes as the driver records them, and what the agent loop (``cluster/driver/agent_loop.py``)
 computes on them without Ray: the ``Episode`` record and the ``TurnLoop`` of turns under way, the chat
-template's check (``check_template``), the token check (``token_mismatch``), an episode's R3 routing spliced
+template's check (``check_template``), the debug switch's re-rendered history (``rerendered_context``; the
+token check itself is ``cluster.driver.token_check``), an episode's R3 routing spliced
 turn by turn (``spliced_routing``, ``fill_missing_routing``), a tool call's arguments and a row as the env
 worker gets them (``_named_argument``, ``_row_dict``) and a round's ``agent/*`` metrics (``episode_metrics``).
 """
@@ -11,8 +12,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rollout.chat_delta import TurnEnd
 from rollout.contracts import Completion, PromptRow
 from rollout.tool_calls import TAG_ARGUMENT_KEY
@@ -21,7 +20,7 @@ FAILED = ("timeout", "error")
 
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
-                     "turn_rewards", "routed_experts")
+                     "turn_rewards", "routed_experts", "branch")
 
 
 @dataclass
@@ -30,7 +29,9 @@ class Episode:
 
     ``response_ids`` / ``mask`` / ``logprobs`` / ``versions`` grow turn by turn: sampled ids (mask 1, the
     engine's log-probs and weight version) and the environment's reply ids (mask 0, log-prob 0.0, the version of
-    the turn before). ``sampled`` keeps every turn's ids as the engine returned them, for ``token_mismatch``.
+    the turn before). ``sampled`` keeps every turn's ids as the engine returned them. ``branch``: which of the
+    episode's trajectories is under way (an agent program's history that forked starts branch 1, 2, ...); the
+    engines keep it in their token records (``cluster.driver.token_check``).
     """
 
     episode_id: str
@@ -58,6 +59,7 @@ class Episode:
     truncated: bool = False
     turn_end: TurnEnd | None = None
     worker_lost: bool = False  # its env worker's process died under it
+    branch: int = 0
 
     def add(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
         """Append sampled ids (with their log-probs) or, with ``logprobs`` None, an environment reply's ids."""
@@ -73,10 +75,12 @@ class Episode:
         ``restart`` puts it back (an agent episode's branches, ``cluster.driver.gateway_episodes``)."""
         return {k: (list(v) if isinstance(v, list) else v) for k in TRAJECTORY_FIELDS for v in [getattr(self, k)]}
 
-    def restart(self, trajectory: dict[str, Any] | None = None, prompt_ids: list[int] | None = None) -> None:
+    def restart(self, trajectory: dict[str, Any] | None = None, prompt_ids: list[int] | None = None,
+                branch: int = 0) -> None:
         """Make ``trajectory`` (a ``trajectory()``) the episode's sequence, or with None a new one from
-        ``prompt_ids`` with nothing sampled yet."""
-        fresh = {k: [] for k in TRAJECTORY_FIELDS} | {"routed_experts": None, "prompt_ids": list(prompt_ids or [])}
+        ``prompt_ids`` with nothing sampled yet, numbered ``branch``."""
+        fresh = {k: [] for k in TRAJECTORY_FIELDS} | {"routed_experts": None, "prompt_ids": list(prompt_ids or []),
+                                                      "branch": branch}
         for k, v in (trajectory or fresh).items():
             setattr(self, k, v)
         if trajectory is None:
@@ -149,23 +153,22 @@ def check_template(tokenizer) -> None:
                           f"ids: {problem}")
 
 
-def token_mismatch(input_ids: torch.Tensor, response_mask: torch.Tensor, sampled: list[list[int]]) -> int:
-    """How many trained tokens differ from the ids the engines sampled, over a batch.
-
-    Args:
-        input_ids: long ``[N, L]``, the learner's batch (``TrainBatch.input_ids``).
-        response_mask: bool ``[N, L-1]``: target ``t`` (token ``t+1``) is a sampled token.
-        sampled: per row, the ids the engines returned for its turns, in order (``Episode.sampled``).
+def rerendered_context(tokenizer, e: Episode, chat: bool) -> list[int]:
+    """DEBUG ONLY (``env.debug_rerender``): the episode's history as a naive re-rendering gives it, not the ids
+    sampled: the prompt, each sampled turn and each reply (the runs of ``Episode.mask``) decoded to text (special
+    tokens dropped unless ``chat``: a chat template's markers stay), joined by newlines and tokenized again without
+    special tokens. The token check must count every turn sampled on it (``cluster.driver.token_check``).
 
     Returns:
-        The number of positions where they differ, plus the difference in count where a row trains more or
-        fewer tokens than were sampled (0 when every trained id is a sampled one, in order).
+        The re-rendered ids (a list of int).
     """
-    bad = 0
-    for i, want in enumerate(sampled):
-        got = input_ids[i, 1:][response_mask[i]].tolist()
-        bad += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
-    return bad
+    pieces, start = [list(e.prompt_ids)], 0
+    for i in range(1, len(e.mask) + 1):
+        if i == len(e.mask) or e.mask[i] != e.mask[start]:
+            pieces.append(e.response_ids[start:i])
+            start = i
+    text = "\n".join(tokenizer.decode(p, skip_special_tokens=not chat) for p in pieces if p)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def spliced_routing(before: Any, turn: Any) -> Any:

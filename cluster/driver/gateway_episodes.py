@@ -64,7 +64,7 @@ class AgentEpisode(Episode):
     def fork(self, prompt_ids: list[int]) -> None:
         """Keep the branch so far in ``branches`` and start a new one from ``prompt_ids`` (nothing sampled)."""
         self.branches.append(self.trajectory())
-        self.restart(None, prompt_ids)
+        self.restart(None, prompt_ids, branch=len(self.branches))  # its turns told apart in the token records
 
     def keep_longest(self) -> None:
         """Make the branch with the most sampled tokens the episode's (ties: the latest)."""
@@ -185,7 +185,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         r = super()._request(e, turn_seed)
         asked = e.request.get("max_tokens")
         return TurnRequest(r.episode_id, r.context_ids, min(r.max_tokens, asked) if asked else r.max_tokens,
-                           r.stop + [s for s in e.request.get("stop") or [] if s not in r.stop], r.seed)
+                           r.stop + [s for s in e.request.get("stop") or [] if s not in r.stop], r.seed, r.branch)
 
     def _on_turn(self, e: AgentEpisode, turn: SampledTurn, stepping: dict) -> None:
         """A sampled turn: onto the episode (exact ids, log-probs, version, routing), parsed into the reply."""
@@ -220,7 +220,8 @@ class GatewayEpisodeRunner(EpisodeRunner):
         results = []
         for e in episodes:
             e.keep_longest()
-            detail = {"episode_id": e.episode_id, "episode": e.status, "turns": e.turns, "forks": len(e.branches)}
+            detail = {"episode_id": e.episode_id, "episode": e.status, "turns": e.turns, "forks": len(e.branches),
+                      "branch": e.branch}  # the branch that trains (the token check)
             score, correct, status = self._score(e, verify, detail)
             results.append(RewardResult(score=score, correct=correct, status=status, detail=detail,
                                         elapsed_s=time.monotonic() - e.opened))

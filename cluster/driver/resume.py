@@ -24,6 +24,7 @@ log = logging.getLogger("cluster.train")
 
 PENDING_FILE = "pending_rollout.pkl"  # in a checkpoint: the rollout collected ahead of the learner (max_staleness=1)
 PARTIAL_FILE = "partial_rollouts.pkl"  # in a checkpoint: partial rollouts' in-flight samples (PartialBuffer)
+TOKENS_FILE = "token_records.pkl"  # in a checkpoint: the engines' turn records not yet checked (TokenCheck)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ResumePoint:
     state: DriverState
     pending: Collected | None
     partial: Any = None  # the PartialBuffer in flight at the checkpoint (trainer.partial_rollouts), or None
+    token_records: Any = None  # the token check's pool at the checkpoint (TokenCheck.state), or None
 
 
 def find_resume_point(cfg: Config, run_dir: Path, fingerprint: dict[str, Any]) -> ResumePoint | None:
@@ -90,20 +92,26 @@ def find_resume_point(cfg: Config, run_dir: Path, fingerprint: dict[str, Any]) -
     pending = pickle.loads(pending_file.read_bytes()) if pending_file.is_file() else None
     partial_file = path / PARTIAL_FILE
     partial = pickle.loads(partial_file.read_bytes()) if partial_file.is_file() else None
-    return ResumePoint(path, DriverState.from_json(saved), pending, partial)
+    tokens_file = path / TOKENS_FILE
+    tokens = pickle.loads(tokens_file.read_bytes()) if tokens_file.is_file() else None
+    return ResumePoint(path, DriverState.from_json(saved), pending, partial, tokens)
 
 
 def save_checkpoint(run_dir: Path, cfg: Config, learners: Any, state: DriverState, pending: Collected | None,
-                    fingerprint: dict[str, Any], partial: Any = None) -> Path:
+                    fingerprint: dict[str, Any], partial: Any = None, token_records: Any = None) -> Path:
     """Write a checkpoint of the learner (``learners``: ``LearnerGroup``) and the driver's state, atomically
     renamed when complete, keeping ``trainer.keep_checkpoints``; ``partial``: partial rollouts' in-flight
-    ``PartialBuffer`` (kept with its token versions, so a resumed run continues them). Returns the final folder."""
+    ``PartialBuffer`` (kept with its token versions, so a resumed run continues them); ``token_records``: the token
+    check's pool (``TokenCheck.state``: the rollout collected ahead is checked after a resume). Returns the final
+    folder."""
     tmp = checkpoint.temp_dir_for(run_dir, state.step)
     learners.save_checkpoint(str(tmp / "learner"))
     if pending is not None:  # sampled with weights no checkpoint holds: kept, not regenerated
         (tmp / PENDING_FILE).write_bytes(pickle.dumps(pending))
     if partial is not None:
         (tmp / PARTIAL_FILE).write_bytes(pickle.dumps(partial))
+    if token_records is not None:
+        (tmp / TOKENS_FILE).write_bytes(pickle.dumps(token_records))
     saved = {**state.to_json(), "config": cfg.model_dump(mode="json"), "data_fingerprint": fingerprint}
     final = checkpoint.finalize(run_dir, tmp, state.step, saved, cfg.trainer.keep_checkpoints)
     log.info("checkpoint written: %s", final)

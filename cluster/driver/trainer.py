@@ -35,11 +35,12 @@ from cluster.driver.distill import Distiller
 from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.env_pool import EnvPool
-from cluster.driver.episodes import check_template, token_mismatch
+from cluster.driver.episodes import check_template
 from cluster.driver.evaluation import evaluate
 from cluster.driver.guard import GuardPolicy
 from cluster.driver.progress import run_with_progress, summarize
 from cluster.driver.resume import DriverState, find_resume_point, save_checkpoint
+from cluster.driver.token_check import TokenCheck
 from cluster.driver.scaling import apply_control
 from cluster.driver.tracking import MetricsLogger, plot_curves
 from cluster.driver.trained_prompts import TrainedPromptLog
@@ -123,6 +124,7 @@ class Trainer:
         self.episodes: agent_loop.EpisodeRunner | None = None  # env set: multi-turn episodes
         self.env_groups: services.RewardGroups | None = None  # the env workers' placement groups
         self.gateway: Any = None  # env.agent: the session gateway actor (cluster.runtime.gateway)
+        self.token_check = TokenCheck()  # env set: the engines' turn records against the trained turns
         self.rl_lr: RLLearningRate | None = None
         self.placement: placement.PlacementRecord | None = None  # placement.json
         self.logger: MetricsLogger | None = None
@@ -162,6 +164,7 @@ class Trainer:
         if point is not None:
             self.state, self.pending = point.state, point.pending
             self.state.restore_rng(self.sft_rng)
+            self.token_check = TokenCheck.from_state(point.token_records)  # turns sampled before the checkpoint
         self.stream = data.PromptStream(self.train_rows, seed=cfg.trainer.seed, position=self.state.stream_position)
         self._start_services()
         self.collector = Collector(cfg, self.stream, self.fleet, self.rewards, self.episodes)
@@ -257,10 +260,6 @@ class Trainer:
         if self.distiller is not None:  # per token: reward_weight x A_i - kl_coef x k (cluster/driver/distill.py)
             adv = self.distiller.advantages(c, adv)
         batch = build_train_batch(c.completions, adv.returns, adv.advantages, self.pad_id)
-        if self.episodes is not None:  # the ids trained on are the ids sampled (must be 0)
-            c.reward_metrics["agent/token_mismatch"] = float(token_mismatch(
-                batch.input_ids, batch.response_mask,
-                [c.sampled[r.detail["episode_id"]] for r in c.results]))
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = None
         if self.step + 1 in tc.audit_steps:
@@ -271,6 +270,11 @@ class Trainer:
         t = time.perf_counter()
         result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
         learner_s = time.perf_counter() - t
+        if self.episodes is not None:  # the engines' records against what the ranks trained (must be 0)
+            self.token_check.drain(self.fleet.engines)
+            c.reward_metrics.update(self.token_check.compare(
+                self.learners.trained_turns(), [(r.detail["episode_id"], r.detail.get("branch", 0)) for r in c.results],
+                checked=not result.skipped))
         if audit_dir is not None:
             audit_dump.save_outputs(self.learners, audit_dir, result.record())
         return result, learner_s
@@ -380,8 +384,10 @@ class Trainer:
         """Write a checkpoint of the learner and the driver's state (``cluster.driver.resume``)."""
         self.state.stream_position = self.stream.position
         self.state.sft_rng = self.sft_rng.getstate()
+        if self.episodes is not None:  # the turns sampled so far travel with the checkpoint (the token check)
+            self.token_check.drain(self.fleet.engines)
         return save_checkpoint(self.run_dir, self.cfg, self.learners, self.state, self.pending, self.data_fingerprint,
-                               partial=getattr(self.collector, "buffer", None))
+                               partial=getattr(self.collector, "buffer", None), token_records=self.token_check.state())
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -166,6 +166,11 @@ class LearnerGroup:
                                  guard=guard, monitor=monitor)
         return outs[0]
 
+    def trained_turns(self) -> list[tuple[int, int, str]]:
+        """Every rank's sampled turns of the last rollout batch, as it trained them (``LearnerRank.
+        take_trained_turns``), ranks in order: ``(context_len, sampled_len, digest)`` per turn."""
+        return [t for rank in self.call("take_trained_turns") for t in rank]
+
     def sft_step(self, batch: SFTBatch, num_tokens: int) -> SFTStepResult:
         """One supervised step on ``batch``, cut into equal contiguous shards per rank; rank 0's
         ``SFTStepResult`` (identical on every rank)."""

@@ -49,7 +49,7 @@ def test_episodes_train_on_exactly_the_sampled_ids(trainer):
         assert x.response_mask[-1] == 1 or r.detail["episode"] == "cut_tokens", (x, r)
     t.pending = c
     m = t.rl_step()
-    assert m["agent/token_mismatch"] == 0.0
+    assert m["agent/token_mismatch"] == 0.0 and m["agent/token_turns"] >= 32 * m["agent/turns_mean"] - 1e-9
     assert m["env/turns"] > 0 and m["env/episodes"] == 32.0  # the env workers' own counters, forwarded
     assert m["actor/num_optimizer_steps"] >= 1 and m["reward/invalid"] == 0.0
     assert 0.0 < m["agent/engine_busy_share"] <= 1.0
@@ -89,6 +89,22 @@ def test_an_openai_program_behind_the_gateway_plays_the_same_episodes(trainer):
     assert metrics["agent/forks"] == 0.0 and metrics["gateway/requests"] >= 16.0
     errors = {k: v for k, v in metrics.items() if k.startswith("gateway/errors")}
     assert metrics["agent/env_failed"] == 0.0 and set(errors) <= {"gateway/errors/400"}, errors  # 400: no room
+
+
+def test_a_rerendered_history_fails_the_token_check(trainer):
+    """env.debug_rerender: later turns are sampled on the history decoded and tokenized again (a newline between
+    its pieces), the episodes train on their own ids: the engines' records and the trained turns disagree on every
+    such turn, from both sides (its record never trained, its trained turn never sampled)."""
+    t = trainer
+    t.episodes.rerender, t.episodes.rerendered = True, 0
+    try:
+        m = t.rl_step()
+    finally:
+        t.episodes.rerender = False
+    assert t.episodes.rerendered > 0 and m["agent/token_checked"] == 1.0
+    assert m["agent/token_unsampled"] == m["agent/token_untrained"] == float(t.episodes.rerendered)
+    assert m["agent/token_mismatch"] == 2.0 * t.episodes.rerendered and m["agent/token_records_lost"] == 0.0
+    assert t.rl_step()["agent/token_mismatch"] == 0.0  # off again: 0
 
 
 def test_held_out_accuracy_comes_from_greedy_episodes(trainer):

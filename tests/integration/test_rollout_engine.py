@@ -162,6 +162,7 @@ def test_turns_continue_the_exact_ids_with_stop_strings(ray_cluster, engine, tok
     log-probs are a transformers forward's of exactly that sequence."""
     from rollout.contracts import TurnRequest
 
+    ray_cluster.get(engine.take_token_records.remote())  # earlier tests' turns
     prompt = tokenizer("12+34=")["input_ids"]
     stops = list("0123456789abcdefghij")  # a random tiny model writes one of these within a few tokens
     first = TurnRequest("p#0", prompt, max_tokens=12, stop=stops, seed=3)
@@ -180,6 +181,11 @@ def test_turns_continue_the_exact_ids_with_stop_strings(ray_cluster, engine, tok
     assert again.token_ids == t1.token_ids  # seeded: the same turn
     with pytest.raises(Exception, match="max_model_len"):
         ray_cluster.get(engine.sample_turns.remote([TurnRequest("p#1", prompt, max_tokens=400)]))
+    from rollout.token_records import turn_digest  # the token check's records: each turn's context and ids, digested
+
+    records, lost = ray_cluster.get(engine.take_token_records.remote())
+    assert lost == 0 and records == [("p#0", 0, len(c), len(t.token_ids), turn_digest(c, t.token_ids))
+                                     for c, t in ((prompt, t1), (context, t2), (prompt, again))]
 
 
 def test_advance_turns_batches_continuously_and_matches_sample_turns(ray_cluster, engine, tokenizer):
