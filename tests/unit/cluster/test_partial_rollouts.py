@@ -200,12 +200,13 @@ class LongStoppingFleet(StoppingFleet):
 def test_deterministic_rounds_beside_the_learner_do_not_follow_when_it_stops(stop_in_round):
     """trainer.deterministic (the default): the rounds beside the learner run until a step's groups are ready,
     wherever in them the learner finishes, so the buffer ends the same however long the learner took."""
-    col, fleet = collector("trainer.max_staleness=2", "trainer.partial_segment_tokens=2", fleet=LongStoppingFleet(rounds=0))
+    long = ("trainer.max_staleness=2", "trainer.partial_segment_tokens=2")
+    col, fleet = collector(*long, fleet=LongStoppingFleet(rounds=0))
     fleet.rounds = stop_in_round
     col.rounds_beside(fleet.stop)
     assert col.buffer.num_ready() >= 4 and col.beside.rounds >= 2
     ends = [(g.row.uid, [len(s.token_ids) for s in g.samples]) for g in col.buffer.groups]
-    again, again_fleet = collector("trainer.max_staleness=2", "trainer.partial_segment_tokens=2", fleet=LongStoppingFleet(rounds=0))
+    again, _ = collector(*long, fleet=LongStoppingFleet(rounds=0))
     again.rounds_beside(__import__("threading").Event())  # never stopped
     assert again.beside.rounds == col.beside.rounds
     assert [(g.row.uid, [len(s.token_ids) for s in g.samples]) for g in again.buffer.groups] == ends
