@@ -362,6 +362,15 @@ class TrainerConfig(Section):
     output_dir: str = Field("outputs", description="parent folder of the run folders")
     run_name: str = Field("default", description="the run folder: output_dir/run_name")
     seed: int = Field(0, description="seed of the prompt order, the warm-start batches and the minibatch split")
+    deterministic: bool = Field(
+        True, description="the same config and seed give the same digits on the same machine, whatever the "
+        "timing (docs/faults.md#determinism): CPU learner ranks run MKL's strict reproducibility mode "
+        "(MKL_CBWR=AUTO,STRICT unless MKL_CBWR is set: float32 GEMMs round alike at any thread count, so the elastic "
+        "threads of learner.max_threads_per_rank change no digit; no cost measured on 1 thread, it forbids MKL's "
+        "thread-count-dependent GEMM splits), and with partial_rollout_overlap the rounds beside the learner run "
+        "until trainer.prompts_per_step groups are ready (or nothing is left to sample) instead of until the "
+        "learner finishes (the sync waits for them; engines idle when they finish first). false: both follow "
+        "the timing")
     resume: bool = Field(False, description="continue from the newest complete checkpoint of the run folder")
     ray_address: str | None = Field(None, description="None: local Ray on 127.0.0.1; 'auto' inside a job")
     bind_host: str = Field("127.0.0.1", description="address that Ray and the learner's rendezvous bind to")

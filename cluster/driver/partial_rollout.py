@@ -114,10 +114,15 @@ class PartialCollector:
         """``trainer.partial_rollout_overlap``: rounds at the engines' current weights while the learner trains
         (the driver's rollout thread runs this), until ``stop`` is set (the round under way then completes) or
         no sample is left to continue. New prompts are admitted as ``collect`` admits them; what these rounds
-        generate is counted in the next ``collect``'s step (its rollout seconds, tokens and rounds)."""
-        while not stop.is_set():
+        generate is counted in the next ``collect``'s step (its rollout seconds, tokens and rounds).
+
+        With ``trainer.deterministic`` the rounds do not depend on when ``stop`` comes: they run until
+        ``trainer.prompts_per_step`` groups are ready for the next collection (or no sample is left), and the
+        driver's wait for them holds the sync."""
+        deterministic, P = self.cfg.trainer.deterministic, self.cfg.trainer.prompts_per_step
+        while deterministic or not stop.is_set():
             self._admit()
-            if not self.buffer.num_unfinished():
+            if not self.buffer.num_unfinished() or (deterministic and self.buffer.num_ready() >= P):
                 return
             self._round(self.beside)
 

@@ -24,6 +24,11 @@ from learner.contracts import RolloutTrainResult, SFTBatch, SFTStepResult, SyncR
 
 log = logging.getLogger(__name__)
 
+# MKL's conditional numerical reproducibility, strict: the float32 GEMMs of a CPU rank give the same bits at any
+# thread count (MKL's default picks other kernels for some shapes at 2 threads than at 1, e.g. 5-11 rows: an MoE
+# expert given that few tokens), on the code path MKL picks for this CPU (AUTO). Read once, when MKL starts: it
+# has to be in the rank's environment before the process starts (mkl_cbwr_set refuses a change after).
+MKL_STRICT_CNR = "AUTO,STRICT"
 RENDEZVOUS_ATTEMPTS = 3  # starts of the ranks when their rendezvous port is taken before rank 0 binds it
 RANK0_ERROR_WAIT_S = 30.0  # how long a failed start waits for rank 0's own error before giving up on a retry
 
@@ -34,6 +39,17 @@ def _node_address() -> tuple[str, int]:
     was: EADDRINUSE in a 3-node run on one machine). The probe binds and closes at once; nothing listens."""
     ip = ray.util.get_node_ip_address()
     return ip, free_port("0.0.0.0")
+
+
+def learner_env(cfg: Config) -> dict[str, str]:
+    """The environment of a learner rank: ``actor_env`` for its threads and device, and, for a CPU rank under
+    ``trainer.deterministic``, ``MKL_CBWR`` (the driver's own value when it has one, else ``MKL_STRICT_CNR``), so
+    that its digits do not follow its thread count (``learner.max_threads_per_rank``'s elastic threads)."""
+    lc = cfg.learner
+    env = actor_env(lc.threads_per_rank, "cuda" if lc.num_gpus_per_rank else "cpu")
+    if cfg.trainer.deterministic and not lc.num_gpus_per_rank:
+        env["MKL_CBWR"] = os.environ.get("MKL_CBWR", MKL_STRICT_CNR)
+    return env
 
 
 class LearnerGroup:
@@ -82,7 +98,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.groups[rank // per_group], placement_group_bundle_index=rank % per_group
                 ),
-                runtime_env={"env_vars": actor_env(lc.threads_per_rank, "cuda" if lc.num_gpus_per_rank else "cpu")},
+                runtime_env={"env_vars": learner_env(cfg)},
             ).remote(
                 self._model_path, lc, rank=rank, world_size=lc.world_size, master_addr=master_addr,
                 master_port=port, seed=cfg.trainer.seed, temperature=cfg.rollout.temperature,

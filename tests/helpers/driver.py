@@ -20,3 +20,27 @@ def _trainer(out, name, extra):
 
     overrides = [*BASE, f"trainer.output_dir={out}", f"trainer.run_name={name}", *extra]
     return Trainer(load_config(REPO_ROOT / "configs" / "tiny_moe_zero2.yaml", overrides))
+
+
+# keys of metrics.jsonl that measure time, not the computation: they differ between two runs of the same config
+VOLATILE_METRICS = ("timing/", "throughput/", "perf/", "sync/seconds", "sync/gb_per_s", "sync/engine_load_s",
+                    "reward/time_s")
+
+
+def logged_metrics(run_dir) -> list[dict]:
+    """Every line of ``run_dir/metrics.jsonl`` without the ``VOLATILE_METRICS`` keys (what two runs of the same
+    config and seed must log bit for bit)."""
+    import json
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(VOLATILE_METRICS)} for m in lines]
+
+
+def metric_differences(a: list[dict], b: list[dict]) -> list[str]:
+    """``step key: x != y`` for every logged metric that differs between two runs' ``logged_metrics`` (and a line
+    for a different number of steps); empty when they agree bit for bit."""
+    out = [f"{len(a)} lines != {len(b)} lines"] if len(a) != len(b) else []
+    for ma, mb in zip(a, b):
+        out += [f"step {ma.get('step')} {k}: {ma.get(k)!r} != {mb.get(k)!r}" for k in sorted(set(ma) | set(mb))
+                if ma.get(k) != mb.get(k)]
+    return out

@@ -40,6 +40,19 @@ def test_actor_env_keeps_cpu_settings_out_of_gpu_actors(monkeypatch):
         actor_env(1, "gpu")
 
 
+def test_learner_env_sets_mkl_strict_reproducibility_on_cpu_ranks_under_deterministic(monkeypatch):
+    from cluster.runtime.learner_group import MKL_STRICT_CNR, learner_env
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    cpu = _cfg(0, 0)
+    assert learner_env(cpu)["MKL_CBWR"] == MKL_STRICT_CNR == "AUTO,STRICT"
+    loose = cpu.model_copy(update={"trainer": cpu.trainer.model_copy(update={"deterministic": False})})
+    assert "MKL_CBWR" not in learner_env(loose)
+    assert "MKL_CBWR" not in learner_env(_cfg(1, 1))  # no MKL GEMM on a GPU rank
+    monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")  # the user's own choice (one code path on every AVX2 CPU) wins
+    assert learner_env(cpu)["MKL_CBWR"] == "AVX2,STRICT"
+
+
 def test_engine_env_of_a_gpu_engine_has_no_cpu_settings(monkeypatch):
     from cluster.runtime.services import engine_env
 

@@ -5,6 +5,7 @@ tests/integration/test_partial_rollouts.py; here a scripted stand-in fleet answe
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -162,7 +163,7 @@ class StoppingFleet(ScriptedFleet):
 
 
 def test_rounds_beside_the_learner_run_until_stopped_and_count_in_the_next_collection():
-    col, fleet = collector("trainer.max_staleness=2", fleet=StoppingFleet(rounds=0))
+    col, fleet = collector("trainer.max_staleness=2", "trainer.deterministic=false", fleet=StoppingFleet(rounds=0))
     col.collect(0)
     fleet.rounds = len(fleet.calls) + 2  # the learner finishes during the second round beside it
     in_flight = col.buffer.num_unfinished()
@@ -179,13 +180,36 @@ def test_rounds_beside_the_learner_run_until_stopped_and_count_in_the_next_colle
 def test_rounds_beside_the_learner_end_when_nothing_is_left_to_sample():
     import threading
 
-    col, fleet = collector("trainer.max_staleness=2")
+    col, fleet = collector("trainer.max_staleness=2", "trainer.deterministic=false")
     col.collect(0)
     worker = threading.Thread(target=col.rounds_beside, args=(threading.Event(),))  # never stopped
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive() and col.buffer.num_unfinished() == 0
     assert col.buffer.num_ready() >= 4 and len(col.buffer.groups) <= 8  # admitted only what a step needs
+
+
+class LongStoppingFleet(StoppingFleet):
+    """Every sample 12 tokens long: 6 rounds of 2 before a group is ready."""
+
+    def generate_stream(self, rows, n, **kw):
+        yield from super().generate_stream([dataclasses.replace(r, uid="long" + r.uid) for r in rows], n, **kw)
+
+
+@pytest.mark.parametrize("stop_in_round", [1, 2, 99])
+def test_deterministic_rounds_beside_the_learner_do_not_follow_when_it_stops(stop_in_round):
+    """trainer.deterministic (the default): the rounds beside the learner run until a step's groups are ready,
+    wherever in them the learner finishes, so the buffer ends the same however long the learner took."""
+    long = ("trainer.max_staleness=2", "trainer.partial_segment_tokens=2")
+    col, fleet = collector(*long, fleet=LongStoppingFleet(rounds=0))
+    fleet.rounds = stop_in_round
+    col.rounds_beside(fleet.stop)
+    assert col.buffer.num_ready() >= 4 and col.beside.rounds >= 2
+    ends = [(g.row.uid, [len(s.token_ids) for s in g.samples]) for g in col.buffer.groups]
+    again, _ = collector(*long, fleet=LongStoppingFleet(rounds=0))
+    again.rounds_beside(__import__("threading").Event())  # never stopped
+    assert again.beside.rounds == col.beside.rounds
+    assert [(g.row.uid, [len(s.token_ids) for s in g.samples]) for g in again.buffer.groups] == ends
 
 
 def test_slot_utilization_counts_the_tail():
