@@ -12,12 +12,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from reward.episode_status import CUT_TOKENS, FAILED, MAX_TURNS, RUNNING
 from rollout.chat_delta import TurnEnd
 from rollout.contracts import Completion, PromptRow
 from rollout.tool_calls import TAG_ARGUMENT_KEY
-
-FAILED = ("timeout", "error")
-
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
                      "turn_rewards", "routed_experts", "branch")
@@ -54,7 +52,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
     env_s: float = 0.0
-    status: str = "running"
+    status: str = RUNNING  # reward.episode_status
     final_text: str = ""
     truncated: bool = False
     turn_end: TurnEnd | None = None
@@ -238,8 +236,8 @@ def episode_metrics(episodes: list[Episode], busy_share: float) -> dict[str, flo
         errors.update(e.tool_errors)
     m = {"agent/turns_mean": sum(turns) / n, "agent/turns_max": float(max(turns, default=0)),
          "agent/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
-         "agent/cut_turns": float(sum(e.status == "max_turns" for e in episodes)),
-         "agent/cut_tokens": float(sum(e.status == "cut_tokens" for e in episodes)),
+         "agent/cut_turns": float(sum(e.status == MAX_TURNS for e in episodes)),
+         "agent/cut_tokens": float(sum(e.status == CUT_TOKENS for e in episodes)),
          "agent/env_failed": float(sum(e.status in FAILED for e in episodes)),
          "agent/env_s": sum(e.env_s for e in episodes), "agent/engine_busy_share": float(busy_share),
          "agent/turn_reward_mean": sum(sum(e.turn_rewards) for e in episodes) / n}
