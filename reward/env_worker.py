@@ -70,6 +70,7 @@ from reward.environment import (
     load_tools,
     needs_sandbox,
     run_with_tool_deadline,
+    tool_error_message,
     tool_schemas,
 )
 from reward.episode_status import CUT, FAILED, MAX_TURNS, OK, RUNNING
@@ -211,7 +212,7 @@ def _contract(method: str, err: Exception) -> CallOutcome:
 def parse_error_message(error: str) -> dict:
     """The observation for a tool call the parser could not read: ``{"role": "tool", "content": "Error: ..."}``
     (no ``name``: no tool was called)."""
-    return {"role": "tool", "content": f"Error: the tool call could not be parsed: {error}"[:MESSAGE_CHARS]}
+    return tool_error_message(f"the tool call could not be parsed: {error}")
 
 
 class EnvWorker:

@@ -179,11 +179,25 @@ def _tool_names(cls: type) -> tuple[str, ...]:
     return tuple(n for n in names if not n.startswith("_"))
 
 
-def _tool_error(name: str | None, kind: str, text: str) -> tuple[dict, str]:
-    message = {"role": "tool", "content": f"Error: {text}"[:OBSERVATION_ERROR_CHARS]}
+def tool_error_text(text: str) -> str:
+    """The text of an observation that tells the model its tool call failed: ``"Error: " + text``, at most
+    ``OBSERVATION_ERROR_CHARS`` characters. Every such observation is written here: a tool call that failed
+    (``run_tool_call``), one the parser could not read (``reward.env_worker.parse_error_message``, whose
+    ``text`` is ``rollout.tool_calls.error_observation``'s description) and the example agents' tool calls
+    (``reward.envs.calc_agent``, ``reward.envs.mcp_agent``)."""
+    return f"Error: {text}"[:OBSERVATION_ERROR_CHARS]
+
+
+def tool_error_message(text: str, name: str | None = None) -> dict:
+    """``{"role": "tool", "content": tool_error_text(text)}``, with ``"name": name`` when a tool was named."""
+    message = {"role": "tool", "content": tool_error_text(text)}
     if name is not None:
         message["name"] = name
-    return message, kind
+    return message
+
+
+def _tool_error(name: str | None, kind: str, text: str) -> tuple[dict, str]:
+    return tool_error_message(text, name), kind
 
 
 def run_with_tool_deadline(runner: DeadlineRunner, timeout_s: float, fn: Callable, *args: Any,

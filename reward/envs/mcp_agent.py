@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from reward.environment import tool_error_text
+
 # The server, started by the agent; run from the checkout's root so that ``-m reward.envs...`` imports.
 SERVER = {"command": sys.executable, "args": ["-m", "reward.envs.mcp_calc_server"],
           "cwd": str(Path(__file__).resolve().parents[2])}
@@ -28,7 +30,7 @@ async def call(mcp, name: str, arguments: str) -> str:
     try:
         args = json.loads(arguments or "{}")
     except ValueError as err:
-        return f"Error: the arguments are not JSON: {err}"
+        return tool_error_text(f"the arguments are not JSON: {err}")
     result = await mcp.call_tool(name, args)
     return "\n".join(part.text for part in result.content if part.type == "text")
 
