@@ -36,8 +36,8 @@ import ray
 
 from cluster.config import Config
 from cluster.driver.env_pool import EnvPool
-from cluster.driver.episodes import (Episode, TurnLoop, _named_argument, _row_dict, episode_metrics,
-                                     fill_missing_routing, rerendered_context, spliced_routing)
+from cluster.driver.episodes import (Episode, TurnLoop, _row_dict, episode_metrics, fill_missing_routing,
+                                     rerendered_context, spliced_routing, tool_call_dicts)
 from reward.contracts import RewardResult
 from reward.env_worker import EnvOutcome
 from reward.episode_status import CUT_TOKENS, ERROR, FAILED, MAX_TURNS, OK, RUNNING
@@ -236,7 +236,7 @@ class EpisodeRunner:
             e.status, e.truncated = CUT_TOKENS, True
             return
         # every turn goes to the environment, the final answer too (a turn without a call: it says done)
-        calls = [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, e.tools)} for c in parsed.calls]
+        calls = tool_call_dicts(parsed.calls, e.tools)
         errors = [error_observation(err) for err in parsed.errors]
         ref = self.pool.workers[e.worker].step.remote(e.episode_id, turn.text, calls, errors)
         stepping[ref] = e

@@ -3,19 +3,19 @@ computes on them without Ray: the ``Episode`` record and the ``TurnLoop`` of tur
 template's check (``check_template``), the debug switch's re-rendered history (``rerendered_context``; the
 token check itself is ``cluster.driver.token_check``), an episode's R3 routing spliced
 turn by turn (``spliced_routing``, ``fill_missing_routing``), a tool call's arguments and a row as the env
-worker gets them (``_named_argument``, ``_row_dict``) and a round's ``agent/*`` metrics (``episode_metrics``).
+worker gets them (``tool_call_dicts``, ``_row_dict``) and a round's ``agent/*`` metrics (``episode_metrics``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from reward.episode_status import CUT_TOKENS, FAILED, MAX_TURNS, RUNNING
 from rollout.chat_delta import TurnEnd
 from rollout.contracts import Completion, PromptRow
-from rollout.tool_calls import TAG_ARGUMENT_KEY
+from rollout.tool_calls import TAG_ARGUMENT_KEY, ToolCall
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
                      "turn_rewards", "routed_experts", "branch")
@@ -220,6 +220,14 @@ def _named_argument(arguments: dict, name: str, tools: list[dict]) -> dict:
         if fn.get("name") == name and len(params) == 1:
             return {params[0]: arguments[TAG_ARGUMENT_KEY]}
     return arguments
+
+
+def tool_call_dicts(calls: Iterable[ToolCall], tools: list[dict]) -> list[dict]:
+    """Parsed tool calls (``rollout.tool_calls.ToolCall``) as the env worker's ``step`` and the gateway's reply
+    take them, ``[{"name": str, "arguments": dict}]`` in order: the one place the driver turns a call into
+    arguments (the ``tag`` format's one argument named after the tool's parameter, ``_named_argument``).
+    ``tools``: the episode's tools' JSON schemas."""
+    return [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, tools)} for c in calls]
 
 
 def _row_dict(row: PromptRow) -> dict:

@@ -34,7 +34,7 @@ from typing import Any
 import ray
 
 from cluster.driver.agent_loop import EpisodeRunner
-from cluster.driver.episodes import Episode, _named_argument, _row_dict, spliced_routing
+from cluster.driver.episodes import Episode, _row_dict, spliced_routing, tool_call_dicts
 from reward.contracts import RewardResult
 from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
@@ -197,7 +197,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason,
                                            turn.token_ids[-1] if turn.token_ids else None)
         parsed = parse(self.cfg.env.tool_format, turn.text)
-        calls = [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, e.tools)} for c in parsed.calls]
+        calls = tool_call_dicts(parsed.calls, e.tools)
         content = parsed.content if calls else turn.text
         e.tool_calls, e.final_text = e.tool_calls + len(calls), content
         e.truncated = e.truncated or turn.finish_reason == "length"

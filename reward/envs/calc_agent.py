@@ -8,9 +8,7 @@ text is the env workers' (``reward.environment.tool_error_text``), so the two re
 
 from __future__ import annotations
 
-import json
-
-from reward.environment import tool_error_text
+from reward.environment import call_arguments, tool_error_text
 from reward.envs.calculator import calc
 
 TOOLS = [{
@@ -55,6 +53,6 @@ def chat(prompt: str, client, max_turns: int = 3) -> list[dict]:
 def call_tool(call) -> str:
     """The calculator's answer to one tool call of a reply (its text, or ``"Error: ..."`` for bad arguments)."""
     try:
-        return calc(**json.loads(call.function.arguments))
+        return calc(**call_arguments(call.function.name, call.function.arguments))
     except (TypeError, ValueError) as err:
         return tool_error_text(str(err))
