@@ -43,13 +43,14 @@ def lockstep_runner(base):
     import ray
 
     from cluster.driver.agent_loop import EpisodeRunner
+    from reward.episode_status import RUNNING
 
     class Lockstep(EpisodeRunner):
         def _play(self, episodes, temperature):
             from collections import Counter
 
             by_id, seeds, busy = {e.episode_id: e for e in episodes}, Counter(), 0.0
-            live, engines = [e for e in episodes if e.status == "running"], list(self.fleet.engines)
+            live, engines = [e for e in episodes if e.status == RUNNING], list(self.fleet.engines)
             while live:
                 t = time.perf_counter()
                 shares = [live[j::len(engines)] for j in range(len(engines))]
@@ -74,13 +75,14 @@ def per_call_runner(base):
     import ray
 
     from cluster.driver.agent_loop import EpisodeRunner
+    from reward.episode_status import RUNNING
 
     class PerCall(EpisodeRunner):
         def _play(self, episodes, temperature):
             from collections import Counter
 
             by_id, seeds, busy = {e.episode_id: e for e in episodes}, Counter(), 0.0
-            ready, engines = [e for e in episodes if e.status == "running"], list(self.fleet.engines)
+            ready, engines = [e for e in episodes if e.status == RUNNING], list(self.fleet.engines)
             sampling, stepping = {}, {}
             while ready or sampling or stepping:
                 idle = [j for j in range(len(engines)) if j not in {s for s, _ in sampling.values()}]

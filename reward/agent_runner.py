@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable
 
 from reward.environment import resolve_user_object
+from reward.episode_status import ERROR, OK
 
 
 def load_agent(name: str, key: str = "env.agent") -> Callable[..., Any]:
@@ -59,7 +60,7 @@ def session_env(session: dict[str, str]) -> dict[str, str]:
     return {"OPENAI_BASE_URL": session["base_url"], "OPENAI_API_KEY": session["api_key"]}
 
 
-def close_session(session: dict[str, str], reward: Any = None, status: str = "ok", error: str | None = None,
+def close_session(session: dict[str, str], reward: Any = None, status: str = OK, error: str | None = None,
                   timeout_s: float = 30.0, http: Any = None) -> bool:
     """End a session over the gateway's REST route with the episode's reward; True when the gateway took it
     (False: the session had ended already, e.g. at its deadline). ``http``: an ``httpx.Client`` to send it with
@@ -131,6 +132,6 @@ class AgentRuns:
             try:
                 reward = reward_value(self._call(row, session, http))
             except Exception as e:  # noqa: BLE001 - the agent's failure is its episode's, reported to the driver
-                close_session(session, None, "error", f"{type(e).__name__}: {e}"[:500], http=http)
+                close_session(session, None, ERROR, f"{type(e).__name__}: {e}"[:500], http=http)
                 return
-            close_session(session, reward, "ok", http=http)
+            close_session(session, reward, OK, http=http)

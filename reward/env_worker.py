@@ -70,12 +70,12 @@ from reward.environment import (
     load_tools,
     needs_sandbox,
     run_with_tool_deadline,
+    tool_error_message,
     tool_schemas,
 )
+from reward.episode_status import CUT, FAILED, MAX_TURNS, OK, RUNNING
 from reward.runner import CallOutcome
 from reward.verifiers import as_row_dict, get_verifier
-
-FAILED = ("timeout", "error")
 
 
 class UnknownEpisode(KeyError):
@@ -98,7 +98,7 @@ class EnvStart:
 
     messages: list[dict]
     tool_schemas: list[dict]
-    status: str = "ok"
+    status: str = OK
     detail: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -122,7 +122,7 @@ class EnvStep:
     messages: list[dict]
     done: bool
     reward: float | None = None
-    status: str = "ok"
+    status: str = OK
     seconds: float = 0.0
     tool_errors: dict[str, int] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
@@ -147,7 +147,7 @@ class EnvOutcome:
 
     reward: float
     components: dict[str, float] = field(default_factory=dict)
-    status: str = "ok"
+    status: str = OK
     detail: dict[str, Any] = field(default_factory=dict)
     turns: int = 0
     seconds: float = 0.0
@@ -156,10 +156,11 @@ class EnvOutcome:
 
 @dataclass
 class _Episode:
-    """One open episode (private to the worker). ``state``: running, ok, max_turns, timeout or error."""
+    """One open episode (private to the worker). ``state``: running, ok, max_turns, timeout or error
+    (``reward.episode_status``)."""
 
     env: Any = None
-    state: str = "running"
+    state: str = RUNNING
     detail: dict[str, Any] = field(default_factory=dict)
     turns: int = 0
     seconds: float = 0.0
@@ -211,7 +212,7 @@ def _contract(method: str, err: Exception) -> CallOutcome:
 def parse_error_message(error: str) -> dict:
     """The observation for a tool call the parser could not read: ``{"role": "tool", "content": "Error: ..."}``
     (no ``name``: no tool was called)."""
-    return {"role": "tool", "content": f"Error: the tool call could not be parsed: {error}"[:MESSAGE_CHARS]}
+    return tool_error_message(f"the tool call could not be parsed: {error}")
 
 
 class EnvWorker:
@@ -321,7 +322,7 @@ class EnvWorker:
             if out.status != "ok":
                 self._fail(ep, out)
                 return EnvStart([], [], out.status, dict(out.detail), out.elapsed_s)
-            return EnvStart(messages, schemas, "ok", {}, out.elapsed_s)
+            return EnvStart(messages, schemas, OK, {}, out.elapsed_s)
 
     def _open(self, row: dict, seed: int, verifier: Callable | None, holder: list) -> tuple[list, list]:
         """In the call thread: the environment (into ``holder`` at once, to be closed whatever follows), its
@@ -389,7 +390,7 @@ class EnvWorker:
         """
         ep = self._get(episode_id)
         with ep.lock:
-            if ep.state != "running":
+            if ep.state != RUNNING:
                 return EnvStep([], True, None, ep.state, 0.0, {}, {"error": "EpisodeOver", "method": "step",
                                                                    "message": f"the episode is over ({ep.state})"})
             calls = list(tool_calls)
@@ -418,9 +419,9 @@ class EnvWorker:
                 errors[kind] = errors.get(kind, 0) + n
             self._count_tool_errors(errors)
             done = result.done and not (parse_errors and not calls)
-            status = "ok"
+            status = OK
             if not done and ep.turns >= self.cfg.max_turns:
-                done, status = True, "max_turns"
+                done, status = True, MAX_TURNS
             if done:
                 ep.state = status
             reward = None if result.reward is None else float(result.reward)
@@ -442,7 +443,7 @@ class EnvWorker:
             self._count("env/episodes", 1)
             if ep.state in FAILED:
                 return self._failed_outcome(ep)
-            status = "cut" if ep.state == "running" else ep.state
+            status = CUT if ep.state == RUNNING else ep.state
             out = self._runner.call(ep.env.reward, timeout_s=self.cfg.tool_timeout_s, method="reward")
             ep.seconds += out.elapsed_s
             self._count("env/time_s", out.elapsed_s)

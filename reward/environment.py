@@ -179,11 +179,25 @@ def _tool_names(cls: type) -> tuple[str, ...]:
     return tuple(n for n in names if not n.startswith("_"))
 
 
-def _tool_error(name: str | None, kind: str, text: str) -> tuple[dict, str]:
-    message = {"role": "tool", "content": f"Error: {text}"[:OBSERVATION_ERROR_CHARS]}
+def tool_error_text(text: str) -> str:
+    """The text of an observation that tells the model its tool call failed: ``"Error: " + text``, at most
+    ``OBSERVATION_ERROR_CHARS`` characters. Every such observation is written here: a tool call that failed
+    (``run_tool_call``), one the parser could not read (``reward.env_worker.parse_error_message``, whose
+    ``text`` is ``rollout.tool_calls.error_observation``'s description) and the example agents' tool calls
+    (``reward.envs.calc_agent``, ``reward.envs.mcp_agent``)."""
+    return f"Error: {text}"[:OBSERVATION_ERROR_CHARS]
+
+
+def tool_error_message(text: str, name: str | None = None) -> dict:
+    """``{"role": "tool", "content": tool_error_text(text)}``, with ``"name": name`` when a tool was named."""
+    message = {"role": "tool", "content": tool_error_text(text)}
     if name is not None:
         message["name"] = name
-    return message, kind
+    return message
+
+
+def _tool_error(name: str | None, kind: str, text: str) -> tuple[dict, str]:
+    return tool_error_message(text, name), kind
 
 
 def run_with_tool_deadline(runner: DeadlineRunner, timeout_s: float, fn: Callable, *args: Any,
@@ -201,6 +215,28 @@ def run_with_tool_deadline(runner: DeadlineRunner, timeout_s: float, fn: Callabl
         return fn(*args)
     finally:
         _TOOL_DEADLINE.value = None
+
+
+def call_arguments(name: str, arguments: Any) -> dict:
+    """A tool call's arguments as the tool's keyword arguments: a dict as it is, a JSON object in a string (the
+    OpenAI wire form) parsed, None or a blank string ``{}``. The one reading of a call's arguments on the
+    environment's side: ``run_tool_call`` (and so every ``Environment`` and OpenEnv's action), and the example
+    agents' tool calls (``reward.envs.calc_agent``, ``reward.envs.mcp_agent``).
+
+    Raises:
+        ValueError: a string that is not valid JSON, or arguments that are not an object; the message names the
+            tool ``name`` (it goes back to the model as a ``bad_arguments`` error).
+    """
+    if arguments is None:
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"arguments of {name!r} are not valid JSON: {err}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"arguments of {name!r} must be an object, got {arguments!r}")
+    return arguments
 
 
 def run_tool_call(call: Any, tools_by_name: dict[str, Callable]) -> tuple[dict, str | None]:
@@ -226,16 +262,10 @@ def run_tool_call(call: Any, tools_by_name: dict[str, Callable]) -> tuple[dict, 
         known = ", ".join(sorted(tools_by_name)) or "none"
         return _tool_error(name if isinstance(name, str) else None, "unknown_tool",
                            f"unknown tool {name!r}; the tools are: {known}")
-    args = call.get("arguments", {})
-    if args is None:
-        args = {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as err:
-            return _tool_error(name, "bad_arguments", f"arguments of {name!r} are not valid JSON: {err}")
-    if not isinstance(args, dict):
-        return _tool_error(name, "bad_arguments", f"arguments of {name!r} must be an object, got {args!r}")
+    try:
+        args = call_arguments(name, call.get("arguments"))
+    except ValueError as err:
+        return _tool_error(name, "bad_arguments", str(err))
     fn = tools_by_name[name]
     try:
         inspect.signature(fn).bind(**args)

@@ -36,10 +36,11 @@ import ray
 
 from cluster.config import Config
 from cluster.driver.env_pool import EnvPool
-from cluster.driver.episodes import (FAILED, Episode, TurnLoop, _named_argument, _row_dict, episode_metrics,
-                                     fill_missing_routing, rerendered_context, spliced_routing)
+from cluster.driver.episodes import (Episode, TurnLoop, _row_dict, episode_metrics, fill_missing_routing,
+                                     rerendered_context, spliced_routing, tool_call_dicts)
 from reward.contracts import RewardResult
 from reward.env_worker import EnvOutcome
+from reward.episode_status import CUT_TOKENS, ERROR, FAILED, MAX_TURNS, OK, RUNNING
 from rollout.chat_delta import TurnEnd, reply_ids
 from rollout.contracts import Completion, PromptRow, SampledTurn, TurnRequest
 from rollout.tool_calls import error_observation, parse, stop_strings
@@ -83,7 +84,7 @@ class EpisodeRunner:
         t0 = time.perf_counter()
         self.start_episodes(episodes)
         busy = self._play(episodes, temperature)
-        if lost := [e.episode_id for e in episodes if e.status == "running"]:
+        if lost := [e.episode_id for e in episodes if e.status == RUNNING]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         restarts = self.pool.restarts
         results = self.finish_episodes(episodes)
@@ -102,7 +103,7 @@ class EpisodeRunner:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError:
-            e.status, e.worker_lost = "error", True
+            e.status, e.worker_lost = ERROR, True
             return None
 
     def start_episodes(self, episodes: list[Episode]) -> None:
@@ -150,7 +151,7 @@ class EpisodeRunner:
         episodes stay on one engine, whose prefix cache holds their prompt and earlier turns). On an error the
         engines' open turns are aborted, so the engines are left clean.
         """
-        loop = TurnLoop(ready=[e for e in episodes if e.status == "running"])
+        loop = TurnLoop(ready=[e for e in episodes if e.status == RUNNING])
         with self.aborting_on_error():
             while not loop.idle():
                 self.pump(loop, temperature)
@@ -232,10 +233,10 @@ class EpisodeRunner:
         e.tool_calls += len(parsed.calls)
         e.final_text = parsed.content if parsed.calls or parsed.errors else turn.text
         if turn.finish_reason == "length":
-            e.status, e.truncated = "cut_tokens", True
+            e.status, e.truncated = CUT_TOKENS, True
             return
         # every turn goes to the environment, the final answer too (a turn without a call: it says done)
-        calls = [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, e.tools)} for c in parsed.calls]
+        calls = tool_call_dicts(parsed.calls, e.tools)
         errors = [error_observation(err) for err in parsed.errors]
         ref = self.pool.workers[e.worker].step.remote(e.episode_id, turn.text, calls, errors)
         stepping[ref] = e
@@ -250,11 +251,11 @@ class EpisodeRunner:
         if s.reward is not None:
             e.turn_rewards[-1] = float(s.reward)
         if s.done:
-            e.status = "max_turns" if s.status == "max_turns" else "ok"
+            e.status = MAX_TURNS if s.status == MAX_TURNS else OK
             return False
         ids = reply_ids(self.tokenizer, s.messages, e.turn_end, tools=e.tools or None, chat=self.chat)
         if len(e.prompt_ids) + len(e.response_ids) + len(ids) + 1 >= self.cfg.rollout.max_model_len:
-            e.status, e.truncated = "cut_tokens", True  # no room for the reply and one more sampled token
+            e.status, e.truncated = CUT_TOKENS, True  # no room for the reply and one more sampled token
             return False
         e.add(ids, None, e.versions[-1] if e.versions else 0)
         return True
@@ -268,12 +269,12 @@ class EpisodeRunner:
         results = []
         for e, o in zip(episodes, outcomes):
             if o is None:  # its worker died
-                o = EnvOutcome(reward=0.0 if self.cfg.env.on_error == "zero" else float("nan"), status="error",
+                o = EnvOutcome(reward=0.0 if self.cfg.env.on_error == "zero" else float("nan"), status=ERROR,
                                detail={"error": "EnvWorkerLost", "message": "the env worker's process died"})
             e.env_s += o.seconds
             detail = {"episode_id": e.episode_id, "episode": e.status, "env": o.status, "turns": e.turns, **o.detail}
             results.append(RewardResult(score=float(o.reward), correct=bool(o.correct),
-                                        status="ok" if o.status not in FAILED else o.status, detail=detail,
+                                        status=OK if o.status not in FAILED else o.status, detail=detail,
                                         elapsed_s=e.env_s))
             if o.status in FAILED:
                 log.warning("episode %s (row %s): environment %s: %s", e.episode_id, e.row.uid, o.status,

@@ -3,21 +3,19 @@ computes on them without Ray: the ``Episode`` record and the ``TurnLoop`` of tur
 template's check (``check_template``), the debug switch's re-rendered history (``rerendered_context``; the
 token check itself is ``cluster.driver.token_check``), an episode's R3 routing spliced
 turn by turn (``spliced_routing``, ``fill_missing_routing``), a tool call's arguments and a row as the env
-worker gets them (``_named_argument``, ``_row_dict``) and a round's ``agent/*`` metrics (``episode_metrics``).
+worker gets them (``tool_call_dicts``, ``_row_dict``) and a round's ``agent/*`` metrics (``episode_metrics``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
+from reward.episode_status import CUT_TOKENS, FAILED, MAX_TURNS, RUNNING
 from rollout.chat_delta import TurnEnd
 from rollout.contracts import Completion, PromptRow
-from rollout.tool_calls import TAG_ARGUMENT_KEY
-
-FAILED = ("timeout", "error")
-
+from rollout.tool_calls import TAG_ARGUMENT_KEY, ToolCall
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
                      "turn_rewards", "routed_experts", "branch")
@@ -54,7 +52,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
     env_s: float = 0.0
-    status: str = "running"
+    status: str = RUNNING  # reward.episode_status
     final_text: str = ""
     truncated: bool = False
     turn_end: TurnEnd | None = None
@@ -224,6 +222,14 @@ def _named_argument(arguments: dict, name: str, tools: list[dict]) -> dict:
     return arguments
 
 
+def tool_call_dicts(calls: Iterable[ToolCall], tools: list[dict]) -> list[dict]:
+    """Parsed tool calls (``rollout.tool_calls.ToolCall``) as the env worker's ``step`` and the gateway's reply
+    take them, ``[{"name": str, "arguments": dict}]`` in order: the one place the driver turns a call into
+    arguments (the ``tag`` format's one argument named after the tool's parameter, ``_named_argument``).
+    ``tools``: the episode's tools' JSON schemas."""
+    return [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, tools)} for c in calls]
+
+
 def _row_dict(row: PromptRow) -> dict:
     return {"uid": row.uid, "prompt": row.prompt, "answer": row.answer, "verifier": row.verifier, "meta": row.meta}
 
@@ -238,8 +244,8 @@ def episode_metrics(episodes: list[Episode], busy_share: float) -> dict[str, flo
         errors.update(e.tool_errors)
     m = {"agent/turns_mean": sum(turns) / n, "agent/turns_max": float(max(turns, default=0)),
          "agent/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
-         "agent/cut_turns": float(sum(e.status == "max_turns" for e in episodes)),
-         "agent/cut_tokens": float(sum(e.status == "cut_tokens" for e in episodes)),
+         "agent/cut_turns": float(sum(e.status == MAX_TURNS for e in episodes)),
+         "agent/cut_tokens": float(sum(e.status == CUT_TOKENS for e in episodes)),
          "agent/env_failed": float(sum(e.status in FAILED for e in episodes)),
          "agent/env_s": sum(e.env_s for e in episodes), "agent/engine_busy_share": float(busy_share),
          "agent/turn_reward_mean": sum(sum(e.turn_rewards) for e in episodes) / n}

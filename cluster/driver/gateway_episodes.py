@@ -34,8 +34,9 @@ from typing import Any
 import ray
 
 from cluster.driver.agent_loop import EpisodeRunner
-from cluster.driver.episodes import Episode, _named_argument, _row_dict, spliced_routing
+from cluster.driver.episodes import Episode, _row_dict, spliced_routing, tool_call_dicts
 from reward.contracts import RewardResult
+from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
 from rollout.contracts import SampledTurn, TurnRequest
 from rollout.gateway_session import canonical_message, continuation, render_chat, render_plain
@@ -43,8 +44,6 @@ from rollout.openai_protocol import ProtocolError, Reply
 from rollout.tool_calls import parse
 
 log = logging.getLogger("cluster.train")
-
-SCORED = ("ok", "cut_tokens")  # episodes scored by what the agent returned or by the verifier
 
 
 @dataclass
@@ -126,12 +125,12 @@ class GatewayEpisodeRunner(EpisodeRunner):
             ev = ray.get(self.gateway.exchange.remote(e.session["session_id"], error, self._remaining(e)))
         e.end = ev
         if ev["kind"] == "timeout":
-            e.status = "timeout"
-        elif ev.get("status") == "ok" or e.cut:  # an agent stopped by a context error is scored as it stands
-            e.status = "cut_tokens" if e.truncated else "ok"  # a turn cut at its limit, or no room: as env episodes
-            e.end = ev if ev.get("status") == "ok" else {**ev, "reward": None}
+            e.status = TIMEOUT
+        elif ev.get("status") == OK or e.cut:  # an agent stopped by a context error is scored as it stands
+            e.status = CUT_TOKENS if e.truncated else OK  # a turn cut at its limit, or no room: as env episodes
+            e.end = ev if ev.get("status") == OK else {**ev, "reward": None}
         else:
-            e.status = "error"
+            e.status = ERROR
         return False
 
     def _take_request(self, e: AgentEpisode, req: dict) -> ProtocolError | None:
@@ -198,7 +197,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason,
                                            turn.token_ids[-1] if turn.token_ids else None)
         parsed = parse(self.cfg.env.tool_format, turn.text)
-        calls = [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, e.tools)} for c in parsed.calls]
+        calls = tool_call_dicts(parsed.calls, e.tools)
         content = parsed.content if calls else turn.text
         e.tool_calls, e.final_text = e.tool_calls + len(calls), content
         e.truncated = e.truncated or turn.finish_reason == "length"
@@ -230,18 +229,18 @@ class GatewayEpisodeRunner(EpisodeRunner):
     def _score(self, e: AgentEpisode, verify: dict, detail: dict) -> tuple[float, bool, str]:
         failed = 0.0 if self.cfg.env.on_error == "zero" else math.nan
         if e.status not in SCORED:
-            detail["error"] = e.end.get("error") or ("agent past env.episode_timeout_s" if e.status == "timeout"
+            detail["error"] = e.end.get("error") or ("agent past env.episode_timeout_s" if e.status == TIMEOUT
                                                      else "the agent's env worker died")
             log.warning("episode %s (row %s): agent %s: %s", e.episode_id, e.row.uid, e.status, detail["error"])
             return failed, False, e.status
         if e.episode_id in verify:
             score, correct = ray.get(verify[e.episode_id], timeout=self.cfg.env.tool_timeout_s + 30)
-            return score, correct, "ok"
+            return score, correct, OK
         reward = e.end["reward"]
         if isinstance(reward, dict):
             detail["components"] = reward
             reward = math.fsum(reward.values())
-        return float(reward), float(reward) >= 1.0, "ok"
+        return float(reward), float(reward) >= 1.0, OK
 
 
 def start_gateway_runner(cfg, fleet, pool, tokenizer):

@@ -38,6 +38,7 @@ from cluster.driver.collect import Collected
 from cluster.driver.episodes import Episode, TurnLoop, episode_metrics, fill_missing_routing
 from cluster.driver.partial_buffer import take_ready
 from reward.contracts import RewardResult
+from reward.episode_status import RUNNING
 from rollout.contracts import PromptRow
 
 log = logging.getLogger("cluster.train")
@@ -58,7 +59,7 @@ class EpisodeGroup:
     @property
     def ended(self) -> bool:
         """True when every episode has ended (scored or not)."""
-        return all(e.status != "running" for e in self.episodes)
+        return all(e.status != RUNNING for e in self.episodes)
 
     @property
     def scored(self) -> bool:
@@ -242,7 +243,7 @@ class PartialEpisodeCollector:
         env workers (those that died or hold too many abandoned threads are replaced; episodes under way there
         start again at the next collection)."""
         ended = [(g, i) for g in self._backlog.groups for i, e in enumerate(g.episodes)
-                 if g.verdicts[i] is None and e.status != "running"]
+                 if g.verdicts[i] is None and e.status != RUNNING]
         episodes = [g.episodes[i] for g, i in ended]
         for (g, i), verdict in zip(ended, self.runner.finish_episodes(episodes)):
             g.verdicts[i] = verdict

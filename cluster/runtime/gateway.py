@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from reward.episode_status import ERROR, OK
 from rollout.openai_protocol import (
     ProtocolError,
     Reply,
@@ -262,8 +263,8 @@ def close_event(body: Any) -> dict[str, Any]:
         body = {}
     if not isinstance(body, dict):
         raise ProtocolError(400, f"the body must be a JSON object, got {body!r}"[:300], param="body")
-    status = body.get("status", "ok")
-    if status not in ("ok", "error"):
+    status = body.get("status", OK)
+    if status not in (OK, ERROR):
         raise ProtocolError(400, f"status must be 'ok' or 'error', got {status!r}"[:300], param="status")
     try:
         reward = reward_value(body.get("reward"))

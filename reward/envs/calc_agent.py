@@ -2,13 +2,13 @@
 
 Nothing in it knows about training: it is the loop anyone writes against the Chat Completions API, with one
 function tool. ``configs/tiny_agent_openai.yaml`` trains the embedded tiny model with it through the session
-gateway, the task of ``configs/tiny_agent_calc.yaml`` (whose episodes run as ``env.tools``).
+gateway, the task of ``configs/tiny_agent_calc.yaml`` (whose episodes run as ``env.tools``); a failed call's
+text is the env workers' (``reward.environment.tool_error_text``), so the two read alike to the model.
 """
 
 from __future__ import annotations
 
-import json
-
+from reward.environment import call_arguments, tool_error_text
 from reward.envs.calculator import calc
 
 TOOLS = [{
@@ -53,6 +53,6 @@ def chat(prompt: str, client, max_turns: int = 3) -> list[dict]:
 def call_tool(call) -> str:
     """The calculator's answer to one tool call of a reply (its text, or ``"Error: ..."`` for bad arguments)."""
     try:
-        return calc(**json.loads(call.function.arguments))
+        return calc(**call_arguments(call.function.name, call.function.arguments))
     except (TypeError, ValueError) as err:
-        return f"Error: {err}"
+        return tool_error_text(str(err))

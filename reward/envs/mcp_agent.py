@@ -8,9 +8,10 @@ calling the server's ``call_tool`` for each tool call. Any stdio MCP server work
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from reward.environment import call_arguments, tool_error_text
 
 # The server, started by the agent; run from the checkout's root so that ``-m reward.envs...`` imports.
 SERVER = {"command": sys.executable, "args": ["-m", "reward.envs.mcp_calc_server"],
@@ -26,9 +27,9 @@ def openai_tool(tool) -> dict:
 async def call(mcp, name: str, arguments: str) -> str:
     """The text of an MCP tool call's result (a tool error's message included, as the model should see it)."""
     try:
-        args = json.loads(arguments or "{}")
+        args = call_arguments(name, arguments)
     except ValueError as err:
-        return f"Error: the arguments are not JSON: {err}"
+        return tool_error_text(str(err))
     result = await mcp.call_tool(name, args)
     return "\n".join(part.text for part in result.content if part.type == "text")
 

@@ -11,7 +11,7 @@ import pytest
 from cluster.config import ConfigError, load_config
 from cluster.data.agent_guess import agent_guess_rows, guess_prompt, guess_turns
 from cluster.driver.agent_loop import EpisodeRunner
-from cluster.driver.episodes import _named_argument
+from cluster.driver.episodes import tool_call_dicts
 from cluster.driver.warm_start import demonstration
 from reward.config import EnvConfig
 from reward.env_worker import EnvWorker
@@ -90,8 +90,7 @@ def test_a_demonstration_is_the_episode_the_loop_builds_token_for_token():
         for role, text in turns[::2]:
             assert role == "assistant" and not done
             ids += tok(text, add_special_tokens=False)["input_ids"]  # what the engine samples, to the stop string
-            calls = [{"name": c.name, "arguments": _named_argument(c.arguments, c.name, start.tool_schemas)}
-                     for c in parse(cfg.env.tool_format, text).calls]
+            calls = tool_call_dicts(parse(cfg.env.tool_format, text).calls, start.tool_schemas)
             step = worker.step(f"e{i}", text, calls, [])
             done = step.done
             if not done:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.data.agent_calc import agent_calc_rows, calc_turns
-from cluster.driver.episodes import Episode, _named_argument, episode_metrics
+from cluster.driver.episodes import Episode, _named_argument, episode_metrics, tool_call_dicts
 from cluster.driver.batching import build_sft_batch, build_train_batch
 from cluster.driver.warm_start import demonstration
 from rollout.contracts import PromptRow
@@ -36,6 +36,15 @@ def test_the_tag_formats_argument_takes_the_tools_parameter_name():
     assert _named_argument({"input": "1+2"}, "calc", [CALC_SCHEMA]) == {"expression": "1+2"}
     assert _named_argument({"input": "1+2"}, "other", [CALC_SCHEMA]) == {"input": "1+2"}  # unknown: as it is
     assert _named_argument({"expression": "1"}, "calc", [CALC_SCHEMA]) == {"expression": "1"}
+
+
+def test_parsed_calls_become_the_env_workers_call_dicts_in_order():
+    from rollout.tool_calls import parse
+
+    calls = parse("tag", "<call>calc 1+2</call> then <call>other x</call>").calls
+    assert tool_call_dicts(calls, [CALC_SCHEMA]) == [{"name": "calc", "arguments": {"expression": "1+2"}},
+                                                     {"name": "other", "arguments": {"input": "x"}}]
+    assert tool_call_dicts([], [CALC_SCHEMA]) == []
 
 
 def test_episode_metrics():

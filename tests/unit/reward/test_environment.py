@@ -181,6 +181,18 @@ def test_a_type_error_inside_a_tool_is_raised_not_bad_arguments():
     assert kind == "raised" and message["content"].startswith("Error: TypeError: unsupported operand")
 
 
+def test_a_calls_arguments_are_read_one_way():
+    from reward.environment import call_arguments
+
+    assert call_arguments("f", {"a": 1}) == {"a": 1}
+    assert call_arguments("f", '{"a": 1}') == {"a": 1}  # the OpenAI wire form
+    assert call_arguments("f", None) == {} and call_arguments("f", "  ") == {}
+    with pytest.raises(ValueError, match="arguments of 'f' are not valid JSON"):
+        call_arguments("f", "{a")
+    with pytest.raises(ValueError, match=r"arguments of 'f' must be an object, got \[1\]"):
+        call_arguments("f", "[1]")
+
+
 def test_a_tool_error_observation_is_truncated():
     def loud(n: int) -> str:
         """Loud.
