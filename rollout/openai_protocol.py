@@ -139,7 +139,7 @@ class Reply:
 # shared checks
 
 
-def _fail(message: str, param: str | None, code: str | None = None) -> ProtocolError:
+def fail(message: str, param: str | None, code: str | None = None) -> ProtocolError:
     return ProtocolError(400, message, param=param, code=code)
 
 
@@ -151,7 +151,7 @@ def _show(value: Any) -> str:
 def require_object(body: Any) -> dict:
     """``body`` itself, after checking that it is a JSON object; raises ProtocolError(400) otherwise."""
     if not isinstance(body, dict):
-        raise _fail(f"the request body must be a JSON object, got {type(body).__name__}", None)
+        raise fail(f"the request body must be a JSON object, got {type(body).__name__}", None)
     return body
 
 
@@ -161,7 +161,7 @@ def optional_bool(body: dict, key: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _fail(f"'{key}' must be a boolean, got {_show(value)}", key)
+        raise fail(f"'{key}' must be a boolean, got {_show(value)}", key)
     return value
 
 
@@ -169,7 +169,7 @@ def optional_str(body: dict, key: str, param: str | None = None) -> str | None:
     """``body[key]`` as a str or None; raises ProtocolError(400, param=param or key) for another type."""
     value = body.get(key)
     if value is not None and not isinstance(value, str):
-        raise _fail(f"'{param or key}' must be a string, got {_show(value)}", param or key)
+        raise fail(f"'{param or key}' must be a string, got {_show(value)}", param or key)
     return value
 
 
@@ -179,7 +179,7 @@ def optional_number(body: dict, key: str, low: float, high: float) -> float | No
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise _fail(f"'{key}' must be a number from {low:g} to {high:g}, got {_show(value)}", key)
+        raise fail(f"'{key}' must be a number from {low:g} to {high:g}, got {_show(value)}", key)
     return float(value)
 
 
@@ -190,7 +190,7 @@ def max_tokens_of(body: dict, keys: tuple[str, ...]) -> int | None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _fail(f"'{key}' must be an integer of at least 1, got {_show(value)}", key)
+            raise fail(f"'{key}' must be an integer of at least 1, got {_show(value)}", key)
         return value
     return None
 
@@ -198,7 +198,7 @@ def max_tokens_of(body: dict, keys: tuple[str, ...]) -> int | None:
 def check_function_name(name: Any, param: str) -> str:
     """``name`` after checking it against OpenAI's rule (``[A-Za-z0-9_-]{1,64}``); ProtocolError(400) else."""
     if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
-        raise _fail(f"'{param}' must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}", param)
+        raise fail(f"'{param}' must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}", param)
     return name
 
 
@@ -217,19 +217,19 @@ def check_tool_choice(choice: Any, tools: list[dict] | None, param: str = "tool_
     names = [tool["function"]["name"] for tool in tools or []]
     if isinstance(choice, str):
         if choice not in TOOL_CHOICE_MODES:
-            raise _fail(f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or a function, "
+            raise fail(f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or a function, "
                         f"got {_show(choice)}", param)
         if choice == "required" and not names:
-            raise _fail(f"'{param}' is {choice!r} but no tools were given", param)
+            raise fail(f"'{param}' is {choice!r} but no tools were given", param)
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         inner = choice.get("function")
         name = inner.get("name") if isinstance(inner, dict) else choice.get("name")
         if not isinstance(name, str) or name not in names:
-            raise _fail(f"'{param}' names function {_show(name)}, which is not among the tools "
+            raise fail(f"'{param}' names function {_show(name)}, which is not among the tools "
                         f"({', '.join(names) or 'none'})", param)
         return {"type": "function", "function": {"name": name}}
-    raise _fail(f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or "
+    raise fail(f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or "
                 f"{{\"type\": \"function\", ...}}, got {_show(choice)}", param)
 
 
@@ -237,26 +237,26 @@ def check_tool_choice(choice: Any, tools: list[dict] | None, param: str = "tool_
 # Chat Completions requests
 
 
-def _text_of(content: Any, param: str, part_types: tuple[str, ...], allow_none: bool) -> str:
+def text_of(content: Any, param: str, part_types: tuple[str, ...], allow_none: bool) -> str:
     """A message's content as one string: a str, None (-> ""), or a list of text parts joined by newlines."""
     if content is None:
         if allow_none:
             return ""
-        raise _fail(f"'{param}' is required", param)
+        raise fail(f"'{param}' is required", param)
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _fail(f"'{param}' must be a string or a list of text parts, got {_show(content)}", param)
+        raise fail(f"'{param}' must be a string or a list of text parts, got {_show(content)}", param)
     texts = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in part_types:
-            raise _fail(f"'{where}.type' must be one of {', '.join(part_types)} (only text is supported), "
+            raise fail(f"'{where}.type' must be one of {', '.join(part_types)} (only text is supported), "
                         f"got {_show(kind)}", f"{where}.type")
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(part.get(key), str):
-            raise _fail(f"'{where}.{key}' must be a string, got {_show(part.get(key))}", f"{where}.{key}")
+            raise fail(f"'{where}.{key}' must be a string, got {_show(part.get(key))}", f"{where}.{key}")
         texts.append(part[key])
     return "\n".join(texts)
 
@@ -264,22 +264,22 @@ def _text_of(content: Any, param: str, part_types: tuple[str, ...], allow_none: 
 def _tool_calls_of(calls: Any, param: str) -> list[dict]:
     """An assistant message's ``tool_calls`` in normal form (arguments kept as the JSON string sent)."""
     if not isinstance(calls, list):
-        raise _fail(f"'{param}' must be a list, got {_show(calls)}", param)
+        raise fail(f"'{param}' must be a list, got {_show(calls)}", param)
     out = []
     for k, call in enumerate(calls):
         where = f"{param}[{k}]"
         if not isinstance(call, dict) or call.get("type", "function") != "function":
-            raise _fail(f"'{where}' must be a function call object, got {_show(call)}", where)
+            raise fail(f"'{where}' must be a function call object, got {_show(call)}", where)
         if not isinstance(call.get("id"), str):
-            raise _fail(f"'{where}.id' must be a string, got {_show(call.get('id'))}", f"{where}.id")
+            raise fail(f"'{where}.id' must be a string, got {_show(call.get('id'))}", f"{where}.id")
         function = call.get("function")
         if not isinstance(function, dict):
-            raise _fail(f"'{where}.function' must be an object, got {_show(function)}", f"{where}.function")
+            raise fail(f"'{where}.function' must be an object, got {_show(function)}", f"{where}.function")
         if not isinstance(function.get("name"), str):
-            raise _fail(f"'{where}.function.name' must be a string", f"{where}.function.name")
+            raise fail(f"'{where}.function.name' must be a string", f"{where}.function.name")
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
-            raise _fail(f"'{where}.function.arguments' must be a JSON string, got {_show(arguments)}",
+            raise fail(f"'{where}.function.arguments' must be a JSON string, got {_show(arguments)}",
                         f"{where}.function.arguments")
         out.append({"id": call["id"], "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
@@ -289,19 +289,19 @@ def _tool_calls_of(calls: Any, param: str) -> list[dict]:
 def _chat_message(message: Any, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
-        raise _fail(f"'{where}' must be an object, got {_show(message)}", where)
+        raise fail(f"'{where}' must be an object, got {_show(message)}", where)
     role = message.get("role")
     if role not in ROLES:
-        raise _fail(f"'{where}.role' must be one of {', '.join(ROLES)}, got {_show(role)}", f"{where}.role")
+        raise fail(f"'{where}.role' must be one of {', '.join(ROLES)}, got {_show(role)}", f"{where}.role")
     parts = ("text", "refusal") if role == "assistant" else ("text",)
-    out = {"role": role, "content": _text_of(message.get("content"), f"{where}.content", parts,
+    out = {"role": role, "content": text_of(message.get("content"), f"{where}.content", parts,
                                              allow_none=role == "assistant")}
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = _tool_calls_of(message["tool_calls"], f"{where}.tool_calls")
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise _fail(f"'{where}.tool_call_id' must be a string, got {_show(call_id)}", f"{where}.tool_call_id")
+            raise fail(f"'{where}.tool_call_id' must be a string, got {_show(call_id)}", f"{where}.tool_call_id")
         out["tool_call_id"] = call_id
     name = optional_str(message, "name", f"{where}.name")
     if name is not None:
@@ -313,15 +313,15 @@ def _chat_tools(tools: Any) -> list[dict] | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
-        raise _fail(f"'tools' must be a list, got {_show(tools)}", "tools")
+        raise fail(f"'tools' must be a list, got {_show(tools)}", "tools")
     out, seen = [], set()
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise _fail(f"'{where}.type' must be 'function' (only function tools are supported)", f"{where}.type")
+            raise fail(f"'{where}.type' must be 'function' (only function tools are supported)", f"{where}.type")
         function = tool.get("function")
         if not isinstance(function, dict):
-            raise _fail(f"'{where}.function' must be an object, got {_show(function)}", f"{where}.function")
+            raise fail(f"'{where}.function' must be an object, got {_show(function)}", f"{where}.function")
         out.append(function_tool(function, f"{where}.function", seen))
     return out
 
@@ -336,7 +336,7 @@ def function_tool(spec: dict, param: str, seen: set[str]) -> dict:
     """
     name = check_function_name(spec.get("name"), f"{param}.name")
     if name in seen:
-        raise _fail(f"'{param}.name' repeats the tool name {name!r}", f"{param}.name")
+        raise fail(f"'{param}.name' repeats the tool name {name!r}", f"{param}.name")
     seen.add(name)
     out: dict[str, Any] = {"name": name}
     description = optional_str(spec, "description", f"{param}.description")
@@ -345,7 +345,7 @@ def function_tool(spec: dict, param: str, seen: set[str]) -> dict:
     parameters = spec.get("parameters")
     if parameters is not None:
         if not isinstance(parameters, dict):
-            raise _fail(f"'{param}.parameters' must be a JSON schema object, got {_show(parameters)}",
+            raise fail(f"'{param}.parameters' must be a JSON schema object, got {_show(parameters)}",
                         f"{param}.parameters")
         out["parameters"] = parameters
     return {"type": "function", "function": out}
@@ -356,10 +356,10 @@ def _stop_of(stop: Any) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP:
-        raise _fail(f"'stop' must be a string or a list of at most {MAX_STOP} strings, got {_show(stop)}", "stop")
+        raise fail(f"'stop' must be a string or a list of at most {MAX_STOP} strings, got {_show(stop)}", "stop")
     for j, item in enumerate(stops):
         if not isinstance(item, str) or not item:
-            raise _fail(f"'stop[{j}]' must be a non-empty string, got {_show(item)}", f"stop[{j}]")
+            raise fail(f"'stop[{j}]' must be a non-empty string, got {_show(item)}", f"stop[{j}]")
     return list(stops)
 
 
@@ -380,14 +380,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
     body = require_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _fail(f"'messages' must be a non-empty list, got {_show(messages)}", "messages")
+        raise fail(f"'messages' must be a non-empty list, got {_show(messages)}", "messages")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
-        raise _fail(f"'n' must be 1 (one choice per request), got {_show(n)}", "n", "n_not_supported")
+        raise fail(f"'n' must be 1 (one choice per request), got {_show(n)}", "n", "n_not_supported")
     tools = _chat_tools(body.get("tools"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _fail(f"'stream_options' must be an object, got {_show(options)}", "stream_options")
+        raise fail(f"'stream_options' must be an object, got {_show(options)}", "stream_options")
     return ChatRequest(
         messages=[_chat_message(message, i) for i, message in enumerate(messages)],
         tools=tools,

@@ -38,12 +38,14 @@ from rollout.openai_protocol import (
     arguments_json,
     check_reply,
     check_tool_choice,
+    fail,
     function_tool,
     max_tokens_of,
     optional_bool,
     optional_number,
     optional_str,
     require_object,
+    text_of,
     tool_call_id,
 )
 
@@ -52,33 +54,15 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _STATEFUL = ("previous_response_id", "conversation")
 
 
-def _fail(message: str, param: str | None, code: str | None = None) -> ProtocolError:
-    return ProtocolError(400, message, param=param, code=code)
-
-
 def _text_of(content: Any, param: str) -> str:
     """Input content as one string: a str, or a list of text parts (input_text, output_text) joined by "\\n"."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _fail(f"'{param}' must be a string or a list of text parts, got {type(content).__name__}", param)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise _fail(f"'{param}[{j}].type' must be one of {', '.join(_TEXT_PARTS[:2])} (only text is "
-                        f"supported), got {kind!r}", f"{param}[{j}].type")
-        key = "refusal" if kind == "refusal" else "text"
-        if not isinstance(part.get(key), str):
-            raise _fail(f"'{param}[{j}].{key}' must be a string", f"{param}[{j}].{key}")
-        texts.append(part[key])
-    return "\n".join(texts)
+    return text_of(content, param, _TEXT_PARTS, allow_none=False)
 
 
 def _function_call(item: dict, where: str) -> dict:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
-            raise _fail(f"'{where}.{key}' must be a string, got {type(item.get(key)).__name__}", f"{where}.{key}")
+            raise fail(f"'{where}.{key}' must be a string, got {type(item.get(key)).__name__}", f"{where}.{key}")
     return {"id": item["call_id"], "type": "function",
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
@@ -87,12 +71,12 @@ def _input_item(item: Any, where: str, messages: list[dict], merge_calls: bool) 
     """Append ``item``'s message to ``messages`` (or its call to the last one); returns whether the next
     ``function_call`` may join the last message (it is an assistant turn still being read)."""
     if not isinstance(item, dict):
-        raise _fail(f"'{where}' must be an object, got {type(item).__name__}", where)
+        raise fail(f"'{where}' must be an object, got {type(item).__name__}", where)
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
         if role not in _INPUT_ROLES:
-            raise _fail(f"'{where}.role' must be one of {', '.join(_INPUT_ROLES)}, got {role!r}", f"{where}.role")
+            raise fail(f"'{where}.role' must be one of {', '.join(_INPUT_ROLES)}, got {role!r}", f"{where}.role")
         messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
         return role == "assistant"
     if kind == "function_call":
@@ -104,13 +88,13 @@ def _input_item(item: Any, where: str, messages: list[dict], merge_calls: bool) 
         return True
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
-            raise _fail(f"'{where}.call_id' must be a string", f"{where}.call_id")
+            raise fail(f"'{where}.call_id' must be a string", f"{where}.call_id")
         messages.append({"role": "tool", "content": _text_of(item.get("output"), f"{where}.output"),
                          "tool_call_id": item["call_id"]})
         return False
     if kind == "reasoning":
         return merge_calls
-    raise _fail(f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output, "
+    raise fail(f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output, "
                 f"reasoning are)", f"{where}.type")
 
 
@@ -127,9 +111,9 @@ def _messages_of(body: dict) -> list[dict]:
         for i, item in enumerate(given):
             merge = _input_item(item, f"input[{i}]", messages, merge)
     elif given is not None:
-        raise _fail(f"'input' must be a string or a list of items, got {type(given).__name__}", "input")
+        raise fail(f"'input' must be a string or a list of items, got {type(given).__name__}", "input")
     if not any(message["role"] != "system" for message in messages):
-        raise _fail("'input' must hold at least one message or item", "input")
+        raise fail("'input' must hold at least one message or item", "input")
     return messages
 
 
@@ -137,13 +121,13 @@ def _tools_of(tools: Any) -> list[dict] | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
-        raise _fail(f"'tools' must be a list, got {type(tools).__name__}", "tools")
+        raise fail(f"'tools' must be a list, got {type(tools).__name__}", "tools")
     out: list[dict] = []
     seen: set[str] = set()
     for k, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise _fail(f"'tools[{k}].type' must be 'function' (only function tools are supported), got {kind!r}",
+            raise fail(f"'tools[{k}].type' must be 'function' (only function tools are supported), got {kind!r}",
                         f"tools[{k}].type")
         out.append(function_tool(tool, f"tools[{k}]", seen))
     return out
@@ -165,7 +149,7 @@ def parse_responses_request(body: Any) -> ChatRequest:
     body = require_object(body)
     for key in _STATEFUL:
         if body.get(key) is not None:
-            raise _fail(f"'{key}' is not supported: the gateway keeps no responses, send the whole input",
+            raise fail(f"'{key}' is not supported: the gateway keeps no responses, send the whole input",
                         key, "unsupported_parameter")
     tools = _tools_of(body.get("tools"))
     return ChatRequest(
