@@ -33,7 +33,6 @@ from typing import Any
 
 from rollout.openai_protocol import (
     ChatRequest,
-    ProtocolError,
     Reply,
     arguments_json,
     check_reply,
