@@ -54,6 +54,9 @@ def main() -> None:
                   f"token mismatch {sum(m['agent/token_mismatch'] for m in steps):.0f}")
     (a, base), (b, gw) = results.items()
     same = [x["reward/mean"] for x in base] == [x["reward/mean"] for x in gw]
+    differ = [(m["step"], m["reward/mean"], g["reward/mean"]) for m, g in zip(base, gw) if m["reward/mean"] != g["reward/mean"]]
+    if differ:
+        print(f"rewards differ from step {differ[0][0]} (in-process {differ[0][1]:.4f}, gateway {differ[0][2]:.4f})")
     ratio = statistics.median(m["timing/step_s"] for m in gw) / statistics.median(m["timing/step_s"] for m in base)
     print(f"gateway / in-process, seconds per step: {ratio:.2f}x; the same rewards every step: {same}")
 
