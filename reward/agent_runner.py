@@ -103,15 +103,10 @@ class AgentRuns:
         """Run the agent on ``row`` against ``session`` (``Gateway.open``'s answer) in a new thread."""
         t = threading.Thread(target=self._run, args=(episode_id, row, session), daemon=True,
                              name=f"agent-{session['session_id']}")
-        with self.lock:
+        with self.lock:  # the episodes' threads still running (ended ones are let go: a run has many episodes)
+            self.threads = {k: x for k, x in self.threads.items() if x.is_alive()}
             self.threads[episode_id] = t
         t.start()
-
-    def running(self) -> int:
-        """Agent threads still running (those past their episode's deadline included)."""
-        with self.lock:
-            self.threads = {k: t for k, t in self.threads.items() if t.is_alive()}
-            return len(self.threads)
 
     def _call(self, row: dict, session: dict[str, str], http: Any) -> Any:
         import httpx

@@ -359,10 +359,6 @@ class EnvWorker:
         score, correct, _, _ = interpret(out, self.reward_cfg)
         return float(score), bool(correct if correct is not None else score >= 1.0)
 
-    def agent_threads(self) -> int:
-        """Agent programs still running on this worker (0 without ``env.agent``)."""
-        return 0 if self._agents is None else self._agents.running()
-
     def _verifier_for(self, row: dict) -> Callable:
         name = self.reward_cfg.verifier or row.get("verifier")
         if not isinstance(name, str) or not name:

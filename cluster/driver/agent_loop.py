@@ -37,11 +37,11 @@ import ray
 from cluster.config import Config
 from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import (Episode, TurnLoop, _row_dict, episode_metrics, fill_missing_routing,
-                                     rerendered_context, spliced_routing, tool_call_dicts)
+                                     rerendered_context, tool_call_dicts)
 from reward.contracts import RewardResult
 from reward.env_worker import EnvOutcome
 from reward.episode_status import CUT_TOKENS, ERROR, FAILED, MAX_TURNS, OK, RUNNING
-from rollout.chat_delta import TurnEnd, reply_ids
+from rollout.chat_delta import reply_ids
 from rollout.contracts import Completion, PromptRow, SampledTurn, TurnRequest
 from rollout.tool_calls import error_observation, parse, stop_strings
 
@@ -222,13 +222,7 @@ class EpisodeRunner:
                            branch=e.branch)
 
     def _on_turn(self, e: Episode, turn: SampledTurn, stepping: dict) -> None:
-        e.turn_starts.append(len(e.response_ids))
-        e.turn_rewards.append(0.0)
-        e.add(turn.token_ids, turn.logprobs, turn.weight_version)
-        e.routed_experts = spliced_routing(e.routed_experts, turn.routed_experts)
-        e.turns += 1
-        last = turn.token_ids[-1] if turn.token_ids else None
-        e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason, last)
+        e.take_turn(turn)
         parsed = parse(self.cfg.env.tool_format, turn.text)
         e.tool_calls += len(parsed.calls)
         e.final_text = parsed.content if parsed.calls or parsed.errors else turn.text
@@ -257,7 +251,7 @@ class EpisodeRunner:
         if len(e.prompt_ids) + len(e.response_ids) + len(ids) + 1 >= self.cfg.rollout.max_model_len:
             e.status, e.truncated = CUT_TOKENS, True  # no room for the reply and one more sampled token
             return False
-        e.add(ids, None, e.versions[-1] if e.versions else 0)
+        e.add_reply(ids)
         return True
 
     def finish_episodes(self, episodes: list[Episode]) -> list[RewardResult]:

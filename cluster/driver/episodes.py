@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from reward.episode_status import CUT_TOKENS, FAILED, MAX_TURNS, RUNNING
 from rollout.chat_delta import TurnEnd
-from rollout.contracts import Completion, PromptRow
+from rollout.contracts import Completion, PromptRow, SampledTurn
 from rollout.tool_calls import TAG_ARGUMENT_KEY, ToolCall
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "mask", "logprobs", "versions", "sampled", "turn_starts",
@@ -67,6 +67,22 @@ class Episode:
         self.versions += [version] * len(ids)
         if logprobs is not None:
             self.sampled += ids
+
+    def take_turn(self, turn: SampledTurn) -> None:
+        """Append a sampled turn: its ids, log-probs and version (mask 1), where it starts, a per-turn reward of 0
+        until the environment gives one, its R3 routing spliced in (``spliced_routing``) and how it ended."""
+        self.turn_starts.append(len(self.response_ids))
+        self.turn_rewards.append(0.0)
+        self.add(turn.token_ids, turn.logprobs, turn.weight_version)
+        self.routed_experts = spliced_routing(self.routed_experts, turn.routed_experts)
+        self.turns += 1
+        last = turn.token_ids[-1] if turn.token_ids else None
+        self.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason, last)
+
+    def add_reply(self, ids: list[int]) -> None:
+        """Append the ids of what answered the last turn (an environment's or an agent's messages; mask 0), at the
+        version of the turn before."""
+        self.add(ids, None, self.versions[-1] if self.versions else 0)
 
     def trajectory(self) -> dict[str, Any]:
         """The sequence so far (ids, mask, log-probs, versions, sampled ids, turn starts and rewards, routing), copied:

@@ -34,7 +34,7 @@ from typing import Any
 import ray
 
 from cluster.driver.agent_loop import EpisodeRunner
-from cluster.driver.episodes import Episode, _row_dict, spliced_routing, tool_call_dicts
+from cluster.driver.episodes import Episode, _row_dict, tool_call_dicts
 from reward.contracts import RewardResult
 from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
@@ -166,7 +166,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
             else:
                 e.prompt_ids, e.tools = prompt, list(req.get("tools") or [])
         else:
-            e.add(ids, None, e.versions[-1] if e.versions else 0)
+            e.add_reply(ids)
         e.known, e.request = [dict(m) for m in messages], req
         return None
 
@@ -188,14 +188,8 @@ class GatewayEpisodeRunner(EpisodeRunner):
 
     def _on_turn(self, e: AgentEpisode, turn: SampledTurn, stepping: dict) -> None:
         """A sampled turn: onto the episode (exact ids, log-probs, version, routing), parsed into the reply."""
-        e.turn_starts.append(len(e.response_ids))
-        e.turn_rewards.append(0.0)
         context = len(e.prompt_ids) + len(e.response_ids)
-        e.add(turn.token_ids, turn.logprobs, turn.weight_version)
-        e.routed_experts = spliced_routing(e.routed_experts, turn.routed_experts)
-        e.turns += 1
-        e.turn_end = TurnEnd.from_sampling(turn.finish_reason, turn.stop_reason,
-                                           turn.token_ids[-1] if turn.token_ids else None)
+        e.take_turn(turn)
         parsed = parse(self.cfg.env.tool_format, turn.text)
         calls = tool_call_dicts(parsed.calls, e.tools)
         content = parsed.content if calls else turn.text
