@@ -18,7 +18,7 @@ The model is written to a temporary folder beside ``--out`` and renamed into pla
 half-written model at ``--out``.
 
 ``gspo-upcycle [--dense PATH] [--experts 4] [--top-k 2] [--noise 0.0] [--router-std 0.02] [--seed 0] [--out PATH]
-[--force]``
+[--force] [--eval N] [--eval-config configs/smollm2_arith.yaml]``
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from cluster.config import ConfigError
+from cluster.models.heldout import DEFAULT_EVAL_CONFIG
 
 DEFAULT_DENSE = Path("models/smollm2-135m-instruct")
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_NOISE, DEFAULT_ROUTER_STD, DEFAULT_SEED = 4, 2, 0.0, 0.02, 0
@@ -214,9 +217,12 @@ def compare_logits(dense_model, moe_model, tokenizer, prompts=CHECK_PROMPTS) -> 
 def upcycle(dense: str | os.PathLike = DEFAULT_DENSE, out: str | os.PathLike | None = None, *,
             experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K, noise: float = DEFAULT_NOISE,
             router_std: float = DEFAULT_ROUTER_STD, seed: int = DEFAULT_SEED, force: bool = False,
-            prompts=CHECK_PROMPTS, log=print) -> dict[str, Any]:
+            prompts=CHECK_PROMPTS, eval_prompts: int = 0, eval_config: str | os.PathLike = DEFAULT_EVAL_CONFIG,
+            log=print) -> dict[str, Any]:
     """Upcycle the dense folder into ``out`` (written beside it, then renamed in); returns the summary stored
-    in ``out/upcycle.json`` (arguments and checks).
+    in ``out/upcycle.json`` (arguments and checks). With ``eval_prompts`` > 0 the summary also holds
+    ``heldout_accuracy`` of the saved MoE and ``dense_heldout_accuracy`` of the dense model: greedy, on the first
+    ``eval_prompts`` held-out prompts of ``eval_config``'s task (``cluster.models.heldout``).
 
     Raises:
         ValueError: a bad argument, named; with ``noise = 0`` a logit difference above ``ZERO_NOISE_TOL``.
@@ -227,6 +233,8 @@ def upcycle(dense: str | os.PathLike = DEFAULT_DENSE, out: str | os.PathLike | N
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, MixtralForCausalLM
 
     check_args(experts, top_k, noise, router_std)
+    if eval_prompts < 0:
+        raise ValueError(f"--eval={eval_prompts} must be >= 0 (0 skips the held-out evaluation)")
     dense = Path(dense)
     _dense_config(dense)
     out = Path(out) if out is not None else default_out(experts, top_k, noise)
@@ -255,6 +263,8 @@ def upcycle(dense: str | os.PathLike = DEFAULT_DENSE, out: str | os.PathLike | N
             raise RuntimeError("the saved Mixtral's lm_head is not tied to its embeddings after reloading")
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         checks = compare_logits(dense_model.float(), saved, tokenizer, prompts)
+        if eval_prompts:
+            checks.update(_heldout(dense_model, saved, dense, eval_config, eval_prompts, log))
         del saved
         summary = {"dense": str(dense), "out": str(out), "experts": experts, "top_k": top_k, "noise": noise,
                    "router_std": router_std, "seed": seed, "parameters": n_params, "tie_word_embeddings": tied,
@@ -314,6 +324,19 @@ def build_tiny_llama(folder: str | os.PathLike, tied: bool, seed: int = 0) -> Pa
     return folder
 
 
+def _heldout(dense_model, moe_model, dense: Path, config, n: int, log) -> dict[str, Any]:
+    """Greedy held-out accuracy of both models on ``config``'s first ``n`` held-out prompts (logged)."""
+    from cluster.models.heldout import heldout_accuracy, heldout_rows
+
+    rows, max_new, tokenizer = heldout_rows(config, dense, n)
+    acc = {"dense_heldout_accuracy": heldout_accuracy(dense_model, tokenizer, rows, max_new),
+           "heldout_accuracy": heldout_accuracy(moe_model, tokenizer, rows, max_new),
+           "eval_config": str(config), "eval_prompts": len(rows)}
+    log(f"held-out accuracy on {len(rows)} prompts of {config} (greedy, {max_new} tokens): "
+        f"MoE {acc['heldout_accuracy']:.3f}, dense {acc['dense_heldout_accuracy']:.3f}")
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with the error on stderr for a bad argument or a missing dense model."""
     parser = argparse.ArgumentParser(prog="gspo-upcycle", description=__doc__.split("\n\n")[0])
@@ -329,11 +352,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="target folder (default models/smollm2-135m-moe-e<E>k<K>-s<noise>)")
     parser.add_argument("--force", action="store_true", help="replace --out when it exists")
+    parser.add_argument("--eval", type=int, default=0, metavar="N",
+                        help="also report the greedy held-out accuracy of the MoE and the dense model on the first N "
+                        "held-out prompts of --eval-config's task (default 0: skipped)")
+    parser.add_argument("--eval-config", type=Path, default=DEFAULT_EVAL_CONFIG,
+                        help=f"the run config whose task --eval uses (default {DEFAULT_EVAL_CONFIG})")
     args = parser.parse_args(argv)
     try:
         upcycle(args.dense, args.out, experts=args.experts, top_k=args.top_k, noise=args.noise,
-                router_std=args.router_std, seed=args.seed, force=args.force)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+                router_std=args.router_std, seed=args.seed, force=args.force, eval_prompts=args.eval,
+                eval_config=args.eval_config)
+    except (ValueError, FileNotFoundError, FileExistsError, ConfigError) as exc:
         print(f"gspo-upcycle: error: {exc}", file=sys.stderr)
         return 2
     return 0

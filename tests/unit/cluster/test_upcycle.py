@@ -196,3 +196,34 @@ def test_smollm2_upcycled_with_zero_noise_keeps_its_logits(tmp_path):
     assert moe.lm_head.weight.data_ptr() == moe.model.embed_tokens.weight.data_ptr()
     assert (out / "chat_template.jinja").read_text() == (SMOLLM2 / "chat_template.jinja").read_text()
     assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(SMOLLM2).get_vocab()
+
+
+def test_heldout_accuracy_batches_left_padded_prompts_as_each_alone(dense_dirs, dense_models):
+    """``--eval``'s scorer: rows whose reference is the model's own greedy text (got one prompt at a time) score
+    1, the others 0, so the mean is exactly their share; batching left-padded prompts of different lengths must
+    not change a response."""
+    from transformers import AutoTokenizer
+
+    from cluster.models.heldout import heldout_accuracy
+    from rollout.contracts import PromptRow
+
+    model, tok = dense_models[True], AutoTokenizer.from_pretrained(dense_dirs[True])
+    prompts = [[5, 9, 13], [7, 20, 8, 30, 41, 12], [11], [4, 4, 17, 22]]
+    rows = []
+    for k, ids in enumerate(prompts):
+        alone = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=3, do_sample=False,
+                               pad_token_id=tok.eos_token_id)
+        text = tok.decode(alone[0, len(ids):].tolist(), skip_special_tokens=True)
+        assert text.strip(), "the tiny model's greedy text is empty: the test cannot tell right from wrong"
+        rows.append(PromptRow(uid=str(k), prompt="", prompt_token_ids=ids, verifier="exact",
+                              answer=text if k % 2 == 0 else text + " no"))
+    assert heldout_accuracy(model, tok, rows, max_new_tokens=3, batch_size=4) == 0.5
+    assert heldout_accuracy(model, tok, rows[:1], max_new_tokens=3, batch_size=4) == 1.0
+    with pytest.raises(ValueError, match="no rows"):
+        heldout_accuracy(model, tok, [], max_new_tokens=3)
+
+
+def test_negative_eval_count_is_refused_before_any_work(dense_dirs, tmp_path):
+    with pytest.raises(ValueError, match="--eval=-1"):
+        up.upcycle(dense_dirs[True], tmp_path / "x", eval_prompts=-1, log=lambda *_: None)
+    assert not (tmp_path / "x").exists()
