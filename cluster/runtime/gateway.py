@@ -280,8 +280,8 @@ def close_event(body: Any) -> dict[str, Any]:
         raise ProtocolError(400, f"infra must be one of {', '.join(CAUSES)} with status 'error', got {infra!r} with "
                             f"status {status!r}"[:300], param="infra")
     error = body.get("error")
-    return {"kind": "end", "reward": reward, "status": status, "error": None if error is None else str(error)[:500],
-            "infra": infra}
+    event = {"kind": "end", "reward": reward, "status": status, "error": None if error is None else str(error)[:500]}
+    return {**event, "infra": infra} if infra is not None else event
 
 
 def start_gateway(host: str, port: int, model_name: str):
