@@ -172,3 +172,42 @@ def test_the_step_counts_infra_failures_and_its_groups_leave_them_out():
     adv = group_advantages(rewards, 4)
     assert adv[2] == 0  # the invalid sample: advantage 0, out of the mean and std of its group
     assert torch.allclose(adv[[0, 1, 3]], group_advantages(torch.tensor([1.0, 0.0, 0.0]), 3))
+
+
+class _Fleet:
+    """Stands in for the rollout fleet: two-token answers for every prompt."""
+
+    def generate_stream(self, rows, G, *, seed, pieces_per_engine):
+        yield 0, [Completion(r.uid, k, [1], [5, 6], [-0.5, -0.5], "x", "stop", 0) for r in rows for k in range(G)]
+
+
+class _Rewards:
+    """The first round's samples lost to a dead worker, the next round's scored 1 and 0."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def score(self, reqs):
+        self.rounds += 1
+        if self.rounds == 1:
+            return [RewardResult(math.nan, status="error", infra_failed="worker_lost") for _ in reqs]
+        return [RewardResult(float(i % 2 == 0), correct=i % 2 == 0) for i in range(len(reqs))]
+
+    def metrics(self):
+        return {}
+
+
+def test_dynamic_sampling_counts_the_infra_failures_of_the_groups_it_drops():
+    from cluster.data.prompts import PromptStream
+    from cluster.driver.collect import Collector
+
+    cfg = load_config("configs/tiny_moe.yaml", ["trainer.dynamic_sampling=true", "trainer.prompts_per_step=1",
+                                               "trainer.group_size=2", "learner.num_minibatches=1",
+                                               "learner.world_size=1", "learner.micro_batch_size=2",
+                                               "trainer.length_buckets=0"])
+    rows = [PromptRow(f"p{i}", "1+1=", [1], "2") for i in range(4)]
+    c = Collector(cfg, PromptStream(rows, seed=0), _Fleet(), _Rewards()).collect(0)
+    assert (c.dropped, len(c.prompts)) == (1, 1) and [r.infra_failed for r in c.results] == ["", ""]
+    rewards = torch.tensor([r.score for r in c.results], dtype=torch.float32)
+    m = rollout_metrics(cfg, c, rewards)
+    assert m["reward/infra_failed"] == 2 and m["reward/infra_failed/worker_lost"] == 2  # lost, though not trained
