@@ -217,7 +217,7 @@ def test_a_server_killed_under_a_group_leaves_its_episodes_out_of_the_group_and_
     from rollout.contracts import PromptRow
 
     cfg = load_config(REPO_ROOT / "configs" / "tiny_openenv_guess.yaml",
-                      ["trainer.group_size=4", "trainer.length_buckets=0"])
+                      ["trainer.group_size=4", "learner.micro_batch_size=16", "trainer.length_buckets=0"])
     pool = EnvPool(cfg, lambda slot: "DEFAULT")
     try:
         runner = EpisodeRunner(cfg, None, pool, None)
