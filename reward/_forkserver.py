@@ -39,6 +39,8 @@ import sys
 import time
 from collections import deque
 
+from reward.infra import DETAIL_KEY, cause_of
+
 _MAX_TEXT = 500
 _MAX_RESULT = 1 << 20  # bytes of one call's result frame
 
@@ -101,7 +103,10 @@ def _prctl_pdeathsig() -> None:
 
 
 def _error(err: BaseException, message: str | None = None) -> dict:
-    return {"error": type(err).__name__, "message": (message or str(err))[:_MAX_TEXT]}
+    out = {"error": type(err).__name__, "message": (message or str(err))[:_MAX_TEXT]}
+    if cause_of(err):  # a reward.infra.InfraFailure: the service's failure, not the model's
+        out[DETAIL_KEY] = cause_of(err)
+    return out
 
 
 def _result_frame(i: int, t_end: float, msg: tuple) -> bytes:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from reward.environment import resolve_user_object
 from reward.episode_status import ERROR, OK
+from reward.infra import cause_of
 
 
 def load_agent(name: str, key: str = "env.agent") -> Callable[..., Any]:
@@ -61,15 +62,17 @@ def session_env(session: dict[str, str]) -> dict[str, str]:
 
 
 def close_session(session: dict[str, str], reward: Any = None, status: str = OK, error: str | None = None,
-                  timeout_s: float = 30.0, http: Any = None) -> bool:
+                  timeout_s: float = 30.0, http: Any = None, infra: str | None = None) -> bool:
     """End a session over the gateway's REST route with the episode's reward; True when the gateway took it
     (False: the session had ended already, e.g. at its deadline). ``http``: an ``httpx.Client`` to send it with
-    (default: a new one)."""
+    (default: a new one). ``infra`` (with status ``error``): a ``reward.infra.Cause`` value, the failure was a
+    service's, not the model's."""
     import httpx
 
     url = session["base_url"].removesuffix("/v1") + "/close"
+    body = {"reward": reward, "status": status, "error": error, **({"infra": infra} if infra else {})}
     try:
-        r = (http or httpx).post(url, json={"reward": reward, "status": status, "error": error}, timeout=timeout_s,
+        r = (http or httpx).post(url, json=body, timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {session['api_key']}"})
     except httpx.HTTPError:
         return False
@@ -127,6 +130,6 @@ class AgentRuns:
             try:
                 reward = reward_value(self._call(row, session, http))
             except Exception as e:  # noqa: BLE001 - the agent's failure is its episode's, reported to the driver
-                close_session(session, None, ERROR, f"{type(e).__name__}: {e}"[:500], http=http)
+                close_session(session, None, ERROR, f"{type(e).__name__}: {e}"[:500], http=http, infra=cause_of(e))
                 return
             close_session(session, reward, OK, http=http)

@@ -234,6 +234,13 @@ class RewardConfig(Section):
 
     timeout_score: float = Field(0.0, description="score of a call that timed out (NaN = invalid sample)")
     error_score: float = Field(0.0, description="score of a call whose verifier raised (NaN = invalid sample)")
+    on_infra_failure: Literal["invalid", "zero"] = Field(
+        "invalid",
+        description="a sample whose reward, environment, judge, teacher or sandbox failed for a reason outside the "
+        "model's output (a worker lost, a service's timeout, a server that died, the sandbox unable to start): "
+        "invalid = reward NaN (advantage 0, left out of its group's statistics); zero = reward 0. Counted either "
+        "way (reward/infra_failed/<cause>); docs/agents.md, 'Whose failure is it'",
+    )
     parallel_calls: int = Field(1, ge=1, description="verifier child processes alive at once in one worker")
     calls_per_child: int = Field(
         64, ge=1,
@@ -403,8 +410,10 @@ class EnvConfig(Section):
     )
     on_error: Literal["zero", "drop"] = Field(
         "zero",
-        description="an episode that ended with an environment error or timeout: zero = reward 0; drop = reward "
-        "NaN (an invalid sample: advantage 0, left out of its group's statistics)",
+        description="an episode that ended with an error or timeout of the environment's or agent's own code (the "
+        "model's, or not known to be a service's): zero = reward 0; drop = reward NaN (an invalid sample: "
+        "advantage 0, left out of its group's statistics). A service's failure (a worker lost, a server that died "
+        "or timed out) follows reward.on_infra_failure instead",
     )
     max_abandoned_threads: int = Field(
         4, ge=1,

@@ -36,6 +36,9 @@ class RewardResult:
         status: ``"ok"``, ``"timeout"`` or ``"error"``.
         detail: short reason for a non-ok status, or extra fields a verifier returned.
         elapsed_s: wall-clock seconds spent verifying.
+        infra_failed: why the reward could not be computed when the model's output is not the reason (a
+            ``reward.infra.Cause`` value: ``worker_lost``, ``service_timeout``, ...), else ``""``; such a sample is
+            scored by ``reward.on_infra_failure`` (NaN by default) and counted in ``reward/infra_failed``.
     """
 
     score: float
@@ -43,6 +46,7 @@ class RewardResult:
     status: str = "ok"
     detail: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    infra_failed: str = ""
 
     @property
     def valid(self) -> bool:

@@ -20,14 +20,19 @@ import threading
 import time
 from typing import Any, Callable
 
+from reward.infra import DETAIL_KEY, cause_of
 from reward.runner import CallOutcome
 
 MESSAGE_CHARS = 500  # longest exception message kept in an outcome's detail
 
 
 def error_detail(err: BaseException, method: str) -> dict[str, str]:
-    """``{"error": exception type name, "message": its text (truncated to MESSAGE_CHARS), "method": method}``."""
-    return {"error": type(err).__name__, "message": str(err)[:MESSAGE_CHARS], "method": method}
+    """``{"error": exception type name, "message": its text (truncated to MESSAGE_CHARS), "method": method}``, and
+    ``"infra"``: the cause of a ``reward.infra.InfraFailure`` (a service's failure, not the model's)."""
+    out = {"error": type(err).__name__, "message": str(err)[:MESSAGE_CHARS], "method": method}
+    if cause_of(err):
+        out[DETAIL_KEY] = cause_of(err)
+    return out
 
 
 class DeadlineRunner:
@@ -53,7 +58,8 @@ class DeadlineRunner:
             method: a name for the call in the outcome's detail (e.g. ``"step"``); default ``fn``'s name.
 
         Returns:
-            ``CallOutcome``: ``ok`` with ``value``; ``error`` with ``detail = error_detail(...)``; or
+            ``CallOutcome``: ``ok`` with ``value``; ``error`` with ``detail = error_detail(...)`` and the
+            exception as ``value``; or
             ``timeout`` (the thread is abandoned and counted). ``elapsed_s`` is the wall-clock seconds waited.
 
         Raises:
@@ -82,8 +88,8 @@ class DeadlineRunner:
             return CallOutcome("timeout", None, {
                 "error": "Timeout", "method": method,
                 "message": f"{method} did not return within {timeout_s:g} s (its thread is abandoned)"}, elapsed)
-        if "error" in box:
-            return CallOutcome("error", None, error_detail(box["error"], method), elapsed)
+        if "error" in box:  # the exception itself as the value, for a caller that passes it on (InfraFailure)
+            return CallOutcome("error", box["error"], error_detail(box["error"], method), elapsed)
         return CallOutcome("ok", box.get("value"), {}, elapsed)
 
     def abandoned_alive(self) -> int:

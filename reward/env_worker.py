@@ -36,7 +36,10 @@ seconds are measured (``seconds`` of the results, ``env/time_s``).
   ``reward.environment``; a reward that is not a finite number or dict of them). These are the environment's
   faults: the environment is closed at once and the episode's reward is 0 (``env.on_error: zero``) or NaN
   (``drop``: an invalid sample, advantage 0, left out of its group's statistics), never an exception out of
-  the worker.
+  the worker. Where the failure is a service's, not the model's (``reward.infra``: a method or tool raised
+  ``InfraFailure``, e.g. an OpenEnv server that died or did not answer in time, a sandbox that could not start;
+  an OpenEnv server that would not start again), the outcome says so (``EnvOutcome.infra_failed``, the cause)
+  and the reward is ``reward.on_infra_failure``'s instead: NaN (invalid) by default.
 - Raised to the caller (a configuration or driver mistake, not an episode outcome): a tool without a usable
   schema (``ToolSchemaError``, from ``start``), an unknown episode id (``UnknownEpisode``), an id started
   twice (``ValueError``).
@@ -59,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from reward.config import EnvConfig, RewardConfig
-from reward.deadline import MESSAGE_CHARS, DeadlineRunner
+from reward.deadline import MESSAGE_CHARS, DeadlineRunner, error_detail
 from reward.environment import (
     Environment,
     StepResult,
@@ -74,6 +77,7 @@ from reward.environment import (
     tool_schemas,
 )
 from reward.episode_status import CUT, FAILED, MAX_TURNS, OK, RUNNING
+from reward.infra import Cause, detail_cause, infra_score
 from reward.runner import CallOutcome
 from reward.verifiers import as_row_dict, get_verifier
 
@@ -134,7 +138,8 @@ class EnvOutcome:
 
     Attributes:
         reward: the episode's reward (float): the environment's ``reward()`` (a float, or its components'
-            sum); for a failed episode 0.0 (``env.on_error: zero``) or NaN (``drop``: an invalid sample).
+            sum); for a failed episode 0.0 (``env.on_error: zero``) or NaN (``drop``: an invalid sample), and
+            for one a service failed (``infra_failed``) NaN (``reward.on_infra_failure: invalid``) or 0.0.
         components: the named components of the reward ({} for a plain float or a failed episode).
         status: ``"ok"`` (the environment said done), ``"max_turns"`` (cut at the turn limit), ``"cut"``
             (finished before the environment said done, e.g. at the driver's token budget), all three scored
@@ -143,6 +148,8 @@ class EnvOutcome:
         turns: assistant turns stepped.
         seconds: wall-clock seconds spent in the environment over the episode (all its calls).
         correct: ``reward >= 1.0`` (the reward worker's rule for a verifier that does not say), for accuracy.
+        infra_failed: the ``reward.infra.Cause`` value of a failure outside the model's output (its reward is then
+            ``reward.on_infra_failure``'s), else ``""``.
     """
 
     reward: float
@@ -152,6 +159,7 @@ class EnvOutcome:
     turns: int = 0
     seconds: float = 0.0
     correct: bool = False
+    infra_failed: str = ""
 
 
 @dataclass
@@ -205,8 +213,19 @@ def _check_step(result: Any) -> StepResult:
 
 
 def _contract(method: str, err: Exception) -> CallOutcome:
-    return CallOutcome("error", None, {"error": type(err).__name__, "message": str(err)[:MESSAGE_CHARS],
-                                       "method": method})
+    return CallOutcome("error", None, error_detail(err, method))
+
+
+def _timeouts(out: CallOutcome) -> CallOutcome:
+    """``out`` with status ``timeout`` where its call raised ``ToolTimeout`` (a tool past its deadline) or an
+    ``InfraFailure`` of cause ``service_timeout`` (a server that did not answer in time); else ``out``."""
+    if out.status != "error":
+        return out
+    if out.detail.get("error") == "ToolTimeout":
+        return CallOutcome("timeout", None, {**out.detail, "error": "Timeout"}, out.elapsed_s)
+    if detail_cause(out.detail) == Cause.SERVICE_TIMEOUT.value:
+        return CallOutcome("timeout", None, dict(out.detail), out.elapsed_s)
+    return out
 
 
 def parse_error_message(error: str) -> dict:
@@ -297,10 +316,8 @@ class EnvWorker:
             except (ValueError, RuntimeError) as err:  # no verifier; an OpenEnv server that would not start again
                 out = _contract("start", err)
             else:
-                out = self._runner.call(self._open, row, seed, verifier, holder, timeout_s=self.cfg.tool_timeout_s,
-                                        method="start")
-                if out.status == "error" and out.detail.get("error") == "ToolTimeout":
-                    out = CallOutcome("timeout", None, {**out.detail, "error": "Timeout"}, out.elapsed_s)
+                out = _timeouts(self._runner.call(self._open, row, seed, verifier, holder,
+                                                  timeout_s=self.cfg.tool_timeout_s, method="start"))
             ep.env = holder[0] if holder else None
             ep.seconds += out.elapsed_s
             self._count("env/time_s", out.elapsed_s)
@@ -394,10 +411,8 @@ class EnvWorker:
             observations = [parse_error_message(str(e)) for e in parse_errors]
             limit = self.cfg.tool_timeout_s
             with_deadline = functools.partial(run_with_tool_deadline, sandbox=self.reward_cfg.sandbox)
-            out = self._runner.call(with_deadline, self._runner, limit, ep.env.step, assistant_text, calls,
-                                    timeout_s=limit * (len(calls) + 1), method="step")
-            if out.status == "error" and out.detail.get("error") == "ToolTimeout":
-                out = CallOutcome("timeout", None, {**out.detail, "error": "Timeout"}, out.elapsed_s)
+            out = _timeouts(self._runner.call(with_deadline, self._runner, limit, ep.env.step, assistant_text, calls,
+                                              timeout_s=limit * (len(calls) + 1), method="step"))
             ep.turns += 1
             ep.seconds += out.elapsed_s
             self._count("env/time_s", out.elapsed_s)
@@ -561,5 +576,16 @@ class EnvWorker:
         return {"close": {"status": out.status, **out.detail}}
 
     def _failed_outcome(self, ep: _Episode) -> EnvOutcome:
-        reward = 0.0 if self.cfg.on_error == "zero" else float("nan")
-        return EnvOutcome(reward, {}, ep.state, dict(ep.detail), ep.turns, ep.seconds, False)
+        """A failed episode's outcome: a service's failure (``detail["infra"]``) scored by
+        ``reward.on_infra_failure``, any other by ``env.on_error``."""
+        cause = detail_cause(ep.detail)
+        reward = failed_reward(self.cfg, self.reward_cfg, cause)
+        return EnvOutcome(reward, {}, ep.state, dict(ep.detail), ep.turns, ep.seconds, False, cause or "")
+
+
+def failed_reward(env_cfg: EnvConfig, reward_cfg: RewardConfig, cause: str | None) -> float:
+    """The reward of an episode that failed: ``reward.on_infra_failure``'s (NaN or 0) when ``cause`` names a
+    service's failure (a ``reward.infra.Cause`` value), else ``env.on_error``'s (0, or NaN for ``drop``)."""
+    if cause:
+        return infra_score(reward_cfg.on_infra_failure)
+    return 0.0 if env_cfg.on_error == "zero" else float("nan")

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from reward.infra import InfraFailure
 from reward.verifiers import as_row_dict, import_user_module
 
 if TYPE_CHECKING:
@@ -255,6 +256,8 @@ def run_tool_call(call: Any, tools_by_name: dict[str, Callable]) -> tuple[dict, 
 
     Raises:
         ToolTimeout: under ``run_with_tool_deadline``, the tool ran past the deadline.
+        reward.infra.InfraFailure: the tool raised it (a service it needs failed: the episode ends, scored by
+            ``reward.on_infra_failure``, not the model's error).
         BaseException: outside it, what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``).
     """
     name = call.get("name") if isinstance(call, dict) else None
@@ -277,6 +280,8 @@ def run_tool_call(call: Any, tools_by_name: dict[str, Callable]) -> tuple[dict, 
     if deadline is None:
         try:
             result = fn(**args)
+        except InfraFailure:  # a service the tool needs failed: the episode's, not the model's, to end
+            raise
         except Exception as err:  # noqa: BLE001 - goes back to the model as an observation
             return _tool_error(name, "raised", f"{type(err).__name__}: {err}")
     else:
@@ -286,6 +291,8 @@ def run_tool_call(call: Any, tools_by_name: dict[str, Callable]) -> tuple[dict, 
                           method=f"tool {name}")
         if out.status == "timeout":
             raise ToolTimeout(f"tool {name!r} did not return within {timeout_s:g} s (its thread is abandoned)")
+        if out.status != "ok" and isinstance(out.value, InfraFailure):
+            raise out.value
         if out.status != "ok":
             return _tool_error(name, "raised", f"{out.detail['error']}: {out.detail['message']}")
         result = out.value
@@ -327,7 +334,10 @@ class Environment:
     thread). Each tool call that ``step`` runs through ``call_tools`` / ``run_tool_call`` (the default
     ``step`` does) has a deadline of its own. An exception out of any of these methods, or a call or a tool
     call past its deadline, ends the episode (status ``error`` / ``timeout``, scored as ``env.on_error``
-    says); a tool that raises inside ``call_tools`` does not: the model sees the error and carries on.
+    says); a tool that raises inside ``call_tools`` does not: the model sees the error and carries on. A method
+    or tool that raises ``reward.infra.InfraFailure`` (a service it needs failed: a lost connection, a server's
+    timeout) ends the episode as the service's failure, scored by ``reward.on_infra_failure`` (invalid by
+    default) instead.
     A subclass's constructor calls ``super().__init__(row, seed)`` first.
 
     Override what the default does not fit:

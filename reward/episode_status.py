@@ -17,9 +17,14 @@ How each ends, and how it is scored:
 - ``CUT_TOKENS``: (driver) a turn cut at its token limit, or no room left in ``rollout.max_model_len`` for the
   next; scored as it stands (the env worker sees it as ``CUT``; an agent's reward or the verifier).
 - ``TIMEOUT``: the environment, a tool or the agent ran past its deadline (``env.tool_timeout_s``,
-  ``env.episode_timeout_s``); failed: scored by ``env.on_error`` (0.0, or NaN: dropped).
+  ``env.episode_timeout_s``), or a service did not answer in time; failed.
 - ``ERROR``: the environment raised or broke its contract, the agent raised or closed its session with an
-  error, or the episode's env worker died; failed: scored by ``env.on_error``.
+  error, a service failed, or the episode's env worker died; failed.
+
+A failed episode is scored by ``env.on_error`` (0.0, or NaN: dropped), unless the failure was a service's, not
+the model's (``reward.infra``: the env worker died, an OpenEnv server died or timed out, the sandbox could not
+start, code that raised ``InfraFailure``): then its cause travels with it (``EnvOutcome.infra_failed``,
+``RewardResult.infra_failed``) and ``reward.on_infra_failure`` scores it (NaN, an invalid sample, by default).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ CUT_TOKENS = "cut_tokens"
 TIMEOUT = "timeout"
 ERROR = "error"
 
-FAILED = (TIMEOUT, ERROR)  # the environment's or the agent's fault: scored by env.on_error
+FAILED = (TIMEOUT, ERROR)  # failed: scored by env.on_error, or by reward.on_infra_failure when a service's (reward.infra)
 SCORED = (OK, MAX_TURNS, CUT, CUT_TOKENS)  # ended and scored as they stand (reward(), the agent, the verifier)
 
 __all__ = ["CUT", "CUT_TOKENS", "ERROR", "FAILED", "MAX_TURNS", "OK", "RUNNING", "SCORED", "TIMEOUT"]

@@ -7,7 +7,9 @@ assert-style code tests.
 
 A failed judgement is never an exception past this module's callers: every parse returns NaN with a status
 (``"unparsed"``, ``"error"``, ``"timeout"``), and ``combine`` makes the sample's reward NaN, the project's mark
-of an invalid sample (``RewardResult.valid``: advantage 0, left out of its group's statistics).
+of an invalid sample (``RewardResult.valid``: advantage 0, left out of its group's statistics). A judge whose
+engine failed (raised, died, past its deadline) is a service's failure (``reward.infra``, ``judge_failed``):
+marked and counted as such, scored by ``reward.on_infra_failure``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reward.contracts import RewardResult
+from reward.infra import DETAIL_KEY, detail_cause, infra_score
 
 #: The row fields a template may name (besides ``{meta[KEY]}``).
 TEMPLATE_FIELDS = ("prompt", "answer", "response", "uid")
@@ -194,16 +197,20 @@ def judgement(answer: str, top_logprobs: dict[int, float], cfg: Any, positive: l
     return Judgement(value, "ok" if math.isfinite(value) else "unparsed", answer[:200])
 
 
-def combine(result: RewardResult, judged: Judgement, mode: str, weight: float) -> RewardResult:
+def combine(result: RewardResult, judged: Judgement, mode: str, weight: float,
+            on_infra_failure: str = "invalid") -> RewardResult:
     """The reward of one sample from the verifiers' ``result`` and the judge's ``judged``.
 
     ``weighted``: ``result.score + weight * judged.score``. ``gate``: the same when ``result.correct``, else
     ``result.score`` (the judge's verdict is not used; it is ``"skipped"`` when it was not asked). A judgement
-    that counts and failed (NaN) makes the reward NaN, status ``"error"`` or ``"timeout"``. ``correct`` stays the
-    verifier's; ``detail["judge"]`` holds the judge's score and status.
+    that counts and failed (NaN) makes the reward NaN, status ``"error"`` or ``"timeout"``; when its engine
+    failed (``judged.detail["infra"]``: ``judge_failed``) the sample is the service's failure:
+    ``infra_failed`` set and the reward ``on_infra_failure``'s (``reward.on_infra_failure``: NaN for
+    ``invalid``, 0 for ``zero``). ``correct`` stays the verifier's; ``detail["judge"]`` holds the judge's score
+    and status.
 
     Raises:
-        ValueError: an unknown ``mode``.
+        ValueError: an unknown ``mode`` or ``on_infra_failure``.
     """
     if mode not in ("weighted", "gate"):
         raise ValueError(f"reward.judge.combine.mode={mode!r} must be 'weighted' or 'gate'")
@@ -211,8 +218,11 @@ def combine(result: RewardResult, judged: Judgement, mode: str, weight: float) -
     if mode == "gate" and not result.correct:
         return dataclasses.replace(result, detail=detail)
     total = result.score + weight * judged.score
-    status = result.status
+    status, cause = result.status, result.infra_failed
     if not math.isfinite(judged.score) and status == "ok":
         status = "timeout" if judged.status == "timeout" else "error"
         total = math.nan
-    return dataclasses.replace(result, score=float(total), status=status, detail=detail)
+        cause = detail_cause(judged.detail) or ""
+        if cause:
+            total, detail[DETAIL_KEY] = infra_score(on_infra_failure), cause
+    return dataclasses.replace(result, score=float(total), status=status, detail=detail, infra_failed=cause)

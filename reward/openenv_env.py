@@ -18,10 +18,12 @@ Here:
 **Failures.** What the model got wrong goes back to it as a tool error (``reward.environment.run_tool_call``,
 kind ``raised``): an action the server refuses as invalid (``VALIDATION_ERROR``) or whose step raised on the server
 (``EXECUTION_ERROR``), a step after the server said done. What the server got wrong ends the episode through the
-env worker's failure paths (``reward.env_worker``: counted, scored by ``env.on_error``): a session that cannot be
-opened or reset, a connection lost (a server that died), an answer slower than ``CALL_TIMEOUT_SHARE`` x
-``env.tool_timeout_s`` (status ``timeout``: the call is cancelled, no thread is left behind), any other server
-error. A server that does not start, or does not give its schema, raises ``OpenEnvStartError`` (the driver checks
+env worker's failure paths as the service's failure, not the model's (``OpenEnvServerError``, a
+``reward.infra.InfraFailure``: counted in ``reward/infra_failed/<cause>``, scored by ``reward.on_infra_failure``,
+invalid by default): a session that cannot be opened or reset (``service_error`` when the server refused it,
+e.g. at capacity), a connection lost (``server_died``), an answer slower than ``CALL_TIMEOUT_SHARE`` x
+``env.tool_timeout_s`` (``service_timeout``, status ``timeout``: the call is cancelled, no thread is left behind),
+any other server error (``service_error``); a dead server that will not start again (``server_died``). A server that does not start, or does not give its schema, raises ``OpenEnvStartError`` (the driver checks
 it before any service starts: ``probe``).
 """
 
@@ -37,7 +39,8 @@ import types
 from typing import Any, Callable, Literal, Optional, Union
 
 from reward.config import EnvConfig
-from reward.environment import Environment, StepResult, ToolTimeout
+from reward.environment import Environment, StepResult
+from reward.infra import Cause, InfraFailure
 from reward.openenv_server import OpenEnvServer, OpenEnvStartError, http_get
 
 CALL_TIMEOUT_SHARE = 0.9  # a server call's own timeout, as a share of env.tool_timeout_s (the worker's backstop)
@@ -53,8 +56,21 @@ class OpenEnvReplyError(RuntimeError):
         self.code = code
 
 
-class OpenEnvServerError(RuntimeError):
-    """The server failed the episode (connection lost, an error that is not the model's, an answer too slow)."""
+class OpenEnvServerError(InfraFailure):
+    """The server failed the episode (connection lost, an error that is not the model's, an answer too slow): the
+    service's failure (``reward.infra``), its cause from what failed (``server_failure``)."""
+
+
+def server_failure(err: BaseException, name: str, what: str = "") -> OpenEnvServerError:
+    """The ``OpenEnvServerError`` of a server call that raised ``err``: cause ``service_timeout`` for a call past its
+    limit (``TimeoutError``), ``service_error`` for an error the server answered (``OpenEnvReplyError``: a session
+    refused at capacity, ...), ``server_died`` for anything else (a connection refused, reset or closed).
+    ``name`` names the server (``OpenEnvBackend.name``), ``what`` the call."""
+    if isinstance(err, OpenEnvServerError):
+        return err
+    cause = (Cause.SERVICE_TIMEOUT if isinstance(err, TimeoutError) else
+             Cause.SERVICE_ERROR if isinstance(err, OpenEnvReplyError) else Cause.SERVER_DIED)
+    return OpenEnvServerError(cause, f"{name}: {what}{type(err).__name__}: {err}")
 
 
 def _client_class():
@@ -312,9 +328,9 @@ class OpenEnvEnvironment(Environment):
         first: the reset's observation (a dict).
 
     Raises (at construction):
-        OpenEnvServerError, TimeoutError, OpenEnvReplyError, ConnectionError, OSError: the session could not be
-            opened or reset (the session is closed first): the env worker ends the episode (status ``error``, or
-            ``timeout`` for a ``ToolTimeout``).
+        OpenEnvServerError: the session could not be opened or reset (the session is closed first): the env
+            worker ends the episode as the service's failure (status ``error``, or ``timeout`` for cause
+            ``service_timeout``; ``server_failure`` gives the cause).
     """
 
     def __init__(self, row: dict, seed: int, backend: OpenEnvBackend):
@@ -328,9 +344,9 @@ class OpenEnvEnvironment(Environment):
         self.session = backend.session()
         try:
             first = self.session.reset(**kwargs)
-        except TimeoutError as err:
+        except Exception as err:  # noqa: BLE001 - every failure to open or reset is the server's
             self.session.close()
-            raise ToolTimeout(f"{backend.name}: {err}") from None
+            raise server_failure(err, backend.name, "the session could not be opened and reset: ") from None
         except BaseException:
             self.session.close()
             raise
@@ -378,10 +394,10 @@ class OpenEnvEnvironment(Environment):
             if err.code in TOOL_ERRORS:
                 raise ValueError(str(err)) from None
             self._failure = err
-            raise OpenEnvServerError(str(err)) from None
+            raise server_failure(err, self.backend.name) from None
         except Exception as err:  # noqa: BLE001 - a lost connection or a timeout: the episode ends in step()
             self._failure = err
-            raise OpenEnvServerError(f"{type(err).__name__}: {err}") from None
+            raise server_failure(err, self.backend.name) from None
         self._note(result)
         return render(result.observation, self.backend.cfg.observation_key)
 
@@ -389,16 +405,13 @@ class OpenEnvEnvironment(Environment):
         """The turn's calls as steps; done when the server said so or the turn has no call.
 
         Raises:
-            ToolTimeout: a step's answer came later than the call's limit (status ``timeout``).
-            OpenEnvServerError: the server failed a step (connection lost, another error): the episode ends.
+            OpenEnvServerError: the server failed a step: its answer came later than the call's limit (cause
+                ``service_timeout``, status ``timeout``), the connection was lost (``server_died``), another error
+                (``service_error``); the episode ends as the service's failure (``reward.on_infra_failure``).
         """
         messages, errors = self.call_tools(tool_calls)
-        failure = self._failure
-        if isinstance(failure, TimeoutError):
-            raise ToolTimeout(f"{self.backend.name}: {failure}")
-        if failure is not None:
-            raise OpenEnvServerError(f"{self.backend.name}: the session failed: {type(failure).__name__}: "
-                                     f"{failure}")
+        if self._failure is not None:
+            raise server_failure(self._failure, self.backend.name, "the session failed: ")
         return StepResult(messages, done=self.done or not tool_calls, tool_errors=errors)
 
     def reward(self) -> float:

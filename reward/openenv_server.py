@@ -29,14 +29,21 @@ import urllib.request
 import weakref
 from pathlib import Path
 
+from reward.infra import Cause, InfraFailure
+
 HOST = "127.0.0.1"
 LOG_TAIL_CHARS = 2000  # the end of the server's log shown in a start error
 _PORT_TAKEN = "address already in use"  # uvicorn's log line when the port was taken between choice and bind
 
 
-class OpenEnvStartError(RuntimeError):
+class OpenEnvStartError(InfraFailure):
     """An OpenEnv server did not start (its app does not import, its process exited, or it did not answer
-    ``/health`` in time) or a server does not answer as OpenEnv's do; the message names the app or URL."""
+    ``/health`` in time) or a server does not answer as OpenEnv's do; the message names the app or URL. At the
+    run's start it stops the run; under an episode (a dead server that would not start again) it is the
+    service's failure (``reward.infra``, cause ``server_died``)."""
+
+    def __init__(self, message: str):
+        super().__init__(Cause.SERVER_DIED, message)
 
 
 def free_port() -> int:

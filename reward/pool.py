@@ -7,17 +7,19 @@ contiguous share per worker and gathers the results in request order.
 Fault tolerance: a share whose call fails with ``ray.exceptions.RayActorError`` (the worker died mid-call)
 is sent again, whole, to the restarted worker (or to a fresh actor in its slot when Ray gave up restarting
 it); its results are taken only from the one call that succeeds, so no request is lost or scored twice. A
-share that fails ``max_share_attempts`` times gets NaN results (status ``error``), never a silent 0.
+share that fails ``max_share_attempts`` times is lost to the infrastructure, not to the model: its results have
+status ``error``, ``infra_failed="worker_lost"`` and the ``reward.on_infra_failure`` score (NaN by default, never a
+silent 0 unless the config asks for it).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable
 
 from reward.contracts import RewardRequest, RewardResult
 from reward.config import RewardConfig
+from reward.infra import DETAIL_KEY, Cause, infra_score
 from reward.sandbox import warn_plain_once
 from reward.worker import RewardWorker
 
@@ -123,8 +125,10 @@ class RewardPool:
                 except RayActorError as err:
                     self._counters["fault/reward_restarts"] += 1
                     if attempt >= MAX_SHARE_ATTEMPTS:
-                        share = [RewardResult(math.nan, False, "error",
-                                              {"error": "WorkerLost", "message": str(err)[:300]})
+                        lost = Cause.WORKER_LOST.value
+                        share = [RewardResult(infra_score(self.cfg.on_infra_failure), False, "error",
+                                              {"error": "WorkerLost", "message": str(err)[:300], DETAIL_KEY: lost},
+                                              infra_failed=lost)
                                  for _ in range(lo, hi)]
                     else:
                         self._ensure_alive(slot)

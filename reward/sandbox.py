@@ -287,7 +287,8 @@ def start_run(code: str, cfg: SandboxConfig, limit: float, harness: str | None =
     """Start ``code`` in a fresh sandbox with ``limit`` seconds of wall-clock time: as a program, or, with
     ``harness`` (the source of ``reward/_harness.py``), as a solution served to the judge over the process's
     stdin/stdout. Returns the started ``Run`` (end it with ``stop_run``), or a ``SandboxResult`` with status
-    ``error`` when it could not start.
+    ``error`` when it could not start (no scratch directory, the process could not be started): not the code's
+    doing, which its callers report as ``reward.infra`` cause ``sandbox_start``.
 
     Raises:
         SandboxUnavailable: bubblewrap required but missing (see ``choose_backend``).
@@ -298,8 +299,11 @@ def start_run(code: str, cfg: SandboxConfig, limit: float, harness: str | None =
     if uid is not None:
         adopt_orphans()
     run_id = secrets.token_hex(8)
-    work = tempfile.mkdtemp(prefix="sbx-", dir=cfg.tmp_root)
     start = time.monotonic()
+    try:
+        work = tempfile.mkdtemp(prefix="sbx-", dir=cfg.tmp_root)
+    except OSError as err:  # no scratch space (tmp_root missing or full): the run cannot start
+        return SandboxResult("error", None, backend=backend, run_id=run_id, detail={"reason": repr(err)})
     try:
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)

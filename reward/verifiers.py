@@ -201,6 +201,8 @@ def code_verifier(response: str, row: dict, *, sandbox: Any = None, all_or_nothi
     Raises:
         ValueError: the row has no ``meta.tests`` list, or a test is neither a string nor an input/output dict.
         reward.sandbox.SandboxUnavailable: bubblewrap is required but missing.
+        reward.infra.InfraFailure: ``sandbox_start``: a sandbox run could not start (the reward worker makes the
+            sample invalid, ``reward.on_infra_failure``); the code's own failures are failed tests.
     """
     from reward.config import SandboxConfig
     from reward.judge import run_python_tests
@@ -211,6 +213,11 @@ def code_verifier(response: str, row: dict, *, sandbox: Any = None, all_or_nothi
         raise ValueError(f"code row {row.get('uid')!r}: meta.tests must be a non-empty list, got {tests!r}")
     cfg = sandbox if sandbox is not None else SandboxConfig()
     passed, total, info = run_python_tests(extract_code(response), tests, cfg)
+    if info.get("sandbox") == "error":  # a run that could not start: no verdict on this code, not a failed test
+        from reward.infra import Cause, InfraFailure
+
+        raise InfraFailure(Cause.SANDBOX_START, f"the sandbox could not start a run of the code ({passed} of "
+                           f"{total} tests had passed; runs {info.get('runs')})")
     score = float(passed == total) if all_or_nothing else passed / total
     return {"score": score, "correct": passed == total, "passed": passed, "total": total, **info}
 

@@ -7,9 +7,11 @@ A plain class; ``reward.pool.RewardPool`` wraps it as a Ray actor. The score of 
 
 where ``primary`` is ``cfg.verifier`` (or the row's own ``verifier``) and alone decides ``correct``. A call
 that times out scores ``cfg.timeout_score``, one that raises ``cfg.error_score`` (both 0 by default); a
-verifier that returns something that is not a finite number (or a dict with one under ``score``), or whose
-process dies without answering, makes the score NaN: an invalid sample, which the advantage computation
-gives advantage 0 and leaves out of its group's statistics.
+verifier that returns something that is not a finite number (or a dict with one under ``score``) makes the score
+NaN: an invalid sample, which the advantage computation gives advantage 0 and leaves out of its group's
+statistics. A call whose process dies without answering, or whose verifier raised ``reward.infra.InfraFailure``
+(the sandbox could not start a run), failed for a reason outside the response: the sample is scored by
+``reward.on_infra_failure`` (NaN by default) and marked (``RewardResult.infra_failed``).
 
 Calls run in chunks of up to ``cfg.calls_per_child`` per verifier process, each with its own timeout (see
 ``reward.runner``); calls of the verifiers in ``cfg.isolated_verifiers`` (default ``code``: a sandbox run
@@ -28,6 +30,7 @@ from typing import Any
 
 from reward.contracts import RewardRequest, RewardResult
 from reward.config import RewardConfig
+from reward.infra import DETAIL_KEY, Cause, detail_cause, infra_score
 from reward.runner import CallOutcome, ProtectedRunner
 from reward.sandbox import SandboxUnavailable, announce
 from reward.verifiers import get_verifier
@@ -66,12 +69,21 @@ def inline_call(fn: Any, response: str, row: dict) -> CallOutcome:
 
 
 def interpret(outcome: CallOutcome, cfg: RewardConfig) -> tuple[float, bool | None, str, dict]:
-    """``(score, correct or None, status, detail)`` of one verifier call outcome."""
+    """``(score, correct or None, status, detail)`` of one verifier call outcome.
+
+    A call past ``reward.timeout_s`` scores ``reward.timeout_score`` and one whose verifier raised
+    ``reward.error_score`` (the response made it so: the model's); one whose process or fork server died
+    (``VerifierDied``, ``RunnerLost``: ``worker_lost``) or whose verifier raised ``reward.infra.InfraFailure`` (the
+    sandbox could not start, ...) is an infra failure: ``reward.on_infra_failure``'s score, its cause in
+    ``detail["infra"]``."""
     if outcome.status == "timeout":
         return cfg.timeout_score, False, "timeout", dict(outcome.detail)
     if outcome.status != "ok":
-        if outcome.detail.get("error") in ("VerifierDied", "RunnerLost"):  # missing, not wrong
-            return math.nan, False, "error", dict(outcome.detail)
+        cause = detail_cause(outcome.detail)
+        if cause is None and outcome.detail.get("error") in ("VerifierDied", "RunnerLost"):  # missing, not wrong
+            cause = Cause.WORKER_LOST.value
+        if cause is not None:
+            return infra_score(cfg.on_infra_failure), False, "error", {**outcome.detail, DETAIL_KEY: cause}
         return cfg.error_score, False, "error", dict(outcome.detail)
     value, correct, extra = outcome.value, None, {}
     if isinstance(value, dict):
@@ -183,6 +195,7 @@ class RewardWorker:
             return RewardResult(math.nan, False, "error", {"error": "UnknownVerifier", "message": primary}, 0.0)
         out = outcomes[primary]
         score, correct, status, detail = interpret(out, cfg)
+        cause = detail_cause(detail)
         elapsed = out.elapsed_s
         if correct is None:
             correct = score >= 1.0
@@ -191,6 +204,7 @@ class RewardWorker:
             detail["terms"] = {}
         for idx, term in terms:
             t_score, _, t_status, t_detail = interpret(outcomes[idx], cfg)
+            cause = cause or detail_cause(t_detail)
             elapsed += outcomes[idx].elapsed_s
             total += term.weight * t_score
             detail["terms"][term.verifier] = t_score
@@ -205,4 +219,6 @@ class RewardWorker:
         if cfg.mask_truncated and req.truncated:
             detail["masked"] = "truncated"
             total = math.nan
-        return RewardResult(float(total), bool(correct), status, detail, elapsed)
+        if cause is not None:  # a call that failed for the service's reason: the whole sample is the service's
+            total, detail[DETAIL_KEY] = infra_score(cfg.on_infra_failure), cause
+        return RewardResult(float(total), bool(correct), status, detail, elapsed, infra_failed=cause or "")

@@ -39,8 +39,9 @@ from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import (Episode, TurnLoop, _row_dict, episode_metrics, fill_missing_routing,
                                      rerendered_context, tool_call_dicts)
 from reward.contracts import RewardResult
-from reward.env_worker import EnvOutcome
+from reward.env_worker import EnvOutcome, failed_reward
 from reward.episode_status import CUT_TOKENS, ERROR, FAILED, MAX_TURNS, OK, RUNNING
+from reward.infra import DETAIL_KEY, Cause
 from rollout.chat_delta import reply_ids
 from rollout.contracts import Completion, PromptRow, SampledTurn, TurnRequest
 from rollout.tool_calls import error_observation, parse, stop_strings
@@ -256,23 +257,26 @@ class EpisodeRunner:
 
     def finish_episodes(self, episodes: list[Episode]) -> list[RewardResult]:
         """The verdicts of ended episodes, in order, from their environments' ``finish`` (which closes them); an
-        episode whose env worker died gets the ``env.on_error`` reward with status ``error``."""
+        episode whose env worker died is the service's failure (``infra_failed="worker_lost"``, status ``error``),
+        scored by ``reward.on_infra_failure``."""
         refs = {e.episode_id: self.pool.workers[e.worker].finish.remote(e.episode_id)
                 for e in episodes if not e.worker_lost}
         outcomes = [self._env(e, refs[e.episode_id]) if e.episode_id in refs else None for e in episodes]
         results = []
         for e, o in zip(episodes, outcomes):
             if o is None:  # its worker died
-                o = EnvOutcome(reward=0.0 if self.cfg.env.on_error == "zero" else float("nan"), status=ERROR,
-                               detail={"error": "EnvWorkerLost", "message": "the env worker's process died"})
+                lost = Cause.WORKER_LOST.value
+                o = EnvOutcome(reward=failed_reward(self.cfg.env, self.cfg.reward, lost), status=ERROR,
+                               detail={"error": "EnvWorkerLost", "message": "the env worker's process died",
+                                       DETAIL_KEY: lost}, infra_failed=lost)
             e.env_s += o.seconds
             detail = {"episode_id": e.episode_id, "episode": e.status, "env": o.status, "turns": e.turns, **o.detail}
             results.append(RewardResult(score=float(o.reward), correct=bool(o.correct),
                                         status=OK if o.status not in FAILED else o.status, detail=detail,
-                                        elapsed_s=e.env_s))
+                                        elapsed_s=e.env_s, infra_failed=o.infra_failed))
             if o.status in FAILED:
-                log.warning("episode %s (row %s): environment %s: %s", e.episode_id, e.row.uid, o.status,
-                            o.detail)
+                log.warning("episode %s (row %s): environment %s%s: %s", e.episode_id, e.row.uid, o.status,
+                            f" (the service's: {o.infra_failed})" if o.infra_failed else "", o.detail)
         return results
 
     def repair_pool(self, dead: set[int]) -> None:
@@ -280,6 +284,7 @@ class EpisodeRunner:
         holding too many abandoned threads (``EnvPool.maintain``)."""
         for slot in sorted(dead):
             if slot < len(self.pool):
-                log.warning("env worker %d died: its episodes end with status error; replaced", slot)
+                log.warning("env worker %d died: its episodes end with status error (infra_failed worker_lost); "
+                            "replaced", slot)
                 self.pool.replace(slot)
         self.pool.maintain()

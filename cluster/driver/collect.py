@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from cluster.config import Config
 from cluster.data.prompts import PromptStream
 from reward.contracts import RewardRequest, RewardResult
+from reward.infra import add_counts, counts
 from rollout.contracts import Completion, PromptRow
 
 log = logging.getLogger("cluster.train")
@@ -124,6 +125,7 @@ class Collector:
                 group = scored[i * G : (i + 1) * G]
                 if tc.dynamic_sampling and all_equal([r.score for r in group]):
                     c.dropped += 1
+                    add_counts(c.reward_metrics, counts(r.infra_failed for r in group))  # counted all the same
                     continue
                 if len(c.prompts) < P:
                     c.prompts.append(row)

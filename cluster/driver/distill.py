@@ -4,7 +4,10 @@ the per-token advantages from them.
 ``Distiller.annotate`` runs once per collected rollout, after the rewards (in the rollout thread when the rollout
 of the next step overlaps the learner): one batched call per teacher engine (``cluster/runtime/teacher.py``)
 gives the teacher's log-prob of every sampled response token; a sample whose call failed or timed out becomes
-invalid (NaN reward, so advantage 0 and out of its group's statistics), counted in ``distill/failed`` and logged.
+invalid (NaN reward, so advantage 0 and out of its group's statistics), counted in ``distill/failed`` and logged,
+and marked as the service's failure (``reward.infra``: ``teacher_failed``, in ``reward/infra_failed``). It is
+invalid whatever ``reward.on_infra_failure`` says: without the teacher's log-probs there is no signal to train
+the sample on (``zero`` would need them).
 ``Distiller.advantages`` turns the group-relative advantages of ``batching.rollout_advantages`` into per-token ones,
 ``A_i,t = reward_weight * A_i - kl_coef * (log pi_old(y_t) - log pi_teacher(y_t))``
 (``learner.distill.distill_advantages``), the behaviour log-probs being those the engine returned with the sample.
@@ -24,6 +27,7 @@ from cluster.driver.collect import Collected
 from cluster.runtime.model_fleet import CallFailure
 from learner.distill import distill_advantages, reverse_kl_stats, reverse_kl_tokens, usable_rows
 from reward.contracts import RewardResult
+from reward.infra import DETAIL_KEY, Cause
 from rollout.contracts import Completion
 
 log = logging.getLogger("cluster.train")
@@ -86,11 +90,12 @@ class Distiller:
                     "error", "TeacherLength", f"{len(row)} log-probs for {len(comp.response_token_ids)} tokens")
                 failures.append(failure)
                 teacher.append(None)
-                old = c.results[i]
+                old = c.results[i]  # a sample already lost to another service keeps that cause (counted once)
+                cause = old.infra_failed or Cause.TEACHER_FAILED.value
                 c.results[i] = RewardResult(math.nan, correct=old.correct, status=failure.status,
-                                            detail={**old.detail, "teacher": {"error": failure.error,
-                                                                              "message": failure.message}},
-                                            elapsed_s=old.elapsed_s)
+                                            detail={**old.detail, DETAIL_KEY: cause,
+                                                    "teacher": {"error": failure.error, "message": failure.message}},
+                                            elapsed_s=old.elapsed_s, infra_failed=cause)
             else:
                 teacher.append([float(x) for x in row])
         c.teacher_logprobs = teacher

@@ -91,7 +91,8 @@ def evaluate(cfg: Config, fleet: Any, rewards: Any, rows: list[PromptRow], episo
     every evaluation): ``eval/pass@j`` and ``eval/mean@k``. ``fleet``: ``cluster.runtime.services.EngineFleet``;
     ``rewards``: ``reward.pool.RewardPool``; ``episodes``: None, or the ``agent_loop.EpisodeRunner`` whose greedy
     episodes are evaluated instead (judged by their environments; ``eval/turns_mean``, ``eval/tool_calls_mean``).
-    Returns the ``eval/*`` metrics and ``timing/eval_s``."""
+    Returns the ``eval/*`` metrics and ``timing/eval_s``; ``eval/infra_failed`` counts the greedy samples a service
+    failed (``reward.infra``: judged not correct, so an accuracy that drops with it is the service's)."""
     t = time.perf_counter()
     if episodes is not None:
         return {**evaluate_episodes(cfg, episodes, rows), "timing/eval_s": time.perf_counter() - t}
@@ -101,6 +102,7 @@ def evaluate(cfg: Config, fleet: Any, rewards: Any, rows: list[PromptRow], episo
     out = {
         "eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]),
         "eval/num_prompts": float(len(results)),
+        "eval/infra_failed": float(sum(bool(r.infra_failed) for r in results)),
         "eval/response_length_mean": mean([float(len(c.response_token_ids)) for c in comps]),
     }
     k = cfg.trainer.eval_samples
@@ -115,6 +117,7 @@ def evaluate_episodes(cfg: Config, episodes: Any, rows: list[PromptRow]) -> dict
     ``trainer.eval_samples`` = k > 0 k episodes at the rollout temperature (``sampled_metrics``)."""
     comps, results, agent, _ = episodes.run(rows, 1, EVAL_SAMPLING_SEED, temperature=0.0)
     out = {"eval/accuracy": mean([1.0 if r.correct else 0.0 for r in results]), "eval/num_prompts": float(len(rows)),
+           "eval/infra_failed": float(sum(bool(r.infra_failed) for r in results)),
            "eval/response_length_mean": mean([float(len(c.response_token_ids)) for c in comps]),
            "eval/turns_mean": agent["agent/turns_mean"], "eval/tool_calls_mean": agent["agent/tool_calls_mean"]}
     k = cfg.trainer.eval_samples

@@ -18,7 +18,9 @@ at the run's and counted (``agent/sampling_overridden``).
 
 The episode's reward: what the agent returned (a float or named components), or, when it returned None, the row's
 verifier on the last assistant message; an agent that raised, closed its session with an error, or passed
-``env.episode_timeout_s`` ends its episode with status ``error`` / ``timeout``, scored by ``env.on_error``.
+``env.episode_timeout_s`` ends its episode with status ``error`` / ``timeout``, scored by ``env.on_error``; one
+whose env worker (or the gateway) died, or whose agent raised ``reward.infra.InfraFailure`` (a service it needs
+failed), is the service's failure: scored by ``reward.on_infra_failure`` (invalid by default) and counted.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import ray
 from cluster.driver.agent_loop import EpisodeRunner
 from cluster.driver.episodes import Episode, _row_dict, tool_call_dicts
 from reward.contracts import RewardResult
+from reward.env_worker import failed_reward
 from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
+from reward.infra import DETAIL_KEY, Cause
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
 from rollout.contracts import SampledTurn, TurnRequest
 from rollout.gateway_session import canonical_message, continuation, render_chat, render_plain
@@ -217,18 +221,30 @@ class GatewayEpisodeRunner(EpisodeRunner):
                       "branch": e.branch}  # the branch that trains (the token check)
             score, correct, status = self._score(e, verify, detail)
             results.append(RewardResult(score=score, correct=correct, status=status, detail=detail,
-                                        elapsed_s=time.monotonic() - e.opened))
+                                        elapsed_s=time.monotonic() - e.opened, infra_failed=detail.get(DETAIL_KEY, "")))
         return results
 
     def _score(self, e: AgentEpisode, verify: dict, detail: dict) -> tuple[float, bool, str]:
-        failed = 0.0 if self.cfg.env.on_error == "zero" else math.nan
+        """``(score, correct, status)`` of an ended episode; a failed one's cause, when it was a service's, goes in
+        ``detail["infra"]`` (a worker or the gateway lost: ``worker_lost``; an agent that raised ``InfraFailure``:
+        its cause) and its score is ``reward.on_infra_failure``'s, else ``env.on_error``'s."""
         if e.status not in SCORED:
+            cause = Cause.WORKER_LOST.value if e.worker_lost else e.end.get(DETAIL_KEY) if e.status == ERROR else None
             detail["error"] = e.end.get("error") or ("agent past env.episode_timeout_s" if e.status == TIMEOUT
-                                                     else "the agent's env worker died")
-            log.warning("episode %s (row %s): agent %s: %s", e.episode_id, e.row.uid, e.status, detail["error"])
-            return failed, False, e.status
+                                                     else "the agent's env worker or the gateway died")
+            if cause:
+                detail[DETAIL_KEY] = cause
+            log.warning("episode %s (row %s): agent %s%s: %s", e.episode_id, e.row.uid, e.status,
+                        f" (the service's: {cause})" if cause else "", detail["error"])
+            return failed_reward(self.cfg.env, self.cfg.reward, cause), False, e.status
         if e.episode_id in verify:
-            score, correct = ray.get(verify[e.episode_id], timeout=self.cfg.env.tool_timeout_s + 30)
+            try:
+                score, correct = ray.get(verify[e.episode_id], timeout=self.cfg.env.tool_timeout_s + 30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:  # the verifier's worker
+                lost = isinstance(err, ray.exceptions.RayActorError)
+                detail[DETAIL_KEY] = (Cause.WORKER_LOST if lost else Cause.SERVICE_TIMEOUT).value
+                detail["error"] = f"the row's verifier got no answer from the env worker: {type(err).__name__}"
+                return failed_reward(self.cfg.env, self.cfg.reward, detail[DETAIL_KEY]), False, ERROR
             return score, correct, OK
         reward = e.end["reward"]
         if isinstance(reward, dict):

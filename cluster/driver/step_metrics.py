@@ -12,6 +12,7 @@ from cluster.config import Config
 from cluster.driver import length_slices
 from cluster.driver.collect import Collected, all_equal
 from learner.objective_names import TOKEN_CORRECTIONS
+from reward import infra
 
 
 #: a mismatch correction that drops more than this share of a step's sequences or tokens is warned about: it is
@@ -83,7 +84,17 @@ def rollout_metrics(cfg: Config, c: Collected, rewards: torch.Tensor) -> dict[st
         "throughput/rollout_tokens_per_s": c.generated_tokens / c.rollout_s if c.rollout_s > 0 else 0.0,
     })
     m.update(c.reward_metrics)
+    m.update(infra_metrics(c))
     return m
+
+
+def infra_metrics(c: Collected) -> dict[str, float]:
+    """``reward/infra_failed`` and ``reward/infra_failed/<cause>``: the step's samples whose reward, environment,
+    judge, teacher or sandbox failed for a reason outside the model's output (``RewardResult.infra_failed``,
+    ``reward.infra``), those of the groups it trains and those dynamic sampling dropped (the collector's counts
+    in ``c.reward_metrics``)."""
+    dropped = {k: v for k, v in c.reward_metrics.items() if k == infra.METRIC or k.startswith(infra.METRIC + "/")}
+    return infra.add_counts(infra.counts(r.infra_failed for r in c.results), dropped)
 
 
 def length_metrics(cfg: Config, c: Collected, rewards: torch.Tensor,

@@ -251,12 +251,17 @@ class Gateway:
 
 def close_event(body: Any) -> dict[str, Any]:
     """The end event of a close request's body ``{"reward": None | number | {name: number}, "status": "ok" |
-    "error", "error": str | None}`` (every key optional; status ``ok`` by default).
+    "error", "error": str | None, "infra": None | cause}`` (every key optional; status ``ok`` by default).
+    ``infra``, with status ``error``: the failure was a service's, not the model's (a ``reward.infra.Cause``
+    value; the agent raised ``reward.infra.InfraFailure``): the episode is scored by ``reward.on_infra_failure``.
 
     Raises:
         ProtocolError: 400 naming the field: a body that is not an object, a reward that is not None, a finite
-            number or a non-empty dict of them (``reward.agent_runner.reward_value``), another status.
+            number or a non-empty dict of them (``reward.agent_runner.reward_value``), another status, an
+            ``infra`` that is not a known cause or comes with status ``ok``.
     """
+    from reward.infra import CAUSES
+
     from reward.agent_runner import reward_value
 
     if body is None:
@@ -270,8 +275,13 @@ def close_event(body: Any) -> dict[str, Any]:
         reward = reward_value(body.get("reward"))
     except ValueError as err:
         raise ProtocolError(400, str(err), param="reward") from None
+    infra = body.get("infra")
+    if infra is not None and (infra not in CAUSES or status != ERROR):
+        raise ProtocolError(400, f"infra must be one of {', '.join(CAUSES)} with status 'error', got {infra!r} with "
+                            f"status {status!r}"[:300], param="infra")
     error = body.get("error")
-    return {"kind": "end", "reward": reward, "status": status, "error": None if error is None else str(error)[:500]}
+    event = {"kind": "end", "reward": reward, "status": status, "error": None if error is None else str(error)[:500]}
+    return {**event, "infra": infra} if infra is not None else event
 
 
 def start_gateway(host: str, port: int, model_name: str):

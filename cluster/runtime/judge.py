@@ -6,6 +6,8 @@
 plus ``reward.judge.node_resources``), and answers a list of samples with one batched ``judge`` call per engine
 (contiguous shares), each bounded by ``reward.judge.timeout_s``. An engine that times out or dies gives its share
 NaN judgements (status ``timeout`` / ``error``) and is replaced; one that raises gives them status ``error``.
+Either way the judge failed, not the model: those samples are marked ``judge_failed`` (``reward.infra``) and
+scored by ``reward.on_infra_failure`` (invalid by default).
 Nothing here raises for a bad sample or a failing judge.
 
 ``JudgedRewards`` wraps ``reward.pool.RewardPool`` with the pool's surface (``score``, ``metrics``, ``resize``,
@@ -25,6 +27,7 @@ from typing import Any
 from cluster.runtime.model_fleet import CallFailure, ModelFleet, PendingCalls
 from reward.config import JudgeConfig
 from reward.contracts import RewardRequest, RewardResult
+from reward.infra import DETAIL_KEY, Cause
 from reward.llm_judge import Judgement, combine, judgement, prompt_ids, render, single_token_ids
 
 log = logging.getLogger(__name__)
@@ -106,8 +109,9 @@ class PendingJudgements:
         replaced: ``cluster.runtime.model_fleet.PendingCalls.wait``)."""
         fleet, out = self.fleet, list(self.built)
         for i, answer in zip(self.todo, self.calls.wait()):
-            if isinstance(answer, CallFailure):
-                out[i] = Judgement(math.nan, answer.status, detail={"error": answer.error, "message": answer.message})
+            if isinstance(answer, CallFailure):  # the judge's engine failed: the service's failure, not the model's
+                out[i] = Judgement(math.nan, answer.status, detail={"error": answer.error, "message": answer.message,
+                                                                    DETAIL_KEY: Cause.JUDGE_FAILED.value})
             else:
                 text, top = answer
                 out[i] = judgement(text, top, fleet.jc, fleet.positive, fleet.negative)
@@ -124,9 +128,10 @@ class JudgedRewards:
     seconds waiting for the judge after the verifiers) to the pool's.
     """
 
-    def __init__(self, pool: Any, judge: JudgeFleet):
+    def __init__(self, pool: Any, judge: JudgeFleet, on_infra_failure: str = "invalid"):
         self.verifiers = pool
         self.judge = judge
+        self.on_infra_failure = on_infra_failure  # reward.on_infra_failure: a failed engine's samples
         self._counters: dict[str, float] = {}
         self._scores: list[float] = []
 
@@ -171,7 +176,7 @@ class JudgedRewards:
             first = failed[0]
             log.warning("LLM judge: %d of %d judgements failed (NaN rewards; e.g. status %s, %s)", len(failed),
                         len(got), first.status, first.detail or repr(first.answer))
-        combined = [combine(r, j, combo.mode, combo.weight) for r, j in zip(results, judged)]
+        combined = [combine(r, j, combo.mode, combo.weight, self.on_infra_failure) for r, j in zip(results, judged)]
         self._count("reward/invalid", float(sum(not c.valid for c in combined) - sum(not r.valid for r in results)))
         return combined
 
@@ -210,4 +215,4 @@ def start_judged(cfg: Any, pool: Any, run_dir: Path) -> JudgedRewards:
         raise
     log.info("LLM judge: %d engine(s) of %s, score %s, combine %s (weight %g)", jc.num_engines, jc.model_path,
              jc.score, jc.combine.mode, jc.combine.weight)
-    return JudgedRewards(pool, fleet)
+    return JudgedRewards(pool, fleet, cfg.reward.on_infra_failure)

@@ -34,7 +34,9 @@ said on a last line); standard error is not shown for a program that exits 0. An
 ``ProgramError`` with a short text (time limit, CPU-time limit, output over the cap, a full scratch space, a
 signal, or a non-zero exit with the last line of standard error, a Python exception's ``Type: message``),
 which ``reward.environment.run_tool_call`` turns into an ``Error: ProgramError: ...`` observation (kind
-``raised``; the episode goes on). ``reward.sandbox.SandboxUnavailable`` (bubblewrap required and missing)
+``raised``; the episode goes on). A run the sandbox could not start, or whose helper died without an answer,
+raises ``reward.infra.InfraFailure`` (``sandbox_start``): the episode ends as the service's failure, invalid by
+default (``reward.on_infra_failure``). ``reward.sandbox.SandboxUnavailable`` (bubblewrap required and missing)
 is raised as it is; an env worker with this tool refuses to start then (``reward.environment.uses_sandbox``).
 
 **From an Environment class.** ``python = tool(staticmethod(python))`` in the class body (or return it from
@@ -203,6 +205,8 @@ def observation(run: ProgramRun, cfg: SandboxConfig | None = None) -> str:
     Raises:
         ProgramError: the run did not exit 0; the message says why in a few words (with the last line of
             stderr for a non-zero exit or a signal).
+        reward.infra.InfraFailure: ``sandbox_start``: the sandbox could not start the run, or its helper died
+            without an answer (the episode ends as the service's failure, not the model's).
         reward.sandbox.SandboxUnavailable: bubblewrap is required and does not work here.
     """
     cfg = cfg if cfg is not None else SandboxConfig()
@@ -232,12 +236,13 @@ def observation(run: ProgramRun, cfg: SandboxConfig | None = None) -> str:
         why = f"the program was stopped: its writable space of {cfg.scratch_mb} MiB is full"
     elif status == "killed":
         why = f"the program was killed by {_signal_name(run.returncode)}"
-    elif status == "lost":
-        why = "the sandbox helper failed"
-        stderr = run.detail.get("stderr", "")
-    else:
-        why = f"the sandbox could not run the program: {run.detail.get('reason', status)}"
-    raise ProgramError(f"{why}: {stderr}" if stderr and status in ("exit", "killed", "cpu_limit", "lost") else why)
+    else:  # "error" (a run that could not start), "lost" (the helper died without an answer): not the program's
+        from reward.infra import Cause, InfraFailure
+
+        why, stderr = f"the sandbox could not run the program: {run.detail.get('reason', status)}", \
+            run.detail.get("stderr", "")
+        raise InfraFailure(Cause.SANDBOX_START, f"{why}: {stderr}" if stderr else why)
+    raise ProgramError(f"{why}: {stderr}" if stderr and status in ("exit", "killed", "cpu_limit") else why)
 
 
 def python(code: str) -> str:

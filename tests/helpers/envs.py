@@ -3,8 +3,9 @@
 ``Scripted`` does what its row's ``meta`` says: ``raise_in`` / ``hang_in`` name a method (``init``,
 ``initial_messages``, ``tools``, ``step``, ``reward``, ``close``) that raises ``RuntimeError`` or blocks until
 the test opens the row's gate (``release(uid)``; at most ``HANG_S`` seconds, so a forgotten gate cannot hang
-the suite). Every call it gets is written to ``EVENTS[row uid]`` so that a test sees, for instance, that
-``close`` ran after an error.
+the suite); ``service_fails_in`` names a method that raises ``reward.infra.InfraFailure`` of cause
+``meta["cause"]`` (a service it needs failed). Every call it gets is written to ``EVENTS[row uid]`` so that a
+test sees, for instance, that ``close`` ran after an error. ``ServiceTool`` adds a tool backed by a service.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections import defaultdict
 
 from reward.environment import Environment, StepResult, tool
+from reward.infra import InfraFailure
 
 HANG_S = 30.0
 EVENTS: dict[str, list[str]] = defaultdict(list)
@@ -56,6 +58,8 @@ class Scripted(Environment):
             raise RuntimeError(f"scripted failure in {method}")
         if self.meta.get("hang_in") == method:
             gate(self.uid).wait(HANG_S)
+        if self.meta.get("service_fails_in") == method:
+            raise InfraFailure(self.meta.get("cause", "server_died"), f"the service failed in {method}")
 
     def initial_messages(self) -> list[dict]:
         """The default messages, with the seed's noise in a system message."""
@@ -118,6 +122,26 @@ class Scripted(Environment):
     def close(self) -> None:
         """Recorded."""
         self._act("close")
+
+
+class ServiceTool(Scripted):
+    """``Scripted`` with a tool ``lookup`` backed by a service that fails as ``meta["service"]`` says: a
+    ``reward.infra.Cause`` value raises ``InfraFailure`` of that cause (the service's failure), ``"raise"`` a
+    plain ``KeyError`` (back to the model as a tool error); unset, it answers."""
+
+    @tool
+    def lookup(self, key: str) -> str:
+        """Look a key up in the service.
+
+        Args:
+            key: what to look up
+        """
+        how = self.meta.get("service")
+        if how == "raise":
+            raise KeyError(key)
+        if how:
+            raise InfraFailure(how, f"the lookup service failed ({how})")
+        return f"value of {key}"
 
 
 class Forgiving(Scripted):

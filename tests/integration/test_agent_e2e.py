@@ -121,9 +121,9 @@ def test_an_env_worker_that_dies_ends_its_episodes_not_the_run(trainer):
 
     t = trainer
     os.kill(ray.get(t.episodes.pool.workers[0].pid.remote()), signal.SIGKILL)
-    c = t.collector.collect(t.step)  # the worker's episodes end with status error, scored 0; it is replaced
+    c = t.collector.collect(t.step)  # the worker's episodes end with status error, invalid (worker_lost); replaced
     assert c.reward_metrics["agent/env_worker_restarts"] == 1.0 and c.reward_metrics["agent/env_failed"] == 32.0
-    assert all(r.score == 0.0 and r.status == "error" for r in c.results)
+    assert all(r.score != r.score and r.status == "error" and r.infra_failed == "worker_lost" for r in c.results)
     again = t.collector.collect(t.step)  # the new worker plays the next round
     assert again.reward_metrics["agent/env_failed"] == 0.0 and again.reward_metrics["agent/turns_mean"] > 1.0
 

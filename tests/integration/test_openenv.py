@@ -1,17 +1,19 @@
 """OpenEnv environments (``env.openenv``) against real servers: an env worker serving the example game
 (``reward.envs.openenv_guess``) in a subprocess, one WebSocket session per episode (reset with the seed and the
 row's meta, steps as tool calls, closed at the end), the model's mistakes back to it as tool errors, a server
-killed mid-episode or answering too slowly ending only its episode (counted), the dead server started again for
-the next one, a running server by URL, and a server that will not start stopping the run before any service
-starts, named."""
+killed mid-episode or answering too slowly ending only its episode (the service's failure: invalid and counted,
+also under a group played by an env worker actor), the dead server started again for the next one, a running
+server by URL, and a server that will not start stopping the run before any service starts, named."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 
 import pytest
+import torch
 
 from reward.config import EnvConfig
 from reward.env_worker import EnvWorker
@@ -107,6 +109,7 @@ def test_sessions_are_closed_at_the_end():
         assert w.start("b", row("b"), seed=0).status == "ok"
         second = w.start("c", row("c"), seed=0)  # b's session is open: this one is refused, its episode ends
         assert second.status == "error" and "CAPACITY_REACHED" in second.detail["message"], second
+        assert second.detail["infra"] == "service_error"  # the server refused the session: not the model's doing
         assert w.finish("c").status == "error"
         w.abort("b")
         assert w.metrics()["env/errors"] == 1
@@ -129,9 +132,9 @@ def test_a_server_killed_mid_episode_ends_it_and_is_started_again():
         assert w.openenv_server_pid() is None
         dead = w.step("k1", "", guess(7))
         assert dead.done and dead.status == "error" and dead.messages == []
-        assert dead.detail["error"] == "OpenEnvServerError" and "the session failed" in dead.detail["message"]
-        out = w.finish("k1")
-        assert (out.status, out.reward, out.correct) == ("error", 0.0, False)
+        assert dead.detail["error"] == "OpenEnvServerError" and dead.detail["infra"] == "server_died"
+        out = w.finish("k1")  # the server's failure, not the model's: invalid (reward.on_infra_failure)
+        assert (out.status, out.infra_failed, out.correct) == ("error", "server_died", False) and math.isnan(out.reward)
         again = w.start("k2", row("k2", secret=7), seed=1)  # the next episode starts the server again
         assert again.status == "ok" and w.openenv_server_pid() not in (None, pid)
         assert w.step("k2", "", guess(7)).done and w.finish("k2").status == "ok"
@@ -145,14 +148,15 @@ def test_a_server_killed_mid_episode_ends_it_and_is_started_again():
 @pytest.mark.matrix  # a failure case: the default set keeps the server that will not start
 def test_a_server_answering_too_slowly_ends_the_episode_as_a_timeout():
     w = EnvWorker(EnvConfig(openenv={"app": f"{APPS}:slow", "tool_name": "guess", "start_timeout_s": 120.0},
-                            tool_timeout_s=1.0, on_error="drop"))
+                            tool_timeout_s=1.0))
     try:
         assert w.start("t1", row("t1"), seed=1).status == "ok"
         slow = w.step("t1", "", guess(999))
         assert slow.done and slow.status == "timeout" and "did not answer step within 0.9 s" in \
             slow.detail["message"]
         out = w.finish("t1")
-        assert out.status == "timeout" and out.reward != out.reward  # drop: NaN, an invalid sample
+        assert out.status == "timeout" and out.reward != out.reward  # NaN, an invalid sample
+        assert out.infra_failed == "service_timeout"
         m = w.metrics()
         assert m["env/timeouts"] == 1 and m["env/abandoned_threads"] == 0  # the call was cancelled, no thread left
         assert w.start("t2", row("t2"), seed=1).status == "ok"  # the server itself is fine
@@ -194,3 +198,65 @@ def test_a_server_that_will_not_start_stops_the_run_before_any_service(monkeypat
     with pytest.raises(ConfigError, match=r"env.openenv.url='http://127.0.0.1:9': no action schema"):
         check_user_env(cfg)
     assert check_user_env(load_config(REPO_ROOT / "configs" / "tiny_openenv_guess.yaml")) == []  # in the repo
+
+
+def test_a_server_killed_under_a_group_leaves_its_episodes_out_of_the_group_and_counts_them(ray_cluster):
+    """A real service dies mid-step: the OpenEnv server of configs/tiny_openenv_guess.yaml, under the env worker
+    actor that started it, killed while two of a group's four episodes are under way. Those two are the
+    service's failures (``server_died``): invalid (NaN, ``reward.on_infra_failure: invalid``), counted in the
+    step's ``reward/infra_failed``, and the group's advantages come from the two that ended."""
+    import ray
+
+    from cluster.config import load_config
+    from cluster.driver.agent_loop import EpisodeRunner
+    from cluster.driver.collect import Collected
+    from cluster.driver.env_pool import EnvPool
+    from cluster.driver.episodes import Episode
+    from cluster.driver.step_metrics import rollout_metrics
+    from learner.advantages import group_advantages
+    from rollout.contracts import PromptRow
+
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_openenv_guess.yaml",
+                      ["trainer.group_size=4", "learner.micro_batch_size=16", "trainer.length_buckets=0"])
+    pool = EnvPool(cfg, lambda slot: "DEFAULT")
+    try:
+        runner = EpisodeRunner(cfg, None, pool, None)
+        r = PromptRow("g", "Guess my number in 1..9.", [3, 4], "", verifier="exact", meta={**META, "secret": 6})
+        group = [Episode(f"g#{k}@1.0", r, k, seed=7, worker=0) for k in range(4)]
+        runner.start_episodes(group)  # four sessions on the worker's server
+        assert [e.status for e in group] == ["running"] * 4 and group[0].prompt_ids == [3, 4]
+        worker = pool.workers[0]
+
+        def step(e: Episode, text: str, calls: list[dict]):
+            s = ray.get(worker.step.remote(e.episode_id, text, calls, []))
+            if s.done:
+                runner._on_step(e, s)
+            return s
+
+        assert step(group[0], "", guess(6)).done  # correct at the first guess: 1 + 0.2 x 8
+        assert step(group[1], "It is 5.", []).done  # an answer without a guess: 0
+        for e in group[2:]:
+            assert step(e, "", guess(5)).messages[0]["content"] == "higher"
+        pid = ray.get(worker.openenv_server_pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            if ray.get(worker.openenv_server_pid.remote()) is None:
+                break
+            time.sleep(0.05)
+        for e in group[2:]:
+            dead = step(e, "", guess(6))
+            assert dead.status == "error" and dead.detail["infra"] == "server_died", dead
+        results = runner.finish_episodes(group)
+        assert [x.infra_failed for x in results] == ["", "", "server_died", "server_died"]
+        assert results[0].score == pytest.approx(2.6) and results[1].score == 0.0
+        assert all(math.isnan(x.score) and x.status == "error" for x in results[2:])
+        c = Collected(completions=[e.completion() for e in group], results=results, reward_metrics=pool.take_metrics())
+        rewards = torch.tensor([x.score for x in results], dtype=torch.float32)
+        m = rollout_metrics(cfg, c, rewards)
+        assert (m["reward/infra_failed"], m["reward/infra_failed/server_died"], m["reward/invalid"]) == (2, 2, 2)
+        assert m["reward/mean"] == pytest.approx(1.3)  # the two that ended
+        adv = group_advantages(rewards, 4)
+        assert adv[2:].tolist() == [0.0, 0.0]  # out of the group's statistics
+        assert torch.allclose(adv[:2], group_advantages(rewards[:2], 2))
+    finally:
+        pool.shutdown()

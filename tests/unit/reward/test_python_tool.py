@@ -34,6 +34,7 @@ from reward.envs.python_tool import (
     python,
     run_program,
 )
+from reward.infra import Cause, InfraFailure
 from reward.sandbox import SandboxUnavailable
 from reward.sandbox_procs import ENV_OWNER, ENV_RUN, _uid_processes, find_run_processes, sandbox_uid
 from tests.helpers import REPO_ROOT
@@ -147,8 +148,9 @@ def test_a_helper_that_hangs_or_dies_is_killed_and_reported(monkeypatch):
     lost = run_program("print(1)", cfg_for())
     assert lost.status == "lost", lost
     assert_nothing_left(lost)
-    with pytest.raises(ProgramError, match="the sandbox helper failed: died"):
-        observation(lost)
+    with pytest.raises(InfraFailure, match="could not run the program: the sandbox helper exited .*: died") as err:
+        observation(lost)  # not the program's doing: the episode ends as the sandbox's failure
+    assert err.value.cause == Cause.SANDBOX_START
 
 
 def test_observation_texts():
@@ -166,12 +168,15 @@ def test_observation_texts():
         (ProgramRun("scratch_limit", -9), "writable space of 64 MiB is full"),
         (ProgramRun("exit", 3, stderr=""), r"exited with status 3$"),
         (ProgramRun("exit", 1, stderr="Traceback\n  ...\n" + "E" * 1000), "E" * 300 + "$"),
-        (ProgramRun("error", None, detail={"reason": "OSError(...)"}), "could not run the program: OSError"),
-        (ProgramRun("lost", None, detail={"stderr": "boom"}), "helper failed: boom"),
     ]
     for out, text in cases:
         with pytest.raises(ProgramError, match=text):
             observation(out, cfg)
+    for out, text in [(ProgramRun("error", None, detail={"reason": "OSError(...)"}), "could not run the program: OSError"),
+                      (ProgramRun("lost", None, detail={"stderr": "boom"}), "could not run the program: lost: boom")]:
+        with pytest.raises(InfraFailure, match=text) as err:  # the sandbox's failure, not the program's
+            observation(out, cfg)
+        assert err.value.cause == Cause.SANDBOX_START
     with pytest.raises(SandboxUnavailable, match="no bwrap"):
         observation(ProgramRun("unavailable", detail={"reason": "no bwrap"}), cfg)
     with pytest.raises(TypeError, match="must be a string"):
