@@ -64,7 +64,9 @@ test: setup
 # cluster/models/tiny_archs.py; `make test` runs its qwen2_moe case), the streamed syncs per model and transport, a
 # tensor-parallel engine, nodes lost and added under a run on a local multi-node cluster, faults and resume, the
 # two-rank end-to-end run, code RL, user files, the audit, compare, the local cluster CLI, submit's CLI cases,
-# partial rollouts' wide cases, the GPU-path checks on the CPU and the real model (CONTRIBUTING.md has the times).
+# partial rollouts' wide cases, the GPU-path checks on the CPU, the real model, the overlapped run with the load
+# inside the sync, vLLM's multi-process engine mode, the uneven two-rank ZeRO-2 learner case and two offloaded
+# ZeRO-2 ranks (CONTRIBUTING.md has the times and why each moved).
 # One file: `make test-matrix ARGS=tests/integration/test_architectures.py`.
 test-matrix: setup
 	$(BIN)/python -m pytest -q --timeout=3600 --durations=30 -m matrix $(ARGS)

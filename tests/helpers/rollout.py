@@ -3,6 +3,7 @@ transformers float32 forward of the same tokens.
 
 One in-process engine (a Ray actor, so vLLM's process-wide settings stay out of the pytest process) is shared
 by the module; the tests that update its weights record the reference model it now holds in ``_current``.
+Engines start with the environment the trainer gives its engines (``engine_options``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ from rollout.contracts import PromptRow
 from rollout.engine import RolloutEngine
 
 TEMPERATURE = 0.7
+
+
+def engine_options(cfg: RolloutConfig, num_cpus: float = 1) -> dict:
+    """Ray actor options of a test's ``RolloutEngine`` with settings ``cfg``: the environment the trainer starts
+    its engines with (``cluster.runtime.services.engine_env``; on the CPU in eager mode ``TORCH_COMPILE_DISABLE=1``,
+    without which vLLM's sampler g++-builds a small kernel at every engine start, tens of seconds)."""
+    from cluster.runtime.services import engine_env
+
+    return {"num_cpus": num_cpus, "runtime_env": {"env_vars": engine_env(cfg)}}
 
 
 # CPU KV blocks hold 128 tokens: only a prompt longer than one block leaves a reusable prefix-cache entry.
@@ -41,9 +51,9 @@ _current: dict = {}  # "model": the transformers model whose weights the shared 
 
 @pytest.fixture(scope="module")
 def mp_engine(ray_cluster, tiny_moe, tmp_path_factory):
-    """An engine in vLLM's multi-process mode; created before ``engine`` so the two start in parallel."""
+    """An engine in vLLM's multi-process mode (its one test is a matrix case)."""
     cfg = RolloutConfig(in_process=False, max_model_len=64, max_response_tokens=6, seed=5)
-    actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
+    actor = ray_cluster.remote(RolloutEngine).options(**engine_options(cfg)).remote(
         str(tiny_moe), cfg, cache_dir=str(tmp_path_factory.mktemp("vllm_cache_mp"))
     )
     yield actor
@@ -52,9 +62,9 @@ def mp_engine(ray_cluster, tiny_moe, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(ray_cluster, tiny_moe, base_model, tmp_path_factory, mp_engine):
+def engine(ray_cluster, tiny_moe, base_model, tmp_path_factory):
     cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=TEMPERATURE, seed=7)
-    actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
+    actor = ray_cluster.remote(RolloutEngine).options(**engine_options(cfg)).remote(
         str(tiny_moe), cfg, engine_index=0, cache_dir=str(tmp_path_factory.mktemp("vllm_cache"))
     )
     _current.update(model=base_model, version=0)

@@ -127,6 +127,9 @@ def test_update_weights_from_object_refs_and_bad_buckets(ray_cluster, engine, to
     assert ray_cluster.get(engine.pid.remote()) != __import__("os").getpid()
 
 
+@pytest.mark.matrix  # wide case: make test samples and syncs the in-process engine every CPU config runs; vLLM's
+# multi-process mode (the GPU configs' rollout.in_process=false) starts its own engine, about 25 s on 2 cores; the
+# matrix's TP engine (tests/matrix/test_tp_engine.py) also syncs byte blobs into multi-process workers
 def test_multiprocess_mode_update_through_byte_blobs(ray_cluster, mp_engine, base_model, tokenizer):
     """vLLM's default mode (EngineCore and Worker subprocesses): numpy arrays do not survive the msgpack hop
     to the engine core, so each tensor's bytes travel as ``bytes``; the reloaded engine must match."""

@@ -12,7 +12,7 @@ import torch
 from learner.moe import RouterTap
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine
-from tests.helpers.rollout import LONG_PROMPT, checkpoint_state, perturbed, rows, sync
+from tests.helpers.rollout import LONG_PROMPT, checkpoint_state, engine_options, perturbed, rows, sync
 
 
 def hf_routing(model, seq: list[int]) -> np.ndarray:
@@ -32,7 +32,8 @@ def test_engine_reports_the_experts_it_ran_before_and_after_a_sync(ray_cluster, 
     tok = AutoTokenizer.from_pretrained(tiny_moe)
     model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
     cfg = RolloutConfig(max_model_len=256, max_response_tokens=8, return_routed_experts=True, seed=3)
-    engine = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(str(tiny_moe), cfg, cache_dir=str(tmp_path))
+    engine = ray_cluster.remote(RolloutEngine).options(**engine_options(cfg)).remote(str(tiny_moe), cfg,
+                                                                                   cache_dir=str(tmp_path))
     prompts = rows(tok, ["12+34=", LONG_PROMPT])  # the long one spans several KV blocks
     try:
         for version, weights in ((0, model), (1, perturbed(model, seed=2))):
@@ -70,7 +71,8 @@ def test_turns_of_an_episode_carry_each_positions_own_forward_experts(ray_cluste
     tok = AutoTokenizer.from_pretrained(tiny_moe)
     model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
     cfg = RolloutConfig(max_model_len=256, max_response_tokens=8, return_routed_experts=True, seed=3)
-    engine = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(str(tiny_moe), cfg, cache_dir=str(tmp_path))
+    engine = ray_cluster.remote(RolloutEngine).options(**engine_options(cfg)).remote(str(tiny_moe), cfg,
+                                                                                   cache_dir=str(tmp_path))
     reply = tok("<result>46</result>", add_special_tokens=False)["input_ids"]
     contexts = {f"e{i}": tok(p)["input_ids"] for i, p in enumerate(["12+34=", LONG_PROMPT, LONG_PROMPT])}
     try:

@@ -13,6 +13,7 @@ from cluster.models import upcycle as up
 from learner.weight_sync import to_checkpoint_format
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine
+from tests.helpers.rollout import engine_options
 
 START = 4
 SEQS = [[1] + [10 + (7 * i + 3 * j) % 80 for j in range(30)] for i in range(4)]
@@ -40,8 +41,9 @@ def test_upcycled_tied_mixtral_loads_and_syncs_exactly_in_the_engine(ray_cluster
     ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert ref.config.tie_word_embeddings
 
-    engine = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
-        str(out), RolloutConfig(max_model_len=64, max_response_tokens=6, seed=5), cache_dir=str(tmp_path / "cache"))
+    rc = RolloutConfig(max_model_len=64, max_response_tokens=6, seed=5)
+    engine = ray_cluster.remote(RolloutEngine).options(**engine_options(rc)).remote(
+        str(out), rc, cache_dir=str(tmp_path / "cache"))
     try:
         assert _max_diff(ray_cluster, engine, ref) <= TOL
 

@@ -13,6 +13,7 @@ import pytest
 from cluster.models.tiny_model import char_vocab
 from tests.helpers import REPO_ROOT
 from tests.helpers.data_files import chars, write_jsonl
+from tests.helpers.rollout import engine_options
 
 
 def test_engine_stops_on_every_declared_eos_and_keeps_it(ray_cluster, tiny_moe, tmp_path):
@@ -29,8 +30,9 @@ def test_engine_stops_on_every_declared_eos_and_keeps_it(ray_cluster, tiny_moe, 
     gen = json.loads((folder / "generation_config.json").read_text())
     gen["eos_token_id"] = list(range(len(char_vocab())))
     (folder / "generation_config.json").write_text(json.dumps(gen))
-    engine = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
-        str(folder), RolloutConfig(max_model_len=64, max_response_tokens=8), cache_dir=str(tmp_path / "cache"))
+    rc = RolloutConfig(max_model_len=64, max_response_tokens=8)
+    engine = ray_cluster.remote(RolloutEngine).options(**engine_options(rc)).remote(
+        str(folder), rc, cache_dir=str(tmp_path / "cache"))
     try:
         stop = ray_cluster.get(engine.__ray_call__.remote(lambda e: e.stop_token_ids))
         assert stop == list(range(len(char_vocab())))

@@ -27,6 +27,7 @@ import torch
 from learner.config import LearnerConfig
 from rollout.config import RolloutConfig
 from tests.helpers import REPO_ROOT
+from tests.helpers.rollout import engine_options
 from tests.helpers.sync import learner_logprobs, weight_change
 
 MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -128,8 +129,8 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
         str(MODEL), cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, seed=0,
         temperature=1.0)
     rollout_cfg = RolloutConfig(max_model_len=256, max_response_tokens=24, kv_cache_gb=0.5)
-    engine = ray.remote(RolloutEngine).options(num_cpus=1).remote(str(MODEL), rollout_cfg,
-                                                                   cache_dir=str(tmp_path / "cache"))
+    engine = ray.remote(RolloutEngine).options(**engine_options(rollout_cfg)).remote(
+        str(MODEL), rollout_cfg, cache_dir=str(tmp_path / "cache"))
     fresh = None
     try:
         diff, engine_lp = max_diff(ray, learner, engine, fixed)
@@ -156,8 +157,8 @@ def test_two_gspo_steps_keep_engine_equal_to_learner(ray_cluster, tmp_path):
         synced = engine_logprobs(ray, engine, fixed + sampled)
         ray.kill(engine)
         save_learner_weights(ray, learner, tmp_path / "synced")
-        fresh = ray.remote(RolloutEngine).options(num_cpus=1).remote(str(tmp_path / "synced"), rollout_cfg,
-                                                                      cache_dir=str(tmp_path / "cache_fresh"))
+        fresh = ray.remote(RolloutEngine).options(**engine_options(rollout_cfg)).remote(
+            str(tmp_path / "synced"), rollout_cfg, cache_dir=str(tmp_path / "cache_fresh"))
         exact = (engine_logprobs(ray, fresh, fixed + sampled) - synced).abs().max().item()
         print(f"smollm2 synced engine vs fresh engine from the learner's weights: max|diff|={exact:.3g} "
               f"over {synced.numel()} tokens")
