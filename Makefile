@@ -45,6 +45,13 @@ endif
 ifeq ($(DEVICE),cpu)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 endif
+# DeepSpeed JIT-builds its CPU Adam op (learner.offload_optimizer=cpu) on first use, about a minute on 2 cores; its
+# build names this venv's absolute path, so each new venv builds it once: here, rather than inside a run or a test.
+ifeq ($(DEVICE),cpu)
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	a().create_op_builder('CPUAdamBuilder').load(verbose=False)" >/dev/null 2>&1 || echo "note: DeepSpeed's cpu_adam \
+	op did not build now; learner.offload_optimizer=cpu builds it on first use"
+endif
 	$(BIN)/python -c "import vllm, deepspeed, ray, transformers, accelerate, torch; print('setup ok ($(DEVICE)): torch', torch.__version__, 'vllm', vllm.__version__)"
 	@rm -f $(VENV)/.setup-stamp $(VENV)/.setup-stamp-*
 	@command -v bwrap >/dev/null || echo "note: bubblewrap (bwrap) is missing: the code verifier refuses model code without it (apt-get install -y bubblewrap)"
