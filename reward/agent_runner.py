@@ -11,7 +11,9 @@ session then refuses the agent's next request (409), which ends a well-behaved c
 
 A program that is not Python (a CLI harness) is run the same way by a small function that starts it with
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set from ``session_env`` and closes the session with its reward
-(``close_session``), as ``reward/envs/cli_agent.py`` shows.
+(``close_session``), as ``reward/envs/cli_agent.py`` shows. A program that takes its episodes itself
+(``env.gateway.harness``, started once by the driver) asks for each with ``claim_session`` and closes it with
+``close_session``, as ``reward/envs/calc_harness.py`` does.
 """
 
 from __future__ import annotations
@@ -74,6 +76,43 @@ def close_session(session: dict[str, str], reward: Any = None, status: str = OK,
     except httpx.HTTPError:
         return False
     return r.status_code == 200
+
+
+class GatewayStopped(Exception):
+    """The gateway has no more episodes to give (the run is ending: 410, or it no longer answers)."""
+
+
+def claim_session(url: str, run_key: str, uid: str | None = None, wait_s: float = 30.0,
+                  http: Any = None) -> dict[str, Any] | None:
+    """Take one of the run's episodes for a separate program (``env.gateway.harness``): ``POST <url>/sessions``
+    with the run key. Returns ``{"session_id", "base_url", "api_key", "row"}`` (``row``: the task row as a dict),
+    or None when no episode waited within ``wait_s`` seconds (ask again).
+
+    Args:
+        url: the gateway's root URL (``GSPO_GATEWAY_URL``).
+        run_key: the run's key (``GSPO_GATEWAY_KEY``).
+        uid: take an episode of this row only (None: the oldest waiting).
+        http: an ``httpx.Client`` to send it with (default: a new one).
+
+    Raises:
+        GatewayStopped: the run is ending (410), or the gateway does not answer.
+        RuntimeError: any other answer (a wrong key: 401; a bad body: 400), with its body.
+    """
+    import httpx
+
+    body = {"wait_s": wait_s} | ({} if uid is None else {"uid": uid})
+    try:
+        r = (http or httpx).post(url.rstrip("/") + "/sessions", json=body, timeout=wait_s + 30.0,
+                                 headers={"Authorization": f"Bearer {run_key}"})
+    except httpx.TransportError as err:
+        raise GatewayStopped(f"the gateway at {url} does not answer: {err!r}") from None
+    if r.status_code == 204:
+        return None
+    if r.status_code == 410:
+        raise GatewayStopped(r.text[:300])
+    if r.status_code != 200:
+        raise RuntimeError(f"POST {url}/sessions answered {r.status_code}: {r.text[:300]}")
+    return r.json()
 
 
 class AgentRuns:

@@ -374,6 +374,12 @@ class GatewayConfig(Section):
         "(counted in agent/forks); refuse = answer the request with an error, the episode ends as the agent does",
     )
     model_name: str = Field("policy", description="the model id /v1/models lists and responses name")
+    harness: str | None = Field(
+        None, description="a command line (split as a shell does, no shell) the driver starts once per run in place "
+        "of env.agent: a separate program that takes the run's episodes itself over REST (POST /sessions with the "
+        "run key in GSPO_GATEWAY_KEY at GSPO_GATEWAY_URL gives one episode's row, base URL and key; POST "
+        "/s/<id>/close ends it with a reward). None = not used",
+    )
 
 
 class EnvConfig(Section):
@@ -445,7 +451,12 @@ class EnvConfig(Section):
     @property
     def enabled(self) -> bool:
         """True when episodes run in environments (``cls``, ``tools`` or ``openenv`` is set)."""
-        return self.cls is not None or bool(self.tools) or self.openenv.enabled or self.agent is not None
+        return self.cls is not None or bool(self.tools) or self.openenv.enabled or self.agent_program
+
+    @property
+    def agent_program(self) -> bool:
+        """True when episodes are agent programs behind the session gateway (``agent`` or ``gateway.harness``)."""
+        return self.agent is not None or self.gateway.harness is not None
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
@@ -453,7 +464,12 @@ class EnvConfig(Section):
             raise ValueError(f"env.cls={self.cls!r} and env.tools={self.tools} are both set: set exactly one (an "
                              "Environment subclass, or tool functions scored by the row's verifier)")
         ways = [k for k, on in (("cls", self.cls is not None), ("tools", bool(self.tools)),
-                                ("openenv", self.openenv.enabled), ("agent", self.agent is not None)) if on]
+                                ("openenv", self.openenv.enabled), ("agent", self.agent is not None),
+                                ("gateway.harness", self.gateway.harness is not None)) if on]
+        if self.gateway.harness is not None and len(ways) > 1:
+            raise ValueError(f"env.gateway.harness={self.gateway.harness!r} is set beside env."
+                             f"{', env.'.join(w for w in ways if w != 'gateway.harness')}: a harness program takes "
+                             "its episodes itself; set exactly one way to define the episode")
         if self.agent is not None and len(ways) > 1:
             raise ValueError(f"env.agent={self.agent!r} is set beside env.{', env.'.join(w for w in ways if w != 'agent')}: "
                              "an agent program brings its own tools; set exactly one way to define the episode")

@@ -27,6 +27,9 @@ import hashlib
 import json
 import logging
 import math
+import os
+import shlex
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,11 +90,31 @@ class GatewayEpisodeRunner(EpisodeRunner):
         self.gateway = gateway
         self.forks = 0
         self.overridden = 0
+        self.harness: subprocess.Popen | None = None  # env.gateway.harness: the program (start_gateway_runner)
+
+    def stop_gateway(self, timeout_s: float = 10.0) -> None:
+        """Stop the gateway (requests under way get 409, a harness's claims 410), then end the harness program:
+        SIGTERM, SIGKILL after ``timeout_s``."""
+        try:
+            ray.get(self.gateway.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - shutting down: a gateway already gone has nothing to stop
+            log.warning("the session gateway did not stop cleanly", exc_info=True)
+        if self.harness is None or self.harness.poll() is not None:
+            return
+        self.harness.terminate()
+        try:
+            self.harness.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.harness.kill()
+            self.harness.wait()
 
     def run(self, rows, G, seed, temperature=None):
         """``EpisodeRunner.run``, with ``agent/forks`` (requests that forked their episode) and
         ``agent/sampling_overridden`` (requests that asked for another temperature or top-p) added."""
         self.forks = self.overridden = 0
+        if self.harness is not None and self.harness.poll() is not None:
+            log.warning("the harness program exited (status %s): its episodes will end at env.episode_timeout_s",
+                        self.harness.returncode)
         comps, results, metrics, sampled = super().run(rows, G, seed, temperature)
         metrics.update({"agent/forks": float(self.forks), "agent/sampling_overridden": float(self.overridden)})
         metrics.update(ray.get(self.gateway.take_counters.remote(), timeout=60))
@@ -101,12 +124,22 @@ class GatewayEpisodeRunner(EpisodeRunner):
     def _remaining(self, e: AgentEpisode) -> float:
         return max(self.cfg.env.episode_timeout_s - (time.monotonic() - e.opened), 0.05)
 
+    def start_episodes(self, episodes: list[AgentEpisode]) -> None:
+        """Open the episodes' sessions (one gateway call), then start them (``start_ref``)."""
+        harness = self.cfg.env.gateway.harness is not None
+        sids = [hashlib.sha256(e.episode_id.encode()).hexdigest()[:20] for e in episodes]
+        sessions = ray.get(self.gateway.open_many.remote(
+            [(sid, _row_dict(e.row) if harness else None) for sid, e in zip(sids, episodes)]), timeout=60)
+        for e, session in zip(episodes, sessions):
+            e.session, e.opened = session, time.monotonic()
+        super().start_episodes(episodes)
+
     def start_ref(self, e: AgentEpisode):
-        """Open the episode's session, start its agent on its env worker, and wait for the agent's first request."""
-        sid = hashlib.sha256(e.episode_id.encode()).hexdigest()[:20]
-        e.session, e.opened = ray.get(self.gateway.open.remote(sid), timeout=60), time.monotonic()
-        self.pool.workers[e.worker].start_agent.remote(e.episode_id, _row_dict(e.row), e.session)
-        return self.gateway.exchange.remote(sid, None, self._remaining(e))
+        """Start the agent of an opened episode on its env worker (with ``env.gateway.harness``: nothing, its
+        session waits for the program to claim it) and wait for the agent's first request."""
+        if self.cfg.env.gateway.harness is None:
+            self.pool.workers[e.worker].start_agent.remote(e.episode_id, _row_dict(e.row), e.session)
+        return self.gateway.exchange.remote(e.session["session_id"], None, self._remaining(e))
 
     def _on_start(self, e: AgentEpisode, ref) -> bool:
         ev = self._env(e, ref)
@@ -237,14 +270,34 @@ class GatewayEpisodeRunner(EpisodeRunner):
         return float(reward), float(reward) >= 1.0, OK
 
 
+def start_harness(command: str, env: dict[str, str], log_path) -> subprocess.Popen:
+    """Start ``env.gateway.harness`` (split as a shell does; no shell) with ``env`` (``Gateway.harness_env``)
+    added to the driver's environment, its output to ``log_path``.
+
+    Raises:
+        OSError: the program cannot be started (not found, not executable).
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(shlex.split(command), env={**os.environ, **env}, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 def start_gateway_runner(cfg, fleet, pool, tokenizer):
-    """The gateway actor and the runner that plays ``env.agent`` episodes through it: ``(runner, gateway)``."""
+    """The gateway actor and the runner that plays ``env.agent`` episodes through it: ``(runner, gateway)``;
+    with ``env.gateway.harness`` the program is started here (``runner.harness``, ended by ``stop_gateway``)."""
     from cluster.runtime.gateway import start_gateway
 
     g = cfg.env.gateway
     gateway, url = start_gateway(g.host, g.port, g.model_name)
     log.info("session gateway at %s (one base URL per episode: %s/s/<session>/v1)", url, url)
-    return GatewayEpisodeRunner(cfg, fleet, pool, tokenizer, gateway), gateway
+    runner = GatewayEpisodeRunner(cfg, fleet, pool, tokenizer, gateway)
+    if g.harness is not None:
+        path = cfg.run_dir / "logs" / "harness.log"
+        runner.harness = start_harness(g.harness, ray.get(gateway.harness_env.remote(), timeout=60), path)
+        log.info("harness %r started (pid %d; output in %s): it takes episodes at %s/sessions", g.harness,
+                 runner.harness.pid, path, url)
+    return runner, gateway
 
 
 __all__ = ["AgentEpisode", "GatewayEpisodeRunner", "start_gateway_runner"]

@@ -149,7 +149,7 @@ class Trainer:
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **m.build_kwargs()))
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        if cfg.env.enabled and (cfg.env.agent is None or cfg.env.gateway.fork_policy == "refuse"):
+        if cfg.env.enabled and (not cfg.env.agent_program or cfg.env.gateway.fork_policy == "refuse"):
             check_template(self.tokenizer)  # episodes continue on their sampled ids (agent programs fork)
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
@@ -210,7 +210,7 @@ class Trainer:
             self.env_groups = services.RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources,
                                                     cfg.cluster.placement_timeout_s)
             pool = EnvPool(cfg, self.env_groups)
-            if cfg.env.agent is not None:  # agent programs behind the session gateway
+            if cfg.env.agent_program:  # agent programs behind the session gateway
                 self.episodes, self.gateway = gateway_episodes.start_gateway_runner(cfg, self.fleet, pool,
                                                                                    self.tokenizer)
             else:
@@ -445,6 +445,6 @@ class Trainer:
             self.episodes.pool.shutdown()
             self.env_groups.remove_all()
         if self.gateway is not None:
-            self.gateway.stop.remote()  # the actor goes with the job; this only stops accepting requests
+            self.episodes.stop_gateway()  # the actor goes with the job; this stops requests (and the harness)
         if self.learners is not None:
             self.learners.shutdown()
