@@ -192,7 +192,11 @@ class EpisodeRunner:
         for ref in done:
             if ref in loop.calls:
                 j = loop.calls.pop(ref)
-                turns, seconds = ray.get(ref)
+                try:
+                    turns, seconds = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    self.engine_lost(loop, j)
+                    continue
                 loop.busy += seconds
                 loop.open_turns[j] -= len(turns)
                 for turn in turns:
@@ -206,6 +210,27 @@ class EpisodeRunner:
                 s = self._env(e, ref)
                 if s is not None and self._on_step(e, s):
                     loop.ready.append(e)
+
+    def engine_lost(self, loop: TurnLoop, j: int) -> None:
+        """Engine slot ``j`` died under its turns: replace it (``EngineFleet.replace``, the current weights) and
+        hand each episode whose turn it had open to ``on_engine_lost``. The dead engine's other queued calls are
+        dropped (they fail the same way)."""
+        for ref in [r for r, slot in loop.calls.items() if slot == j]:
+            del loop.calls[ref]
+        loop.open_turns[j] = 0
+        n = len(self.fleet.engines)
+        elsewhere = {id(e) for e in [*loop.ready, *loop.stepping.values(), *loop.starting.values()]}
+        lost = [e for e in loop.by_id.values()
+                if e.status == RUNNING and e.group % n == j and id(e) not in elsewhere]
+        log.warning("rollout engine %d died with %d turns open: replacing it", j, len(lost))
+        self.fleet.replace(j)
+        for e in lost:
+            self.on_engine_lost(e, loop)
+
+    def on_engine_lost(self, e: Episode, loop: TurnLoop) -> None:
+        """An episode whose turn was open on an engine that died: nothing of the turn was kept, so it is sampled
+        again (on the engine that replaced it)."""
+        loop.ready.append(e)
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
         """The episode's next turn: its exact ids (or, with ``env.debug_rerender``, after its first turn and where

@@ -62,11 +62,26 @@ class AgentEpisode(Episode):
     end: dict = field(default_factory=dict)
     opened: float = 0.0
     cut: bool = False  # a request was refused for want of room (context_length_exceeded)
+    forked_last: bool = False  # the request under way forked the episode
+    before: tuple = ()  # the episode before the request under way (mark / undo_request)
 
     def fork(self, prompt_ids: list[int]) -> None:
         """Keep the branch so far in ``branches`` and start a new one from ``prompt_ids`` (nothing sampled)."""
         self.branches.append(self.trajectory())
         self.restart(None, prompt_ids, branch=len(self.branches))  # its turns told apart in the token records
+
+    def undo_request(self) -> None:
+        """Put the episode back as it was before the request under way was applied (``mark``): its turn was
+        lost with its engine, so the agent's retry of the same messages continues the branch."""
+        if self.before:
+            trajectory, self.known, branches, self.tools, self.turn_end = self.before
+            self.restart(trajectory)
+            del self.branches[branches:]
+            self.before = ()
+
+    def mark(self) -> None:
+        """Remember the episode before a request is applied (``undo_request``)."""
+        self.before = (self.trajectory(), self.known, len(self.branches), self.tools, self.turn_end)
 
     def keep_longest(self) -> None:
         """Make the branch with the most sampled tokens the episode's (ties: the latest)."""
@@ -171,6 +186,8 @@ class GatewayEpisodeRunner(EpisodeRunner):
         if req.get("temperature") not in (None, self.cfg.rollout.temperature) or req.get("top_p") not in (None, 1.0):
             self.overridden += 1  # served at the run's temperature and top-p 1 all the same
         messages, ids, first = req["messages"], None, not e.known
+        e.mark()
+        e.forked_last = False
         new = None if first else continuation(e.known, messages)
         if new is not None:
             try:
@@ -196,6 +213,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
             if not first:
                 self.forks += 1
                 e.fork(prompt)
+                e.forked_last = True
             else:
                 e.prompt_ids, e.tools = prompt, list(req.get("tools") or [])
         else:
@@ -236,6 +254,17 @@ class GatewayEpisodeRunner(EpisodeRunner):
         reply = Reply(content=content, tool_calls=calls, finish_reason=turn.finish_reason, prompt_tokens=context,
                       completion_tokens=len(turn.token_ids))
         stepping[self.gateway.exchange.remote(e.session["session_id"], reply, self._remaining(e))] = e
+
+    def on_engine_lost(self, e: AgentEpisode, loop) -> None:
+        """The engine died with this episode's turn open: its request fails with 503 (``engine_lost``; a client's
+        retry is served by the replacement engine, continuing as if the request had not come) and the agent's next
+        event is awaited."""
+        if e.forked_last:
+            self.forks -= 1
+        e.undo_request()
+        error = ProtocolError(503, "the rollout engine serving this request died; it is being replaced: retry",
+                              type="server_error", code="engine_lost")
+        loop.stepping[self.gateway.exchange.remote(e.session["session_id"], error, self._remaining(e))] = e
 
     # -- the end ----------------------------------------------------------------------------------------------
     def finish_episodes(self, episodes: list[AgentEpisode]) -> list[RewardResult]:
