@@ -74,14 +74,14 @@ class AgentEpisode(Episode):
         """Put the episode back as it was before the request under way was applied (``mark``): its turn was
         lost with its engine, so the agent's retry of the same messages continues the branch."""
         if self.before:
-            trajectory, self.known, branches, self.tools, self.turn_end = self.before
-            self.restart(trajectory)
+            snapshot, self.known, branches = self.before
+            self.rewind(snapshot)
             del self.branches[branches:]
             self.before = ()
 
     def mark(self) -> None:
         """Remember the episode before a request is applied (``undo_request``)."""
-        self.before = (self.trajectory(), self.known, len(self.branches), self.tools, self.turn_end)
+        self.before = (self.snapshot(), self.known, len(self.branches))
 
     def keep_longest(self) -> None:
         """Make the branch with the most sampled tokens the episode's (ties: the latest)."""
