@@ -367,11 +367,13 @@ class GatewayConfig(Section):
         "only, a node address (or 0.0.0.0) serves env workers on other nodes",
     )
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 = a free port chosen at start")
-    fork_policy: Literal["longest", "refuse"] = Field(
+    fork_policy: Literal["longest", "all", "refuse"] = Field(
         "longest",
         description="an episode whose agent sent a history that is not an extension of what the gateway returned "
-        "(edited, summarised, reasoning stripped) forks: longest = train the branch with the most sampled tokens "
-        "(counted in agent/forks); refuse = answer the request with an error, the episode ends as the agent does",
+        "(edited, summarised, reasoning stripped) forks (counted in agent/forks): longest = train the branch with "
+        "the most sampled tokens; all = train every branch, each with its episode's reward and advantage (the "
+        "group's statistics stay per episode); refuse = answer the request with an error, the episode ends as the "
+        "agent does",
     )
     model_name: str = Field("policy", description="the model id /v1/models lists and responses name")
     harness: str | None = Field(

@@ -96,6 +96,11 @@ class EpisodeRunner:
         metrics.update(self.pool.take_metrics())
         return [e.completion() for e in episodes], results, metrics, {e.episode_id: e.sampled for e in episodes}
 
+    def take_branches(self) -> dict[str, list[tuple[int, Completion]]]:
+        """Episodes' other branches to train beside them, by episode id (an environment's episode has one branch:
+        {}; the gateway's runner with ``env.gateway.fork_policy=all`` keeps them)."""
+        return {}
+
     # -- the episode's phases ---------------------------------------------------------------------------------
     def _env(self, e: Episode, ref):
         """``ray.get(ref)`` of an env worker call for episode ``e``; None when the worker's process died (the

@@ -11,7 +11,8 @@ Per request: the first renders the request's messages with the chat template and
 text) as the prompt; a later one that continues the branch (``rollout.gateway_session.continuation``) appends only
 the new messages, as the template's delta after the sampled turn (the sampled ids stay as sampled); one that does
 not forks: the messages rendered whole start a new branch. At the episode's end ``env.gateway.fork_policy`` picks
-the branch that trains (``longest``: the most sampled tokens); ``refuse`` answers a diverging request with 400
+the branch that trains (``longest``: the most sampled tokens; ``all``: every branch, the earlier ones handed to the
+trainer by ``take_branches`` to train with their episode's reward and advantage); ``refuse`` answers a diverging request with 400
 ``history_diverged``. A request whose context and turn would not fit ``rollout.max_model_len`` gets 400
 ``context_length_exceeded``. The run's temperature and top-p always apply; a request asking for others is served
 at the run's and counted (``agent/sampling_overridden``).
@@ -41,7 +42,7 @@ from cluster.driver.episodes import Episode, _row_dict, tool_call_dicts
 from reward.contracts import RewardResult
 from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
-from rollout.contracts import SampledTurn, TurnRequest
+from rollout.contracts import Completion, SampledTurn, TurnRequest
 from rollout.gateway_session import canonical_message, continuation, render_chat, render_plain
 from rollout.openai_protocol import ProtocolError, Reply
 from rollout.tool_calls import parse
@@ -83,6 +84,15 @@ class AgentEpisode(Episode):
         """Remember the episode before a request is applied (``undo_request``)."""
         self.before = (self.snapshot(), self.known, len(self.branches))
 
+    def branch_completions(self) -> list[tuple[int, Completion]]:
+        """Each earlier branch as a ``Completion`` (``fork_policy=all``): ``(branch number, completion)``."""
+        now, out = self.trajectory(), []
+        for b in self.branches:
+            self.restart(b)
+            out.append((self.branch, self.completion()))
+        self.restart(now)
+        return out
+
     def keep_longest(self) -> None:
         """Make the branch with the most sampled tokens the episode's (ties: the latest)."""
         best = max(self.branches, key=lambda b: len(b["sampled"]), default=None)
@@ -106,6 +116,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         self.forks = 0
         self.overridden = 0
         self.harness: subprocess.Popen | None = None  # env.gateway.harness: the program (start_gateway_runner)
+        self.branches: dict[str, list[tuple[int, Completion]]] = {}  # fork_policy=all: the last round's others
 
     def stop_gateway(self, timeout_s: float = 10.0) -> None:
         """Stop the gateway (requests under way get 409, a harness's claims 410), then end the harness program:
@@ -127,6 +138,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
         """``EpisodeRunner.run``, with ``agent/forks`` (requests that forked their episode) and
         ``agent/sampling_overridden`` (requests that asked for another temperature or top-p) added."""
         self.forks = self.overridden = 0
+        self.branches = {}
         if self.harness is not None and self.harness.poll() is not None:
             log.warning("the harness program exited (status %s): its episodes will end at env.episode_timeout_s",
                         self.harness.returncode)
@@ -255,6 +267,11 @@ class GatewayEpisodeRunner(EpisodeRunner):
                       completion_tokens=len(turn.token_ids))
         stepping[self.gateway.exchange.remote(e.session["session_id"], reply, self._remaining(e))] = e
 
+    def take_branches(self) -> dict[str, list[tuple[int, Completion]]]:
+        """``fork_policy=all``: the last round's earlier branches by episode id (taken: the next call gives {})."""
+        out, self.branches = self.branches, {}
+        return out
+
     def on_engine_lost(self, e: AgentEpisode, loop) -> None:
         """The engine died with this episode's turn open: its request fails with 503 (``engine_lost``; a client's
         retry is served by the replacement engine, continuing as if the request had not come) and the agent's next
@@ -273,10 +290,14 @@ class GatewayEpisodeRunner(EpisodeRunner):
         verify = {e.episode_id: self.pool.workers[e.worker].verify.remote(_row_dict(e.row), e.final_text)
                   for e in episodes if e.status in SCORED and e.end.get("reward") is None and not e.worker_lost}
         results = []
+        every = self.cfg.env.gateway.fork_policy == "all"
         for e in episodes:
-            e.keep_longest()
+            if every and e.branches:
+                self.branches[e.episode_id] = e.branch_completions()  # beside the last branch, the episode's
+            elif not every:
+                e.keep_longest()
             detail = {"episode_id": e.episode_id, "episode": e.status, "turns": e.turns, "forks": len(e.branches),
-                      "branch": e.branch}  # the branch that trains (the token check)
+                      "branch": e.branch}  # the (last) branch that trains (the token check)
             score, correct, status = self._score(e, verify, detail)
             results.append(RewardResult(score=score, correct=correct, status=status, detail=detail,
                                         elapsed_s=time.monotonic() - e.opened))

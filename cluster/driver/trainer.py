@@ -32,7 +32,7 @@ from cluster.data.tasks import load_rows, load_tokenizer
 from cluster.driver import (agent_loop, audit_dump, checkpoint, gateway_episodes, length_slices, partial_episodes,
                             partial_rollout, step_metrics)
 from cluster.driver.distill import Distiller
-from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
+from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks, with_branches
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import check_template
@@ -259,13 +259,17 @@ class Trainer:
                                  normalize_std=cfg.learner.advantage_std())
         if self.distiller is not None:  # per token: reward_weight x A_i - kl_coef x k (cluster/driver/distill.py)
             adv = self.distiller.advantages(c, adv)
-        batch = build_train_batch(c.completions, adv.returns, adv.advantages, self.pad_id)
+        episodes = [(r.detail.get("episode_id", ""), r.detail.get("branch", 0)) for r in c.results]
+        # env.gateway.fork_policy=all: every episode's other branches beside it, with its reward and advantage
+        completions, adv, episodes = with_branches(c.completions, adv, episodes, getattr(c, "branches", {}),
+                                                   cfg.learner.num_minibatches * cfg.learner.world_size, self.pad_id)
+        batch = build_train_batch(completions, adv.returns, adv.advantages, self.pad_id)
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = None
         if self.step + 1 in tc.audit_steps:
             audit_dir = audit_dump.save_inputs(cfg, self.run_dir, self.learners, self.step + 1, batch, plans,
                                                model_path=self.model_path, train_rows=self.train_rows,
-                                               weight_version=self.weight_version, completions=c.completions)
+                                               weight_version=self.weight_version, completions=completions)
         self.rl_lr.apply(self.step)
         t = time.perf_counter()
         result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
@@ -273,8 +277,7 @@ class Trainer:
         if self.episodes is not None:  # the engines' records against what the ranks trained (must be 0)
             self.token_check.drain(self.fleet.engines)
             c.reward_metrics.update(self.token_check.compare(
-                self.learners.trained_turns(), [(r.detail["episode_id"], r.detail.get("branch", 0)) for r in c.results],
-                checked=not result.skipped))
+                self.learners.trained_turns(), episodes, checked=not result.skipped))
         if audit_dir is not None:
             audit_dump.save_outputs(self.learners, audit_dir, result.record())
         return result, learner_s

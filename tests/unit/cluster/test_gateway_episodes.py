@@ -257,3 +257,28 @@ def test_the_agent_gets_openais_503_error_body():
     assert seen["status"] == 503
     assert seen["body"]["code"] == "engine_lost" and seen["body"]["type"] == "server_error"
     assert played.end["status"] == "ok" and played.counters["gateway/errors/503"] == 1
+
+
+@pytest.mark.parametrize("policy", ["longest", "all"])
+def test_fork_policy_all_hands_every_earlier_branch_to_the_trainer(monkeypatch, policy):
+    from cluster.driver import gateway_episodes
+
+    monkeypatch.setattr(gateway_episodes.ray, "get", lambda x, timeout=None: x)
+    r, e = _runner(**{"env.gateway.fork_policy": policy}), _episode()
+    r.gateway.close = r.gateway  # close.remote(...) recorded like exchange's
+    r._take_request(e, _request([USER]))
+    _sample(r, e, CALL)
+    first = list(e.sampled)
+    r._take_request(e, _request([{"role": "user", "content": "Summary: 42. Answer now."}]))
+    _sample(r, e, "42")
+    last = list(e.sampled)
+    e.status, e.end = "ok", {"kind": "end", "reward": 1.0, "status": "ok"}
+    [result] = r.finish_episodes([e])
+    branches = r.take_branches()
+    assert result.score == 1.0 and result.detail["forks"] == 1 and r.take_branches() == {}
+    if policy == "all":  # the last branch is the episode's completion, the earlier one beside it
+        assert e.sampled == last and result.detail["branch"] == 1
+        [(number, comp)] = branches[e.episode_id]
+        assert number == 0 and [t for t, m in zip(comp.response_token_ids, comp.response_mask) if m] == first
+    else:  # the longest branch (the call's) alone
+        assert e.sampled == first and result.detail["branch"] == 0 and branches == {}
