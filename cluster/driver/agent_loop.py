@@ -82,8 +82,8 @@ class EpisodeRunner:
         episodes = [self.episode_cls(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
                             (i * G + k) % len(self.pool), group=i) for i, row in enumerate(rows) for k in range(G)]
         t0 = time.perf_counter()
-        self.start_episodes(episodes)
-        busy = self._play(episodes, temperature)
+        starting = self.start_episodes(episodes)
+        busy = self._play(episodes, temperature, starting)
         if lost := [e.episode_id for e in episodes if e.status == RUNNING]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         restarts = self.pool.restarts
@@ -111,12 +111,14 @@ class EpisodeRunner:
             e.status, e.worker_lost = ERROR, True
             return None
 
-    def start_episodes(self, episodes: list[Episode]) -> None:
+    def start_episodes(self, episodes: list[Episode]) -> dict:
         """Open ``episodes`` in their env workers: their first ids and tools, or their end (status ``timeout`` /
-        ``error`` when the environment failed to start, ``error`` when its worker died)."""
+        ``error`` when the environment failed to start, ``error`` when its worker died). Returns the starts still
+        under way (ref -> episode; the loop applies them as they end): none here, all were applied."""
         refs = [self.start_ref(e) for e in episodes]
         for e, ref in zip(episodes, refs):
             self._on_start(e, ref)
+        return {}
 
     def start_ref(self, e: Episode):
         """The env worker's ``start`` call of ``e`` (a Ray ref; ``_on_start`` applies its answer)."""
@@ -146,9 +148,10 @@ class EpisodeRunner:
             return list(row.prompt_token_ids)
         return self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
 
-    def _play(self, episodes: list[Episode], temperature: float | None) -> float:
-        """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``); returns
-        the engines' busy seconds (summed over engines).
+    def _play(self, episodes: list[Episode], temperature: float | None, starting: dict | None = None) -> float:
+        """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``), the
+        episodes in ``starting`` (ref -> episode) joining as their start ends; returns the engines' busy seconds
+        (summed over engines).
 
         Continuous batching: each engine has ``depth`` (2) ``advance_turns`` calls queued while it has open turns
         (the next starts as the last returns, so the engine does not wait while the driver reads a result); an
@@ -156,7 +159,10 @@ class EpisodeRunner:
         episodes stay on one engine, whose prefix cache holds their prompt and earlier turns). On an error the
         engines' open turns are aborted, so the engines are left clean.
         """
-        loop = TurnLoop(ready=[e for e in episodes if e.status == RUNNING])
+        starting = starting or {}
+        waiting = {id(e) for e in starting.values()}
+        loop = TurnLoop(ready=[e for e in episodes if e.status == RUNNING and id(e) not in waiting],
+                        starting=dict(starting), by_id={e.episode_id: e for e in episodes})
         with self.aborting_on_error():
             while not loop.idle():
                 self.pump(loop, temperature)

@@ -151,15 +151,17 @@ class GatewayEpisodeRunner(EpisodeRunner):
     def _remaining(self, e: AgentEpisode) -> float:
         return max(self.cfg.env.episode_timeout_s - (time.monotonic() - e.opened), 0.05)
 
-    def start_episodes(self, episodes: list[AgentEpisode]) -> None:
-        """Open the episodes' sessions (one gateway call), then start them (``start_ref``)."""
+    def start_episodes(self, episodes: list[AgentEpisode]) -> dict:
+        """Open the episodes' sessions (one gateway call) and start their agents (``start_ref``); returns the
+        waits for their first requests (ref -> episode), which the loop applies as each comes, so the engines
+        sample the first agents' turns while later agents still start."""
         harness = self.cfg.env.gateway.harness is not None
         sids = [hashlib.sha256(e.episode_id.encode()).hexdigest()[:20] for e in episodes]
         sessions = ray.get(self.gateway.open_many.remote(
             [(sid, _row_dict(e.row) if harness else None) for sid, e in zip(sids, episodes)]), timeout=60)
         for e, session in zip(episodes, sessions):
             e.session, e.opened = session, time.monotonic()
-        super().start_episodes(episodes)
+        return {self.start_ref(e): e for e in episodes}
 
     def start_ref(self, e: AgentEpisode):
         """Start the agent of an opened episode on its env worker (with ``env.gateway.harness``: nothing, its

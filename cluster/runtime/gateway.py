@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from reward.episode_status import ERROR, OK
@@ -260,7 +260,8 @@ class Gateway:
         s.requests += 1
         request_id = f"{session_id}-{s.requests}"
         s.pending = asyncio.get_running_loop().create_future()
-        s.inbox.put_nowait({"kind": "request", "request": dataclasses.asdict(req), "request_id": request_id})
+        fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}  # asdict's deep copy: ~1 ms
+        s.inbox.put_nowait({"kind": "request", "request": fields, "request_id": request_id})
         answer = await s.pending
         if isinstance(answer, ProtocolError):
             self._count(f"gateway/errors/{answer.status}")
@@ -287,38 +288,45 @@ class Gateway:
         return JSONResponse({"session_id": session_id, "closed": True})
 
     def _app(self) -> FastAPI:
+        """The app: FastAPI's, its routes plain Starlette endpoints (``add_route``) that read the path, the
+        ``Authorization`` header and the JSON body themselves; FastAPI's parameter injection cost about 0.35 ms of
+        the gateway's CPU per request here (a rollout has hundreds)."""
         app = FastAPI(title="gspo-rl session gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
         async def _body(request: Request) -> Any:
             try:
-                return await request.json()
-            except ValueError:
+                return json.loads(await request.body())
+            except ValueError:  # UnicodeDecodeError and json.JSONDecodeError included
                 return None
 
-        @app.post("/s/{session_id}/v1/chat/completions")
-        async def chat(session_id: str, request: Request, authorization: str | None = Header(None)):
-            return await self._turn(session_id, authorization, await _body(request), "chat")
+        def _args(request: Request) -> tuple[str, str | None]:
+            return request.path_params.get("session_id", ""), request.headers.get("authorization")
 
-        @app.post("/s/{session_id}/v1/responses")
-        async def responses(session_id: str, request: Request, authorization: str | None = Header(None)):
-            return await self._turn(session_id, authorization, await _body(request), "responses")
+        async def chat(request: Request):
+            return await self._turn(*_args(request), await _body(request), "chat")
 
-        @app.get("/s/{session_id}/v1/models")
-        async def models(session_id: str, authorization: str | None = Header(None)):
+        async def responses(request: Request):
+            return await self._turn(*_args(request), await _body(request), "responses")
+
+        async def models(request: Request):
             try:
-                self._session(session_id, authorization)
+                self._session(*_args(request))
             except ProtocolError as err:
                 return _error(err)
             return JSONResponse(models_list(self.model_name))
 
-        @app.post("/sessions")
-        async def claim(request: Request, authorization: str | None = Header(None)):
-            return await self._claim(authorization, await _body(request))
+        async def claim(request: Request):
+            return await self._claim(_args(request)[1], await _body(request))
 
-        @app.post("/s/{session_id}/close")
-        async def close(session_id: str, request: Request, authorization: str | None = Header(None)):
-            return await self._close_route(session_id, authorization, await _body(request))
+        async def close(request: Request):
+            return await self._close_route(*_args(request), await _body(request))
 
+        for path, endpoint, method in (("/s/{session_id}/v1/chat/completions", chat, "POST"),
+                                       ("/s/{session_id}/v1/responses", responses, "POST"),
+                                       ("/s/{session_id}/v1/models", models, "GET"),
+                                       ("/sessions", claim, "POST"),
+                                       ("/s/{session_id}/close", close, "POST")):
+            app.add_route(path, endpoint, methods=[method])
         return app
 
 

@@ -121,7 +121,8 @@ def test_a_harness_run_is_an_agent_program_run():
 
 
 class _FakeGateway:
-    """The gateway actor's handle as the runner calls it (``x.remote(...)`` answers at once; ray.get is identity)."""
+    """The gateway actor's handle as the runner calls it (``x.remote(...)`` answers at once; an exchange's answer
+    is a ref the patched ``ray.get`` reads as a timeout)."""
 
     def __init__(self):
         self.opened, self.exchanged = [], []
@@ -133,7 +134,7 @@ class _FakeGateway:
 
         self.open_many = _Call(lambda reqs: outer.opened.extend(reqs) or [
             {"session_id": sid, "base_url": f"http://h/s/{sid}/v1", "api_key": "k"} for sid, _ in reqs])
-        self.exchange = _Call(lambda sid, answer, timeout: outer.exchanged.append(sid) or {"kind": "timeout"})
+        self.exchange = _Call(lambda sid, answer, timeout: outer.exchanged.append(sid) or ("timeout", sid))
 
 
 class _FakePool:
@@ -158,13 +159,15 @@ def test_the_driver_opens_each_episode_with_its_row_for_a_harness_and_starts_no_
     from rollout.contracts import PromptRow
     from tests.helpers.chat_tokenizers import build_bpe_tokenizer
 
-    monkeypatch.setattr(gateway_episodes.ray, "get", lambda x, timeout=None: x)
+    monkeypatch.setattr(gateway_episodes.ray, "get",  # an exchange's ref: nothing came before the deadline
+                        lambda x, timeout=None: {"kind": "timeout"} if isinstance(x, tuple) else x)
     way = [f"env.gateway.harness={harness}"] if harness else ["env.agent=reward.envs.calc_agent:run"]
     cfg = load_config("configs/tiny_agent_calc.yaml", ["env.tools=[]", *way])
     runner = GatewayEpisodeRunner(cfg, None, _FakePool(), build_bpe_tokenizer(), _FakeGateway())
     rows = [PromptRow("u", "1+1=", [1], "2"), PromptRow("v", "2+2=", [1], "4")]
     episodes = [AgentEpisode(f"{r.uid}#{k}@1.0", r, k, seed=3, worker=0) for r in rows for k in range(2)]
-    runner.start_episodes(episodes)
+    for ref, e in runner.start_episodes(episodes).items():  # the loop applies each first event as it comes
+        runner._on_start(e, ref)
     opened = runner.gateway.opened
     assert len(opened) == 4 and len({sid for sid, _ in opened}) == 4  # one session per episode, G per row
     assert [row and row["uid"] for _, row in opened] == (["u", "u", "v", "v"] if harness else [None] * 4)
