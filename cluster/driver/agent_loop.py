@@ -16,7 +16,8 @@ gives its reward.
 
 Engines never wait on tools: whenever an engine is idle it samples every episode that is ready, while others
 wait for their environment; the loop waits on whichever call ends first. The share of the rollout's wall time
-the engines spent sampling is ``agent/engine_busy_share``.
+the engines spent sampling is ``agent/engine_busy_share``. An engine that dies with turns open is replaced and
+those turns are sampled again on the new one (``engine_lost``; the gateway's runner fails the request with 503).
 
 The ids trained on are the ids sampled: each engine keeps a digest of every turn's context and sampled ids, each
 learner rank digests the turns it trained, and the driver compares the two (``cluster.driver.token_check``,

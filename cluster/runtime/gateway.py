@@ -25,7 +25,7 @@ affinity, continuous batching, no turn open at a weight sync).
 
 Errors (OpenAI's error body): 400 a malformed request (naming the field), 401 a missing or wrong key, 404 an
 unknown session, 409 a closed session or a second request while one is under way in the same session, 503 when
-the driver fails the request (an engine lost mid-request).
+the driver fails the request (``engine_lost``: the engine sampling its turn died and is being replaced).
 """
 
 from __future__ import annotations
