@@ -347,6 +347,18 @@ class EnvWorker:
             raise ValueError("start_agent: env.agent is unset on this env worker")
         self._agents.start(episode_id, as_row_dict(row), session)
 
+    def start_agents(self, jobs: list[tuple[str, Any, dict[str, str]]]) -> None:
+        """``start_agent`` of each ``(episode_id, row, session)``: a round's agents in one call."""
+        for episode_id, row, session in jobs:
+            self.start_agent(episode_id, row, session)
+
+    def verify_many(self, items: list[tuple[Any, str]]) -> list[tuple[float, bool]]:
+        """``verify`` of each ``(row, text)``, in order, eight at a time: a round's verdicts in one call."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, max(len(items), 1))) as pool:
+            return list(pool.map(lambda item: self.verify(*item), items))
+
     def verify(self, row: Any, text: str) -> tuple[float, bool]:
         """``(score, correct)`` of the row's verifier on ``text`` (an agent that returned no reward: its last
         assistant message), read as the reward worker reads a verifier (``reward.worker.interpret``); a failed

@@ -152,7 +152,8 @@ class GatewayEpisodeRunner(EpisodeRunner):
         return max(self.cfg.env.episode_timeout_s - (time.monotonic() - e.opened), 0.05)
 
     def start_episodes(self, episodes: list[AgentEpisode]) -> dict:
-        """Open the episodes' sessions (one gateway call) and start their agents (``start_ref``); returns the
+        """Open the episodes' sessions (one gateway call) and start their agents (one call per env worker;
+        with ``env.gateway.harness`` none: the sessions wait for the program to claim them); returns the
         waits for their first requests (ref -> episode), which the loop applies as each comes, so the engines
         sample the first agents' turns while later agents still start."""
         harness = self.cfg.env.gateway.harness is not None
@@ -161,13 +162,14 @@ class GatewayEpisodeRunner(EpisodeRunner):
             [(sid, _row_dict(e.row) if harness else None) for sid, e in zip(sids, episodes)]), timeout=60)
         for e, session in zip(episodes, sessions):
             e.session, e.opened = session, time.monotonic()
-        return {self.start_ref(e): e for e in episodes}
+        if not harness:  # one call per env worker: a Ray call costs the driver about 1 ms here
+            for worker in sorted({e.worker for e in episodes}):
+                self.pool.workers[worker].start_agents.remote(
+                    [(e.episode_id, _row_dict(e.row), e.session) for e in episodes if e.worker == worker])
+        return {self.first_request(e): e for e in episodes}
 
-    def start_ref(self, e: AgentEpisode):
-        """Start the agent of an opened episode on its env worker (with ``env.gateway.harness``: nothing, its
-        session waits for the program to claim it) and wait for the agent's first request."""
-        if self.cfg.env.gateway.harness is None:
-            self.pool.workers[e.worker].start_agent.remote(e.episode_id, _row_dict(e.row), e.session)
+    def first_request(self, e: AgentEpisode):
+        """The wait for the first request of a started episode's agent (a ref; ``_on_start`` applies it)."""
         return self.gateway.exchange.remote(e.session["session_id"], None, self._remaining(e))
 
     def _on_start(self, e: AgentEpisode, ref) -> bool:
@@ -288,9 +290,9 @@ class GatewayEpisodeRunner(EpisodeRunner):
     # -- the end ----------------------------------------------------------------------------------------------
     def finish_episodes(self, episodes: list[AgentEpisode]) -> list[RewardResult]:
         """Close every session; each episode's branch (``fork_policy``) and verdict (module docstring)."""
-        ray.get([self.gateway.close.remote(e.session["session_id"]) for e in episodes if e.session], timeout=60)
-        verify = {e.episode_id: self.pool.workers[e.worker].verify.remote(_row_dict(e.row), e.final_text)
-                  for e in episodes if e.status in SCORED and e.end.get("reward") is None and not e.worker_lost}
+        ray.get(self.gateway.close_many.remote([e.session["session_id"] for e in episodes if e.session]), timeout=60)
+        verify = self._verify([e for e in episodes if e.status in SCORED and e.end.get("reward") is None
+                               and not e.worker_lost])
         results = []
         every = self.cfg.env.gateway.fork_policy == "all"
         for e in episodes:
@@ -305,6 +307,18 @@ class GatewayEpisodeRunner(EpisodeRunner):
                                         elapsed_s=time.monotonic() - e.opened))
         return results
 
+    def _verify(self, episodes: list[AgentEpisode]) -> dict[str, tuple[float, bool]]:
+        """The row's verifier on each episode's last assistant message, by episode id: one call per env worker."""
+        refs = {w: self.pool.workers[w].verify_many.remote([(_row_dict(e.row), e.final_text) for e in episodes
+                                                            if e.worker == w])
+                for w in sorted({e.worker for e in episodes})}
+        out = {}
+        for w, ref in refs.items():
+            mine = [e for e in episodes if e.worker == w]
+            out.update(zip([e.episode_id for e in mine],
+                           ray.get(ref, timeout=self.cfg.env.tool_timeout_s * (len(mine) // 8 + 1) + 30)))
+        return out
+
     def _score(self, e: AgentEpisode, verify: dict, detail: dict) -> tuple[float, bool, str]:
         failed = 0.0 if self.cfg.env.on_error == "zero" else math.nan
         if e.status not in SCORED:
@@ -313,7 +327,7 @@ class GatewayEpisodeRunner(EpisodeRunner):
             log.warning("episode %s (row %s): agent %s: %s", e.episode_id, e.row.uid, e.status, detail["error"])
             return failed, False, e.status
         if e.episode_id in verify:
-            score, correct = ray.get(verify[e.episode_id], timeout=self.cfg.env.tool_timeout_s + 30)
+            score, correct = verify[e.episode_id]
             return score, correct, OK
         reward = e.end["reward"]
         if isinstance(reward, dict):

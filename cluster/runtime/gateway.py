@@ -161,6 +161,11 @@ class Gateway:
             self._close(s, {"kind": "end", "reward": None, "status": "closed", "error": "closed by the trainer"})
             self.sessions.pop(session_id, None)
 
+    async def close_many(self, session_ids: list[str]) -> None:
+        """``close`` of each session, in one call (a round's episodes at their end)."""
+        for session_id in session_ids:
+            await self.close(session_id)
+
     async def take_counters(self) -> dict[str, float]:
         """The gateway's counters since the last call (``gateway/*``: requests, errors by status, streams)."""
         out, self.counters = self.counters, {}

@@ -265,7 +265,7 @@ def test_fork_policy_all_hands_every_earlier_branch_to_the_trainer(monkeypatch, 
 
     monkeypatch.setattr(gateway_episodes.ray, "get", lambda x, timeout=None: x)
     r, e = _runner(**{"env.gateway.fork_policy": policy}), _episode()
-    r.gateway.close = r.gateway  # close.remote(...) recorded like exchange's
+    r.gateway.close_many = r.gateway  # close_many.remote(...) recorded like exchange's
     r._take_request(e, _request([USER]))
     _sample(r, e, CALL)
     first = list(e.sampled)

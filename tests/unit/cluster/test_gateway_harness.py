@@ -143,10 +143,10 @@ class _FakePool:
         pool = self
 
         class _Worker:
-            class start_agent:  # noqa: N801 - stands in for a Ray method
+            class start_agents:  # noqa: N801 - stands in for a Ray method
                 @staticmethod
-                def remote(*args):
-                    pool.started.append(args)
+                def remote(jobs):
+                    pool.started.extend(jobs)
 
         self.workers = [_Worker()]
 
