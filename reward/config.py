@@ -377,7 +377,8 @@ class GatewayConfig(Section):
     )
     model_name: str = Field("policy", description="the model id /v1/models lists and responses name")
     harness: str | None = Field(
-        None, description="a command line (split as a shell does, no shell) the driver starts once per run in place "
+        None, description="a command line (split as a shell does, no shell; a first word python is the driver's "
+        "interpreter) the driver starts once per run in place "
         "of env.agent: a separate program that takes the run's episodes itself over REST (POST /sessions with the "
         "run key in GSPO_GATEWAY_KEY at GSPO_GATEWAY_URL gives one episode's row, base URL and key; POST "
         "/s/<id>/close ends it with a reward). None = not used",

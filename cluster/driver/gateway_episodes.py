@@ -31,6 +31,7 @@ import math
 import os
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -337,15 +338,19 @@ class GatewayEpisodeRunner(EpisodeRunner):
 
 
 def start_harness(command: str, env: dict[str, str], log_path) -> subprocess.Popen:
-    """Start ``env.gateway.harness`` (split as a shell does; no shell) with ``env`` (``Gateway.harness_env``)
-    added to the driver's environment, its output to ``log_path``.
+    """Start ``env.gateway.harness`` (split as a shell does; no shell; a first word ``python`` or ``python3`` is
+    the driver's own interpreter, ``sys.executable``) with ``env`` (``Gateway.harness_env``) added to the driver's
+    environment, its output to ``log_path``.
 
     Raises:
         OSError: the program cannot be started (not found, not executable).
     """
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(shlex.split(command), env={**os.environ, **env}, stdout=out,
+        return subprocess.Popen(argv, env={**os.environ, **env}, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -174,3 +174,12 @@ def test_the_driver_opens_each_episode_with_its_row_for_a_harness_and_starts_no_
     assert len(runner.pool.started) == (0 if harness else 4)
     # an episode no program claimed ends at its deadline: status timeout, scored by env.on_error
     assert [e.status for e in episodes] == ["timeout"] * 4
+
+
+def test_the_harness_command_runs_with_the_drivers_python_and_the_run_key(tmp_path):
+    from cluster.driver.gateway_episodes import start_harness
+
+    log = tmp_path / "logs" / "harness.log"
+    proc = start_harness("python -c 'import os, sys; print(sys.executable, os.environ[\"GSPO_GATEWAY_KEY\"])'",
+                         {"GSPO_GATEWAY_KEY": "k1"}, log)
+    assert proc.wait(60) == 0 and log.read_text().split() == [sys.executable, "k1"]
