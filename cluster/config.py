@@ -213,8 +213,12 @@ class Config(Section):
             raise ValueError(f"trainer.partial_segment_tokens={self.trainer.partial_segment_tokens} is refused with "
                              "env set: an episode's partial rollout goes turn by turn (a turn is never split across "
                              "weight versions), leave it unset")
-        if self.env.agent is not None and self.trainer.partial_rollouts:
-            raise ValueError(f"trainer.partial_rollouts=true is refused with env.agent={self.env.agent!r}: agent "
+        if self.env.gateway.fork_policy == "all" and self.distill.enabled:
+            raise ValueError("env.gateway.fork_policy=all is refused with distill on: the teacher's log-probs are "
+                             "asked per episode, not per branch (use longest)")
+        if self.env.agent_program and self.trainer.partial_rollouts:
+            raise ValueError(f"trainer.partial_rollouts=true is refused with env.agent={self.env.agent!r} / env."
+                             f"gateway.harness={self.env.gateway.harness!r}: agent "
                              "programs' episodes do not continue across weight syncs yet (set it false)")
         if self.data.apply_chat_template is True:
             raise ValueError("data.apply_chat_template=true is refused with env set: the agent loop renders an "

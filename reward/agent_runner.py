@@ -1,7 +1,7 @@
 """Agent programs run as episodes (``env.agent``): the user's function, called once per episode in an env worker
 with the row and an OpenAI client pointed at the episode's gateway session (docs/agents.md "Agent programs").
 
-``AgentRuns.start`` runs ``fn(row, client)`` in a thread of its own (a coroutine function gets an
+``AgentRuns.start`` runs ``fn(row, client)`` in a thread of its own (threads are reused across episodes) (a coroutine function gets an
 ``openai.AsyncOpenAI`` client and its own event loop in that thread), so many episodes run at once on one
 worker. When the function returns, raises or its thread is abandoned, the runner closes the session over the
 gateway's REST route (``POST /s/<id>/close`` with the session key) with the reward it returned (a float, named
@@ -11,7 +11,9 @@ session then refuses the agent's next request (409), which ends a well-behaved c
 
 A program that is not Python (a CLI harness) is run the same way by a small function that starts it with
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set from ``session_env`` and closes the session with its reward
-(``close_session``), as ``reward/envs/cli_agent.py`` shows.
+(``close_session``), as ``reward/envs/cli_agent.py`` shows. A program that takes its episodes itself
+(``env.gateway.harness``, started once by the driver) asks for each with ``claim_session`` and closes it with
+``close_session``, as ``reward/envs/calc_harness.py`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import queue
 import threading
 from typing import Any, Callable
 
@@ -79,6 +82,43 @@ def close_session(session: dict[str, str], reward: Any = None, status: str = OK,
     return r.status_code == 200
 
 
+class GatewayStopped(Exception):
+    """The gateway has no more episodes to give (the run is ending: 410, or it no longer answers)."""
+
+
+def claim_session(url: str, run_key: str, uid: str | None = None, wait_s: float = 30.0,
+                  http: Any = None) -> dict[str, Any] | None:
+    """Take one of the run's episodes for a separate program (``env.gateway.harness``): ``POST <url>/sessions``
+    with the run key. Returns ``{"session_id", "base_url", "api_key", "row"}`` (``row``: the task row as a dict),
+    or None when no episode waited within ``wait_s`` seconds (ask again).
+
+    Args:
+        url: the gateway's root URL (``GSPO_GATEWAY_URL``).
+        run_key: the run's key (``GSPO_GATEWAY_KEY``).
+        uid: take an episode of this row only (None: the oldest waiting).
+        http: an ``httpx.Client`` to send it with (default: a new one).
+
+    Raises:
+        GatewayStopped: the run is ending (410), or the gateway does not answer.
+        RuntimeError: any other answer (a wrong key: 401; a bad body: 400), with its body.
+    """
+    import httpx
+
+    body = {"wait_s": wait_s} | ({} if uid is None else {"uid": uid})
+    try:
+        r = (http or httpx).post(url.rstrip("/") + "/sessions", json=body, timeout=wait_s + 30.0,
+                                 headers={"Authorization": f"Bearer {run_key}"})
+    except httpx.TransportError as err:
+        raise GatewayStopped(f"the gateway at {url} does not answer: {err!r}") from None
+    if r.status_code == 204:
+        return None
+    if r.status_code == 410:
+        raise GatewayStopped(r.text[:300])
+    if r.status_code != 200:
+        raise RuntimeError(f"POST {url}/sessions answered {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
 class AgentRuns:
     """The agent programs under way on one env worker.
 
@@ -99,17 +139,44 @@ class AgentRuns:
         # pool shared by 256 threads serialised them on its lock (4.4x the gateway's time per request,
         # bench/gateway.py).
         self.tls = ssl.create_default_context()
-        self.threads: dict[str, threading.Thread] = {}
+        # Threads are reused: an ended agent's thread waits (up to idle_s) for the next episode, since starting one
+        # costs about 0.7 ms of this process's CPU here, 256 times a step. A hung agent keeps its thread; new
+        # episodes then get new ones.
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = 0  # threads waiting for a job (or reserved by a start about to put one)
+        self.idle_s = 60.0
+        self.running: set[str] = set()  # episodes whose agent has not returned
         self.lock = threading.Lock()
 
     def start(self, episode_id: str, row: dict, session: dict[str, str]) -> None:
-        """Run the agent on ``row`` against ``session`` (``Gateway.open``'s answer) in a new thread."""
-        t = threading.Thread(target=self._run, args=(episode_id, row, session), daemon=True,
-                             name=f"agent-{session['session_id']}")
-        with self.lock:  # the episodes' threads still running (ended ones are let go: a run has many episodes)
-            self.threads = {k: x for k, x in self.threads.items() if x.is_alive()}
-            self.threads[episode_id] = t
-        t.start()
+        """Run the agent on ``row`` against ``session`` (``Gateway.open``'s answer) in a thread of its own (an
+        idle one, or a new one); returns at once."""
+        with self.lock:
+            self.running.add(episode_id)
+            spawn = self.idle == 0
+            self.idle -= 0 if spawn else 1
+        self.jobs.put((episode_id, row, session))
+        if spawn:
+            threading.Thread(target=self._serve, daemon=True, name="agent").start()
+
+    def _serve(self) -> None:
+        """A thread's loop: run jobs until none came for ``idle_s`` seconds."""
+        while True:
+            try:
+                episode_id, row, session = self.jobs.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self.lock:
+                    if self.idle > 0 and self.jobs.empty():
+                        self.idle -= 1
+                        return
+                continue
+            threading.current_thread().name = f"agent-{session['session_id']}"
+            try:
+                self._run(episode_id, row, session)
+            finally:
+                with self.lock:
+                    self.running.discard(episode_id)
+                    self.idle += 1
 
     def _call(self, row: dict, session: dict[str, str], http: Any) -> Any:
         import httpx

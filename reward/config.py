@@ -374,13 +374,22 @@ class GatewayConfig(Section):
         "only, a node address (or 0.0.0.0) serves env workers on other nodes",
     )
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 = a free port chosen at start")
-    fork_policy: Literal["longest", "refuse"] = Field(
+    fork_policy: Literal["longest", "all", "refuse"] = Field(
         "longest",
         description="an episode whose agent sent a history that is not an extension of what the gateway returned "
-        "(edited, summarised, reasoning stripped) forks: longest = train the branch with the most sampled tokens "
-        "(counted in agent/forks); refuse = answer the request with an error, the episode ends as the agent does",
+        "(edited, summarised, reasoning stripped) forks (counted in agent/forks): longest = train the branch with "
+        "the most sampled tokens; all = train every branch, each with its episode's reward and advantage (the "
+        "group's statistics stay per episode); refuse = answer the request with an error, the episode ends as the "
+        "agent does",
     )
     model_name: str = Field("policy", description="the model id /v1/models lists and responses name")
+    harness: str | None = Field(
+        None, description="a command line (split as a shell does, no shell; a first word python is the driver's "
+        "interpreter) the driver starts once per run in place "
+        "of env.agent: a separate program that takes the run's episodes itself over REST (POST /sessions with the "
+        "run key in GSPO_GATEWAY_KEY at GSPO_GATEWAY_URL gives one episode's row, base URL and key; POST "
+        "/s/<id>/close ends it with a reward). None = not used",
+    )
 
 
 class EnvConfig(Section):
@@ -454,7 +463,12 @@ class EnvConfig(Section):
     @property
     def enabled(self) -> bool:
         """True when episodes run in environments (``cls``, ``tools`` or ``openenv`` is set)."""
-        return self.cls is not None or bool(self.tools) or self.openenv.enabled or self.agent is not None
+        return self.cls is not None or bool(self.tools) or self.openenv.enabled or self.agent_program
+
+    @property
+    def agent_program(self) -> bool:
+        """True when episodes are agent programs behind the session gateway (``agent`` or ``gateway.harness``)."""
+        return self.agent is not None or self.gateway.harness is not None
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
@@ -462,7 +476,12 @@ class EnvConfig(Section):
             raise ValueError(f"env.cls={self.cls!r} and env.tools={self.tools} are both set: set exactly one (an "
                              "Environment subclass, or tool functions scored by the row's verifier)")
         ways = [k for k, on in (("cls", self.cls is not None), ("tools", bool(self.tools)),
-                                ("openenv", self.openenv.enabled), ("agent", self.agent is not None)) if on]
+                                ("openenv", self.openenv.enabled), ("agent", self.agent is not None),
+                                ("gateway.harness", self.gateway.harness is not None)) if on]
+        if self.gateway.harness is not None and len(ways) > 1:
+            raise ValueError(f"env.gateway.harness={self.gateway.harness!r} is set beside env."
+                             f"{', env.'.join(w for w in ways if w != 'gateway.harness')}: a harness program takes "
+                             "its episodes itself; set exactly one way to define the episode")
         if self.agent is not None and len(ways) > 1:
             raise ValueError(f"env.agent={self.agent!r} is set beside env.{', env.'.join(w for w in ways if w != 'agent')}: "
                              "an agent program brings its own tools; set exactly one way to define the episode")

@@ -77,7 +77,7 @@ from reward.environment import (
     tool_schemas,
 )
 from reward.episode_status import CUT, FAILED, MAX_TURNS, OK, RUNNING
-from reward.infra import Cause, detail_cause, infra_score
+from reward.infra import Cause, detail_cause, failed_reward
 from reward.runner import CallOutcome
 from reward.verifiers import as_row_dict, get_verifier
 
@@ -364,6 +364,18 @@ class EnvWorker:
             raise ValueError("start_agent: env.agent is unset on this env worker")
         self._agents.start(episode_id, as_row_dict(row), session)
 
+    def start_agents(self, jobs: list[tuple[str, Any, dict[str, str]]]) -> None:
+        """``start_agent`` of each ``(episode_id, row, session)``: a round's agents in one call."""
+        for episode_id, row, session in jobs:
+            self.start_agent(episode_id, row, session)
+
+    def verify_many(self, items: list[tuple[Any, str]]) -> list[tuple[float, bool]]:
+        """``verify`` of each ``(row, text)``, in order, eight at a time: a round's verdicts in one call."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, max(len(items), 1))) as pool:
+            return list(pool.map(lambda item: self.verify(*item), items))
+
     def verify(self, row: Any, text: str) -> tuple[float, bool]:
         """``(score, correct)`` of the row's verifier on ``text`` (an agent that returned no reward: its last
         assistant message), read as the reward worker reads a verifier (``reward.worker.interpret``); a failed
@@ -582,10 +594,3 @@ class EnvWorker:
         reward = failed_reward(self.cfg, self.reward_cfg, cause)
         return EnvOutcome(reward, {}, ep.state, dict(ep.detail), ep.turns, ep.seconds, False, cause or "")
 
-
-def failed_reward(env_cfg: EnvConfig, reward_cfg: RewardConfig, cause: str | None) -> float:
-    """The reward of an episode that failed: ``reward.on_infra_failure``'s (NaN or 0) when ``cause`` names a
-    service's failure (a ``reward.infra.Cause`` value), else ``env.on_error``'s (0, or NaN for ``drop``)."""
-    if cause:
-        return infra_score(reward_cfg.on_infra_failure)
-    return 0.0 if env_cfg.on_error == "zero" else float("nan")

@@ -108,4 +108,13 @@ def add_counts(into: dict[str, float], more: dict[str, float]) -> dict[str, floa
 
 
 __all__ = ["CAUSES", "Cause", "DETAIL_KEY", "InfraFailure", "METRIC", "add_counts", "cause_of", "counts",
-           "detail_cause", "infra_score"]
+           "detail_cause", "failed_reward", "infra_score"]
+
+
+def failed_reward(env_cfg: Any, reward_cfg: Any, cause: str | None) -> float:
+    """The reward of an episode that failed (``env_cfg``: the ``env`` section, ``reward_cfg``: the ``reward``
+    one): ``reward.on_infra_failure``'s (NaN or 0) when ``cause`` names a service's failure (a ``Cause`` value),
+    else ``env.on_error``'s (0, or NaN for ``drop``)."""
+    if cause:
+        return infra_score(reward_cfg.on_infra_failure)
+    return 0.0 if env_cfg.on_error == "zero" else float("nan")

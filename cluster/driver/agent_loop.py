@@ -16,7 +16,8 @@ gives its reward.
 
 Engines never wait on tools: whenever an engine is idle it samples every episode that is ready, while others
 wait for their environment; the loop waits on whichever call ends first. The share of the rollout's wall time
-the engines spent sampling is ``agent/engine_busy_share``.
+the engines spent sampling is ``agent/engine_busy_share``. An engine that dies with turns open is replaced and
+those turns are sampled again on the new one (``engine_lost``; the gateway's runner fails the request with 503).
 
 The ids trained on are the ids sampled: each engine keeps a digest of every turn's context and sampled ids, each
 learner rank digests the turns it trained, and the driver compares the two (``cluster.driver.token_check``,
@@ -39,7 +40,8 @@ from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import (Episode, TurnLoop, _row_dict, episode_metrics, fill_missing_routing,
                                      rerendered_context, tool_call_dicts)
 from reward.contracts import RewardResult
-from reward.env_worker import EnvOutcome, failed_reward
+from reward.env_worker import EnvOutcome
+from reward.infra import failed_reward
 from reward.episode_status import CUT_TOKENS, ERROR, FAILED, MAX_TURNS, OK, RUNNING
 from reward.infra import DETAIL_KEY, Cause
 from rollout.chat_delta import reply_ids
@@ -83,8 +85,8 @@ class EpisodeRunner:
         episodes = [self.episode_cls(f"{row.uid}#{k}@{round_}.{i}", row, k, seed * 1_000_003 + i,
                             (i * G + k) % len(self.pool), group=i) for i, row in enumerate(rows) for k in range(G)]
         t0 = time.perf_counter()
-        self.start_episodes(episodes)
-        busy = self._play(episodes, temperature)
+        starting = self.start_episodes(episodes)
+        busy = self._play(episodes, temperature, starting)
         if lost := [e.episode_id for e in episodes if e.status == RUNNING]:
             raise RuntimeError(f"agent loop: {len(lost)} episodes left without an end, e.g. {lost[:3]}")
         restarts = self.pool.restarts
@@ -97,6 +99,11 @@ class EpisodeRunner:
         metrics.update(self.pool.take_metrics())
         return [e.completion() for e in episodes], results, metrics, {e.episode_id: e.sampled for e in episodes}
 
+    def take_branches(self) -> dict[str, list[tuple[int, Completion]]]:
+        """Episodes' other branches to train beside them, by episode id (an environment's episode has one branch:
+        {}; the gateway's runner with ``env.gateway.fork_policy=all`` keeps them)."""
+        return {}
+
     # -- the episode's phases ---------------------------------------------------------------------------------
     def _env(self, e: Episode, ref):
         """``ray.get(ref)`` of an env worker call for episode ``e``; None when the worker's process died (the
@@ -107,12 +114,14 @@ class EpisodeRunner:
             e.status, e.worker_lost = ERROR, True
             return None
 
-    def start_episodes(self, episodes: list[Episode]) -> None:
+    def start_episodes(self, episodes: list[Episode]) -> dict:
         """Open ``episodes`` in their env workers: their first ids and tools, or their end (status ``timeout`` /
-        ``error`` when the environment failed to start, ``error`` when its worker died)."""
+        ``error`` when the environment failed to start, ``error`` when its worker died). Returns the starts still
+        under way (ref -> episode; the loop applies them as they end): none here, all were applied."""
         refs = [self.start_ref(e) for e in episodes]
         for e, ref in zip(episodes, refs):
             self._on_start(e, ref)
+        return {}
 
     def start_ref(self, e: Episode):
         """The env worker's ``start`` call of ``e`` (a Ray ref; ``_on_start`` applies its answer)."""
@@ -142,9 +151,10 @@ class EpisodeRunner:
             return list(row.prompt_token_ids)
         return self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
 
-    def _play(self, episodes: list[Episode], temperature: float | None) -> float:
-        """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``); returns
-        the engines' busy seconds (summed over engines).
+    def _play(self, episodes: list[Episode], temperature: float | None, starting: dict | None = None) -> float:
+        """Turns until every episode ended, sampled at ``temperature`` (None: ``rollout.temperature``), the
+        episodes in ``starting`` (ref -> episode) joining as their start ends; returns the engines' busy seconds
+        (summed over engines).
 
         Continuous batching: each engine has ``depth`` (2) ``advance_turns`` calls queued while it has open turns
         (the next starts as the last returns, so the engine does not wait while the driver reads a result); an
@@ -152,7 +162,10 @@ class EpisodeRunner:
         episodes stay on one engine, whose prefix cache holds their prompt and earlier turns). On an error the
         engines' open turns are aborted, so the engines are left clean.
         """
-        loop = TurnLoop(ready=[e for e in episodes if e.status == RUNNING])
+        starting = starting or {}
+        waiting = {id(e) for e in starting.values()}
+        loop = TurnLoop(ready=[e for e in episodes if e.status == RUNNING and id(e) not in waiting],
+                        starting=dict(starting), by_id={e.episode_id: e for e in episodes})
         with self.aborting_on_error():
             while not loop.idle():
                 self.pump(loop, temperature)
@@ -193,7 +206,11 @@ class EpisodeRunner:
         for ref in done:
             if ref in loop.calls:
                 j = loop.calls.pop(ref)
-                turns, seconds = ray.get(ref)
+                try:
+                    turns, seconds = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    self.engine_lost(loop, j)
+                    continue
                 loop.busy += seconds
                 loop.open_turns[j] -= len(turns)
                 for turn in turns:
@@ -207,6 +224,27 @@ class EpisodeRunner:
                 s = self._env(e, ref)
                 if s is not None and self._on_step(e, s):
                     loop.ready.append(e)
+
+    def engine_lost(self, loop: TurnLoop, j: int) -> None:
+        """Engine slot ``j`` died under its turns: replace it (``EngineFleet.replace``, the current weights) and
+        hand each episode whose turn it had open to ``on_engine_lost``. The dead engine's other queued calls are
+        dropped (they fail the same way)."""
+        for ref in [r for r, slot in loop.calls.items() if slot == j]:
+            del loop.calls[ref]
+        loop.open_turns[j] = 0
+        n = len(self.fleet.engines)
+        elsewhere = {id(e) for e in [*loop.ready, *loop.stepping.values(), *loop.starting.values()]}
+        lost = [e for e in loop.by_id.values()
+                if e.status == RUNNING and e.group % n == j and id(e) not in elsewhere]
+        log.warning("rollout engine %d died with %d turns open: replacing it", j, len(lost))
+        self.fleet.replace(j)
+        for e in lost:
+            self.on_engine_lost(e, loop)
+
+    def on_engine_lost(self, e: Episode, loop: TurnLoop) -> None:
+        """An episode whose turn was open on an engine that died: nothing of the turn was kept, so it is sampled
+        again (on the engine that replaced it)."""
+        loop.ready.append(e)
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
         """The episode's next turn: its exact ids (or, with ``env.debug_rerender``, after its first turn and where

@@ -4,6 +4,7 @@ rollout batch into minibatches and data-parallel shards with their global normal
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +89,49 @@ def rollout_advantages(completions: list[Completion], rewards: torch.Tensor, gro
                  "per-turn advantages need learner.algorithm=%r", algorithm, PER_TURN_ALGORITHM)
     return RolloutAdvantages(returns, group_advantages(returns, group_size, normalize_std=normalize_std),
                              summed_turn_rewards=True)
+
+
+def with_branches(completions: list[Completion], adv: RolloutAdvantages, episodes: list[tuple[str, int]],
+                  branches: dict[str, list[tuple[int, Completion]]], unit: int, pad_token_id: int) -> tuple[
+                      list[Completion], RolloutAdvantages, list[tuple[str, int]]]:
+    """The batch with every episode's other branches beside it (``env.gateway.fork_policy=all``): each branch
+    trains with its episode's return and advantage (the group's statistics were taken per episode, before);
+    then empty rows (no response token, return NaN, advantage 0: nothing trains on them) up to a multiple of
+    ``unit`` (``num_minibatches x world_size``, which ``split_for_ranks`` needs).
+
+    Args:
+        completions: the N episodes' completions (the branch each episode ended on).
+        adv: their ``RolloutAdvantages`` (``rollout_advantages``), ``[N]`` per sequence.
+        episodes: ``(episode_id, branch)`` of each of the N.
+        branches: the other branches by episode id, ``(branch, Completion)`` (``Collected.branches``); episodes
+            absent have none.
+        unit: the batch's size must be a multiple of it.
+        pad_token_id: the empty rows' one prompt token.
+
+    Returns:
+        ``(completions, advantages, episodes)`` extended alike (the inputs themselves when no episode has another
+        branch); ``episodes`` names each row's ``(episode_id, branch)`` for the token check, ``("", 0)`` the empty
+        rows.
+
+    Raises:
+        ValueError: per-token advantages (``gspo_token`` with per-turn rewards): a branch's turns are not its
+            episode's.
+    """
+    owners = [(i, b, comp) for i, (eid, _) in enumerate(episodes) for b, comp in branches.get(eid, [])]
+    if not owners:
+        return completions, adv, episodes
+    if adv.per_turn:
+        raise ValueError("env.gateway.fork_policy=all trains one advantage per sequence; per-turn advantages "
+                         "(gspo_token with per-turn rewards) do not map onto another branch's turns")
+    pad = -(len(completions) + len(owners)) % unit
+    empty = [Completion(completions[0].prompt_uid, 0, [pad_token_id], [], [], "", "stop",
+                        completions[0].weight_version) for _ in range(pad)]
+    idx = torch.tensor([i for i, _, _ in owners], dtype=torch.long)
+    returns = torch.cat([adv.returns, adv.returns[idx], torch.full((pad,), float("nan"))]).to(torch.float32)
+    advantages = torch.cat([adv.advantages, adv.advantages[idx], torch.zeros(pad)]).to(torch.float32)
+    rows = completions + [comp for _, _, comp in owners] + empty
+    keys = episodes + [(episodes[i][0], b) for i, b, _ in owners] + [("", 0)] * pad
+    return rows, dataclasses.replace(adv, returns=returns, advantages=advantages), keys
 
 
 def _turn_table(completions: list[Completion]) -> torch.Tensor:

@@ -53,6 +53,9 @@ class Collected:
     start_position: int = 0
     end_position: int = 0
     sampled: dict[str, list[int]] = field(default_factory=dict)  # episodes: the engines' ids by episode id
+    # env.gateway.fork_policy=all: each episode's other branches, (branch, Completion), by episode id; they train
+    # with their episode's reward and advantage (cluster.driver.batching.with_branches)
+    branches: dict[str, list[tuple[int, Completion]]] = field(default_factory=dict)
     # on-policy distillation (distill): per completion the teacher's log-prob of each response token, None where
     # the teacher failed (that sample's reward is then NaN); None = not asked yet (cluster/driver/distill.py)
     teacher_logprobs: list[list[float] | None] | None = None
@@ -93,6 +96,7 @@ class Collector:
             c.generated_tokens += sum(x.sampled_tokens for x in comps)
             c.reward_metrics.update(metrics)
             c.sampled.update(sampled)
+            c.branches.update(self.episodes.take_branches())
             return comps, scored
         comps: list[Completion | None] = [None] * (len(rows) * G)
         scored: list[RewardResult | None] = [None] * (len(rows) * G)

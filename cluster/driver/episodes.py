@@ -100,6 +100,15 @@ class Episode:
         if trajectory is None:
             self.turn_end = None
 
+    def snapshot(self) -> tuple:
+        """The episode's sequence (``trajectory``), its tools and how its last turn ended, for ``rewind``."""
+        return self.trajectory(), list(self.tools), self.turn_end
+
+    def rewind(self, snapshot: tuple) -> None:
+        """Put the episode back as ``snapshot`` (a ``snapshot()``) found it."""
+        trajectory, self.tools, self.turn_end = snapshot
+        self.restart(trajectory)
+
     @property
     def sampled_versions(self) -> list[int]:
         """The weight version of each sampled token (mask 1), in order."""

@@ -32,7 +32,7 @@ from cluster.data.tasks import load_rows, load_tokenizer
 from cluster.driver import (agent_loop, audit_dump, checkpoint, gateway_episodes, length_slices, partial_episodes,
                             partial_rollout, step_metrics)
 from cluster.driver.distill import Distiller
-from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks
+from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks, with_branches
 from cluster.driver.collect import Collected, Collector
 from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import check_template
@@ -149,7 +149,7 @@ class Trainer:
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **m.build_kwargs()))
         self.tokenizer = tok = load_tokenizer(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        if cfg.env.enabled and (cfg.env.agent is None or cfg.env.gateway.fork_policy == "refuse"):
+        if cfg.env.enabled and (not cfg.env.agent_program or cfg.env.gateway.fork_policy == "refuse"):
             check_template(self.tokenizer)  # episodes continue on their sampled ids (agent programs fork)
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         # Before any actor starts: every module:function verifier imports here, or the run stops naming it.
@@ -210,7 +210,7 @@ class Trainer:
             self.env_groups = services.RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources,
                                                     cfg.cluster.placement_timeout_s)
             pool = EnvPool(cfg, self.env_groups)
-            if cfg.env.agent is not None:  # agent programs behind the session gateway
+            if cfg.env.agent_program:  # agent programs behind the session gateway
                 self.episodes, self.gateway = gateway_episodes.start_gateway_runner(cfg, self.fleet, pool,
                                                                                    self.tokenizer)
             else:
@@ -259,13 +259,17 @@ class Trainer:
                                  normalize_std=cfg.learner.advantage_std())
         if self.distiller is not None:  # per token: reward_weight x A_i - kl_coef x k (cluster/driver/distill.py)
             adv = self.distiller.advantages(c, adv)
-        batch = build_train_batch(c.completions, adv.returns, adv.advantages, self.pad_id)
+        episodes = [(r.detail.get("episode_id", ""), r.detail.get("branch", 0)) for r in c.results]
+        # env.gateway.fork_policy=all: every episode's other branches beside it, with its reward and advantage
+        completions, adv, episodes = with_branches(c.completions, adv, episodes, getattr(c, "branches", {}),
+                                                   cfg.learner.num_minibatches * cfg.learner.world_size, self.pad_id)
+        batch = build_train_batch(completions, adv.returns, adv.advantages, self.pad_id)
         plans = split_for_ranks(batch, cfg.learner.num_minibatches, cfg.learner.world_size, seed=tc.seed + self.step)
         audit_dir = None
         if self.step + 1 in tc.audit_steps:
             audit_dir = audit_dump.save_inputs(cfg, self.run_dir, self.learners, self.step + 1, batch, plans,
                                                model_path=self.model_path, train_rows=self.train_rows,
-                                               weight_version=self.weight_version, completions=c.completions)
+                                               weight_version=self.weight_version, completions=completions)
         self.rl_lr.apply(self.step)
         t = time.perf_counter()
         result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
@@ -273,8 +277,7 @@ class Trainer:
         if self.episodes is not None:  # the engines' records against what the ranks trained (must be 0)
             self.token_check.drain(self.fleet.engines)
             c.reward_metrics.update(self.token_check.compare(
-                self.learners.trained_turns(), [(r.detail["episode_id"], r.detail.get("branch", 0)) for r in c.results],
-                checked=not result.skipped))
+                self.learners.trained_turns(), episodes, checked=not result.skipped))
         if audit_dir is not None:
             audit_dump.save_outputs(self.learners, audit_dir, result.record())
         return result, learner_s
@@ -445,6 +448,6 @@ class Trainer:
             self.episodes.pool.shutdown()
             self.env_groups.remove_all()
         if self.gateway is not None:
-            self.gateway.stop.remote()  # the actor goes with the job; this only stops accepting requests
+            self.episodes.stop_gateway()  # the actor goes with the job; this stops requests (and the harness)
         if self.learners is not None:
             self.learners.shutdown()

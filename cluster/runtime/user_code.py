@@ -197,6 +197,8 @@ def check_user_env(cfg: Config, cwd: Path | None = None) -> list[str]:
     cwd = with_working_dir_on_path(cwd)
     if ec.openenv.enabled:
         return _check_openenv(cfg, cwd)
+    if ec.agent is None and ec.gateway.harness is not None:
+        return []  # a separate program: nothing of it imports here
     names = [ec.cls] if ec.cls is not None else [ec.agent] if ec.agent is not None else list(ec.tools)
     key = "env.cls" if ec.cls is not None else "env.agent" if ec.agent is not None else "env.tools"
     try:

@@ -40,7 +40,7 @@ class Played:
         end: the session's last event: ``{"kind": "end", "reward", "status", "error"}`` or ``{"kind": "timeout"}``.
         session: the session the agent was given (``base_url``, ``api_key``, ``session_id``).
         exhausted: requests that came after the script's last entry (answered with 503).
-        agent_done: whether the agent's thread had ended when the episode was over (its join timed out if not).
+        agent_done: whether the agent had returned when the episode was over (the wait for it timed out if not).
         counters: the gateway's counters (``gateway/requests``, ``gateway/errors/<status>``, ...).
     """
 
@@ -90,7 +90,7 @@ def play(fn: Callable[..., Any] | None, row: dict, script: Sequence[ScriptEntry]
         start_agent: instead of ``AgentRuns``: called with the session in a thread of its own.
 
     Returns:
-        ``Played``; the agent's thread was joined (for at most 15 s) after the session ended.
+        ``Played``; the agent was waited for (at most 15 s) after the session ended.
     """
     played = Played()
     threads: list[threading.Thread] = []
@@ -98,6 +98,7 @@ def play(fn: Callable[..., Any] | None, row: dict, script: Sequence[ScriptEntry]
     async def main() -> None:
         from reward.agent_runner import AgentRuns
 
+        runs = None
         gateway = Gateway(host="127.0.0.1", port=0)
         await gateway.start()
         try:
@@ -105,7 +106,6 @@ def play(fn: Callable[..., Any] | None, row: dict, script: Sequence[ScriptEntry]
             if start_agent is None:
                 runs = AgentRuns(fn, timeout_s)
                 runs.start("episode", row, played.session)
-                threads.extend(runs.threads.values())
             else:
                 t = threading.Thread(target=start_agent, args=(played.session,), daemon=True, name="scripted-agent")
                 t.start()
@@ -113,9 +113,12 @@ def play(fn: Callable[..., Any] | None, row: dict, script: Sequence[ScriptEntry]
             await drive(gateway, SESSION_ID, script, played, timeout_s)
             # the agent's own close lands before the runner's: give the runner's (a no-op then) time to arrive
             deadline = asyncio.get_running_loop().time() + 15.0
-            while any(t.is_alive() for t in threads) and asyncio.get_running_loop().time() < deadline:
+            def busy() -> bool:
+                return any(t.is_alive() for t in threads) or (runs is not None and bool(runs.running))
+
+            while busy() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
-            played.agent_done = not any(t.is_alive() for t in threads)
+            played.agent_done = not busy()
             played.counters = await gateway.take_counters()
             await gateway.close(SESSION_ID)
         finally:

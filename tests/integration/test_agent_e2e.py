@@ -91,6 +91,35 @@ def test_an_openai_program_behind_the_gateway_plays_the_same_episodes(trainer):
     assert metrics["agent/env_failed"] == 0.0 and set(errors) <= {"gateway/errors/400"}, errors  # 400: no room
 
 
+def test_a_separate_harness_program_takes_the_same_episodes_over_rest(trainer):
+    """env.gateway.harness: the driver starts reward/envs/calc_harness.py, which claims each episode with POST
+    /sessions and the run key, plays it (the calculator loop of calc_agent.py) and closes it with its own reward:
+    the same ids as the env.tools episodes; every episode claimed once, each group G episodes."""
+    from cluster.config import load_config
+    from cluster.driver.env_pool import EnvPool
+    from cluster.driver.gateway_episodes import start_gateway_runner
+    from cluster.runtime.services import RewardGroups
+
+    t = trainer
+    cfg = load_config(REPO_ROOT / "configs" / "tiny_agent_openai.yaml",
+                      [f"trainer.output_dir={t.cfg.trainer.output_dir}", "trainer.run_name=agent", *OVERRIDES,
+                       "env.agent=null", "env.gateway.harness=python -m reward.envs.calc_harness --parallel 8"])
+    groups = RewardGroups(cfg.env.num_cpus_per_worker, cfg.env.node_resources, cfg.cluster.placement_timeout_s)
+    runner, _ = start_gateway_runner(cfg, t.fleet, EnvPool(cfg, groups), t.tokenizer)
+    try:
+        rows = t.train_rows[:4]
+        want, _, _, _ = t.episodes.run(rows, 4, seed=11)
+        got, scored, metrics, _ = runner.run(rows, 4, seed=11)
+    finally:
+        runner.pool.shutdown()
+        groups.remove_all()
+        runner.stop_gateway()
+    assert runner.harness.poll() is not None  # ended with the run
+    assert [c.response_token_ids for c in got] == [c.response_token_ids for c in want]
+    assert metrics["gateway/claims"] == 16.0 and [r.status for r in scored] == ["ok"] * 16
+    assert {r.score for r in scored} <= {0.0, 1.0} and [c.prompt_uid for c in got] == [r.uid for r in rows for _ in range(4)]
+
+
 def test_a_rerendered_history_fails_the_token_check(trainer):
     """env.debug_rerender: later turns are sampled on the history decoded and tokenized again (a newline between
     its pieces), the episodes train on their own ids: the engines' records and the trained turns disagree on every

@@ -1,19 +1,26 @@
 """An agent program's requests onto its episode (cluster/driver/gateway_episodes.py): continue on the sampled ids,
-fork where the history diverges, the errors a request can get, and the branch that trains. No Ray: the gateway
-handle is a stand-in that records the answers the driver sends."""
+fork where the history diverges, the errors a request can get, the branch that trains, and a request whose engine
+died (503 ``engine_lost``, the episode put back as before it). No Ray: the gateway handle is a stand-in that
+records the answers the driver sends."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
+import openai
 import pytest
 
 from cluster.config import load_config
+from cluster.driver.agent_loop import EpisodeRunner
+from cluster.driver.episodes import Episode, TurnLoop
 from cluster.driver.gateway_episodes import AgentEpisode, GatewayEpisodeRunner
+from reward.episode_status import RUNNING
 from rollout.contracts import PromptRow, SampledTurn
 from rollout.gateway_session import canonical_message, continuation, format_call, render_plain
 from rollout.openai_protocol import ProtocolError
 from tests.helpers.chat_tokenizers import REASONING_STRIPPING_TEMPLATE, build_bpe_tokenizer
+from tests.helpers.gateway_script import play
 
 CALC = [{"type": "function", "function": {"name": "calc", "description": "Add.", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -168,3 +175,110 @@ def test_an_agent_reward_is_taken_as_returned_and_named_components_are_summed():
     e2.cut = e2.truncated = True  # its last request got context_length_exceeded and the agent raised on it
     r._on_event(e2, {"kind": "end", "reward": None, "status": "error", "error": "BadRequestError"})
     assert e2.status == "cut_tokens" and e2.end["reward"] is None  # scored as it stands, by the verifier
+
+
+# -- an engine that dies with turns open (EpisodeRunner.engine_lost, called by pump when an advance_turns call
+# raises RayActorError): signalled here by calling engine_lost as pump does, a fake fleet records the replacement
+
+
+class _Fleet:
+    def __init__(self, n: int = 2):
+        self.engines, self.replaced = [object() for _ in range(n)], []
+
+    def replace(self, slot: int) -> None:
+        self.replaced.append(slot)
+
+
+def _loop(lost, others=()) -> TurnLoop:
+    """A loop with ``lost`` episodes' turns open on engine 0 (two calls queued there, one on engine 1)."""
+    loop = TurnLoop(by_id={e.episode_id: e for e in [*lost, *others]})
+    loop.calls, loop.open_turns = {"call-a": 0, "call-b": 0, "call-c": 1}, Counter({0: len(lost), 1: 1})
+    return loop
+
+
+def test_an_agent_programs_request_fails_with_503_and_its_retry_continues_the_branch():
+    r, e = _runner(), _episode()
+    r.fleet = _Fleet()
+    assert r._take_request(e, _request([USER])) is None
+    sent = _sample(r, e, CALL)
+    after_turn = (list(e.response_ids), list(e.mask), [dict(m) for m in e.known])
+    tool = {"role": "tool", "tool_call_id": "call_0", "content": "42"}
+    retried = _request([USER, sent, tool])
+    assert r._take_request(e, retried) is None
+    continued = list(e.response_ids)
+    loop = _loop([e])
+    r.engine_lost(loop, 0)
+    assert r.fleet.replaced == [0] and loop.calls == {"call-c": 1} and loop.open_turns[0] == 0
+    sid, answer, _ = r.gateway.sent[-1]
+    assert sid == "s" and isinstance(answer, ProtocolError) and (answer.status, answer.code) == (503, "engine_lost")
+    assert list(loop.stepping.values()) == [e] and e.status == RUNNING  # the agent's next event is awaited
+    assert (e.response_ids, e.mask, e.known) == after_turn  # as before the failed request
+    assert r._take_request(e, retried) is None  # the client's retry continues the branch: no fork
+    assert e.response_ids == continued and r.forks == 0 and not e.branches
+
+
+def test_a_lost_request_that_had_forked_is_undone_with_its_fork():
+    r, e = _runner(), _episode()
+    r.fleet = _Fleet(1)
+    r._take_request(e, _request([USER]))
+    _sample(r, e, CALL)
+    sampled = list(e.sampled)
+    r._take_request(e, _request([{"role": "user", "content": "Summary: 42. Answer now."}]))
+    assert r.forks == 1 and e.branches
+    r.engine_lost(_loop([e]), 0)
+    assert r.forks == 0 and not e.branches and e.sampled == sampled and e.branch == 0
+
+
+def test_an_environments_episode_samples_its_turn_again_on_the_new_engine():
+    runner = EpisodeRunner.__new__(EpisodeRunner)  # only engine_lost's state: the fleet
+    runner.fleet = _Fleet()
+    row = PromptRow("u", "1+1=", [1], "2")
+    lost, waiting, other = (Episode(f"u#{k}@1.0", row, k, seed=1, worker=0, group=g)
+                            for k, g in ((0, 0), (1, 0), (2, 1)))
+    loop = _loop([lost], others=[waiting, other])
+    loop.stepping["step-ref"] = waiting  # its environment is answering: nothing open on the engine
+    runner.engine_lost(loop, 0)
+    assert runner.fleet.replaced == [0] and loop.ready == [lost]  # engine 1's episode and the stepping one stay
+
+
+def test_the_agent_gets_openais_503_error_body():
+    seen = {}
+
+    def agent(row, client):
+        try:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        except openai.APIStatusError as err:
+            seen["status"], seen["body"] = err.status_code, err.body
+        return 0.0
+
+    lost = ProtocolError(503, "the rollout engine serving this request died; it is being replaced: retry",
+                         type="server_error", code="engine_lost")
+    played = play(agent, {"prompt": "1+1="}, [lost])
+    assert seen["status"] == 503
+    assert seen["body"]["code"] == "engine_lost" and seen["body"]["type"] == "server_error"
+    assert played.end["status"] == "ok" and played.counters["gateway/errors/503"] == 1
+
+
+@pytest.mark.parametrize("policy", ["longest", "all"])
+def test_fork_policy_all_hands_every_earlier_branch_to_the_trainer(monkeypatch, policy):
+    from cluster.driver import gateway_episodes
+
+    monkeypatch.setattr(gateway_episodes.ray, "get", lambda x, timeout=None: x)
+    r, e = _runner(**{"env.gateway.fork_policy": policy}), _episode()
+    r.gateway.close_many = r.gateway  # close_many.remote(...) recorded like exchange's
+    r._take_request(e, _request([USER]))
+    _sample(r, e, CALL)
+    first = list(e.sampled)
+    r._take_request(e, _request([{"role": "user", "content": "Summary: 42. Answer now."}]))
+    _sample(r, e, "42")
+    last = list(e.sampled)
+    e.status, e.end = "ok", {"kind": "end", "reward": 1.0, "status": "ok"}
+    [result] = r.finish_episodes([e])
+    branches = r.take_branches()
+    assert result.score == 1.0 and result.detail["forks"] == 1 and r.take_branches() == {}
+    if policy == "all":  # the last branch is the episode's completion, the earlier one beside it
+        assert e.sampled == last and result.detail["branch"] == 1
+        [(number, comp)] = branches[e.episode_id]
+        assert number == 0 and [t for t, m in zip(comp.response_token_ids, comp.response_mask) if m] == first
+    else:  # the longest branch (the call's) alone
+        assert e.sampled == first and result.detail["branch"] == 0 and branches == {}

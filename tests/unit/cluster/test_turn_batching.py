@@ -142,3 +142,25 @@ def test_token_advantages_through_minibatches_micro_batches_and_the_loss():
     bad = TrainBatch(batch.input_ids, batch.attention_mask, batch.response_mask, batch.old_log_probs,
                      batch.advantages[:, :-1], batch.rewards, batch.prompt_uids, batch.weight_versions)
     assert "advantages has shape" in batch_problem(bad, "b")
+
+
+def test_every_branch_trains_with_its_episodes_reward_and_advantage_and_the_group_stays_per_episode():
+    # a group of 3 episodes; episode 1 forked once (its earlier branch 0 trains beside its last branch 1)
+    eps = [_episode([1, 2], [([7, 8], [])], i) for i in range(3)]
+    branch = _episode([1, 3], [([5, 6, 4], [])], 1)
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    adv = rollout_advantages(eps, rewards, 3, algorithm="gspo", normalize_std=True)
+    keys = [("u#0", 0), ("u#1", 1), ("u#2", 0)]
+    rows, out, names = batching.with_branches(eps, adv, keys, {"u#1": [(0, branch)]}, unit=4, pad_token_id=0)
+    assert rows[:4] == [*eps, branch] and names == [*keys, ("u#1", 0)]  # 4 rows: a multiple of 4, no padding
+    assert torch.equal(out.advantages[:3], adv.advantages)  # the group's statistics: its 3 episodes only
+    assert out.advantages[3] == adv.advantages[1] and out.returns[3] == 1 * rewards[1]
+    assert torch.allclose(adv.advantages, group_advantages(rewards, 3, normalize_std=True))
+    # with unit 8, four empty rows: no response token, so nothing trains on them
+    rows, out, names = batching.with_branches(eps, adv, keys, {"u#1": [(0, branch)]}, unit=8, pad_token_id=0)
+    batch = build_train_batch(rows, out.returns, out.advantages, pad_token_id=0)
+    assert len(rows) == 8 and names[4:] == [("", 0)] * 4 and not batch.response_mask[4:].any()
+    assert torch.isnan(out.returns[4:]).all() and not out.advantages[4:].any()
+    assert len(split_for_ranks(batch, 4, 2, seed=0)) == 2
+    same = batching.with_branches(eps, adv, keys, {}, unit=8, pad_token_id=0)  # no branch: the batch unchanged
+    assert same[0] is eps and same[1] is adv
