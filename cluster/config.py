@@ -275,7 +275,7 @@ class Config(Section):
     def _check_in_flight(self) -> None:
         """``sync.in_flight`` (keep / recompute): weights load while turns are open, which today only partial
         episodes do (single answers drain by rounds); the engine must step in this process (it reads vLLM's
-        scheduler to stamp each token's version); R3's prefix-cache donors are one version's (not yet built)."""
+        scheduler to stamp each token's version)."""
         mode = self.sync.in_flight
         if mode == "off":
             return
@@ -283,9 +283,7 @@ class Config(Section):
                "single answers' partial rollouts do not use it yet)" if not (self.trainer.partial_rollouts
                                                                             and self.env.enabled) else
                "needs rollout.in_process=true (the engine reads vLLM's scheduler between steps)"
-               if not self.rollout.in_process else
-               "is refused with rollout.return_routed_experts=true (R3 across an in-flight load: not built yet)"
-               if self.rollout.return_routed_experts else "")
+               if not self.rollout.in_process else "")
         if why:
             raise ValueError(f"sync.in_flight={mode!r} {why}")
 

@@ -252,7 +252,7 @@ class SyncConfig(Section):
         "requests' KV cache (computed under the old weights; such requests never enter the prefix cache), "
         "'recompute' has vLLM preempt them and recompute their KV under the new weights first "
         "(reset_prefix_cache(reset_running_requests=True)). Needs trainer.partial_rollouts with env set "
-        "(episodes), rollout.in_process and no R3 capture (docs/agents.md 'In-flight weight updates')")
+        "(episodes) and rollout.in_process (docs/agents.md 'In-flight weight updates')")
 
 
 def _threshold(key: str, what: str) -> str:

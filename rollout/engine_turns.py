@@ -10,7 +10,7 @@ from typing import Any
 
 from rollout.contracts import SampledTurn, TurnRequest
 from rollout.engine_base import EngineBase
-from rollout.in_flight import output_counts, scheduler, token_versions
+from rollout.in_flight import merge_routing, output_counts, record_arrays, scheduler, token_versions
 
 
 class TurnSampling(EngineBase):
@@ -89,7 +89,7 @@ class TurnSampling(EngineBase):
                 break
         done = [self._open_turns.pop(out.request_id) for out in ended]
         if self._routing_layers and done:  # each ended turn's routing, the running turns' kept for later
-            self._routing.add(self._llm.collective_rpc("rollout_take_routing", args=([rid for _, rid in done],))[0])
+            self._take_turn_routings(done)
         return [self._turn(r, out) for (r, _), out in zip(done, ended)], busy
 
     def abort_turns(self) -> int:
@@ -113,7 +113,28 @@ class TurnSampling(EngineBase):
         for e in ids:
             del self._open_turns[e]
             self._turn_marks.pop(e, None)
+            self._routing_heads.pop(e, None)
         return len(ids), tokens
+
+    def _take_turn_routings(self, done: list[tuple[TurnRequest, str]]) -> None:
+        """Index the routings of the turns in ``done`` (request, vLLM id). A turn open across an in-flight load
+        has its routing from before the load (``_routing_heads``): merged (``rollout.in_flight.merge_routing``)
+        and kept for its own ``get`` only; with ``recompute`` the record after the load (every position
+        recomputed under the new weights) is also the donor of later prefix hits on that KV."""
+        records = self._llm.collective_rpc("rollout_take_routing", args=([rid for _, rid in done],))[0]
+        episode = {rid: r.episode_id for r, rid in done}
+        plain = []
+        for rec in records:
+            head = self._routing_heads.pop(episode.get(rec["request"], ""), None)
+            if head is None or self._in_flight == "recompute":
+                plain.append(rec)
+            if head is not None:
+                tokens, ids = merge_routing(head, record_arrays(rec))
+                if len(ids) and (ids[:, 0, 0] >= 0).all() and (tokens >= 0).all():
+                    self._routing.put_final(tokens, ids)
+                else:
+                    self._routing.unresolved += 1
+        self._routing.add(plain)
 
     def _turn_inputs(self, requests: list[TurnRequest], temperature: float | None,
                      during_load: bool = False) -> tuple[list[Any], list[Any]]:

@@ -13,7 +13,7 @@ import torch
 
 from rollout.contracts import BucketLoad
 from rollout.engine_base import EngineBase
-from rollout.in_flight import MODES, isolate_old_kv, output_counts, scheduler
+from rollout.in_flight import MODES, isolate_old_kv, merge_routing, output_counts, record_arrays, scheduler
 
 
 class WeightUpdates(EngineBase):
@@ -30,15 +30,13 @@ class WeightUpdates(EngineBase):
         while turns of ``advance_turns`` are open; ``rollout.in_flight``).
 
         Raises:
-            ValueError: another mode, or keep / recompute with routing capture on.
+            ValueError: another mode.
             RuntimeError: keep / recompute with vLLM's engine core in another process or scheduling
                 asynchronously (``rollout.in_flight.scheduler``).
         """
         if mode not in MODES:
             raise ValueError(f"sync.in_flight={mode!r} must be one of {MODES}")
         if mode != "off":
-            if self._routing_layers:
-                raise ValueError(f"sync.in_flight={mode!r} is refused with routing capture on (not built yet)")
             scheduler(self._llm)
         self._in_flight = mode
 
@@ -55,6 +53,8 @@ class WeightUpdates(EngineBase):
             self._check_no_open_turns("start_weight_update")
         self._syncing = self._load_open = True
         if self._routing_layers:
+            if self._open_turns and self._in_flight != "off":
+                self._hold_open_routings()
             self._llm.collective_rpc("rollout_take_routing")  # records of an interrupted call: old weights
         self._routing.clear()
         self._llm.start_weight_update()
@@ -147,6 +147,17 @@ class WeightUpdates(EngineBase):
         self._version = int(version)
         self._syncing = False
         return len(received)
+
+    def _hold_open_routings(self) -> None:
+        """R3 before an in-flight load: take the open turns' routings so far, fill their prefix-cache runs from
+        this version's donors (the store is cleared at the load) and keep them until the turn ends."""
+        episode = {rid: eid for eid, (_, rid) in self._open_turns.items()}
+        for rec in self._llm.collective_rpc("rollout_take_routing", args=(list(episode),))[0]:
+            eid = episode[rec["request"]]
+            head = self._routing_heads.get(eid)
+            got = record_arrays(rec) if head is not None else self._routing.resolve(rec)
+            if got is not None:  # else the turn ends without a complete routing (unresolved, an error at its end)
+                self._routing_heads[eid] = merge_routing(head, got)
 
     def _load_under_open_turns(self, version: int) -> None:
         """The new weights are in while turns are open: mark where ``version``'s tokens start in each open turn,

@@ -98,3 +98,35 @@ def isolate_old_kv(sched: Any) -> int:
     if any(b.block_hash is not None for b in pool.blocks):
         raise RuntimeError("in-flight load (keep): prefix-cache hashes survived the eviction")
     return marked
+
+
+def record_arrays(rec: dict[str, Any]) -> tuple[Any, Any]:
+    """A ``RoutingCapture.take`` record as numpy arrays: int64 tokens ``[T]`` and int16 ids ``[T, layers, k]``
+    (-1 where a position was not recorded)."""
+    import numpy as np
+
+    return (np.asarray(rec["tokens"], dtype=np.int64),
+            np.frombuffer(rec["ids"], dtype=np.int16).reshape(rec["shape"]).copy())
+
+
+def merge_routing(head: tuple[Any, Any] | None, new: tuple[Any, Any]) -> tuple[Any, Any]:
+    """R3 across in-flight loads: a request's routing recorded before a load (``head``) and after it (``new``),
+    each ``(tokens int64 [T], ids int16 [T, layers, k])`` with -1 where not recorded. A position recorded in
+    ``head`` keeps those experts (the forward the next token was sampled from; ``recompute`` computes it again
+    under the new weights, which only the tokens after the load saw), the others come from ``new``.
+
+    Returns:
+        ``(tokens, ids)`` of length ``max`` of the two.
+    """
+    import numpy as np
+
+    if head is None:
+        return new
+    length = max(len(head[0]), len(new[0]))
+    tokens = np.full(length, -1, dtype=np.int64)
+    ids = np.full((length, *new[1].shape[1:]), -1, dtype=np.int16)
+    for t, i in (new, head):  # head last: it wins where it has a record
+        have = i[:, 0, 0] >= 0
+        tokens[: len(t)][t >= 0] = t[t >= 0]
+        ids[: len(i)][have] = i[have]
+    return tokens, ids

@@ -1,13 +1,17 @@
 """In-flight weight updates (``sync.in_flight``) on a real vLLM engine in a Ray actor: a turn open across a
 weight load ends with tokens of two versions, nothing aborted or sampled again, each token's log-prob the one of
 the weights (and, with ``keep``, the KV) that sampled it, checked against transformers float32 forwards of the
-tiny Qwen3-MoE; a turn that joins during the load waits for it and reuses no KV of the old weights."""
+tiny Qwen3-MoE; a turn that joins during the load waits for it and reuses no KV of the old weights. Routing
+capture (R3) is on: each position keeps the experts of the forward that sampled from it (those computed before
+the load the old weights', also where they came from the prefix cache), against the same forwards' routers."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from learner.moe import RouterTap
 from rollout.config import RolloutConfig
 from rollout.contracts import TurnRequest
 from rollout.engine import RolloutEngine
@@ -34,7 +38,8 @@ def base_model(tiny_moe):
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_moe, tmp_path_factory):
-    cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=1.0, seed=7)
+    cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=1.0, seed=7,
+                        return_routed_experts=True)
     actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
         str(tiny_moe), cfg, cache_dir=str(tmp_path_factory.mktemp("vllm_cache")))
     yield actor
@@ -42,22 +47,40 @@ def engine(ray_cluster, tiny_moe, tmp_path_factory):
     ray_cluster.kill(actor)
 
 
+def forward(model, ids: list[int], cache=None):
+    """``(logits [T, V], sorted experts int [T, layers, k], KV cache)`` of ``model`` over ``ids`` (after
+    ``cache``'s positions, when given)."""
+    tap = RouterTap(model)
+    try:
+        with tap.capture() as rec, torch.no_grad():
+            out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    finally:
+        tap.remove()
+    return out.logits[0].float(), np.sort(rec.used_tensor().permute(1, 0, 2).numpy(), -1), out.past_key_values
+
+
+def logprobs_of(logits: torch.Tensor, ids: list[int], first: int) -> torch.Tensor:
+    """log softmax of ``logits`` row ``j`` at ``ids[first + j]``, for every row that has a next id."""
+    logp = torch.log_softmax(logits, -1)
+    return torch.stack([logp[j, ids[first + j]] for j in range(len(ids) - first)])
+
+
 def full_logprobs(model, ids: list[int], start: int) -> torch.Tensor:
     """log softmax of each token ``ids[start:]`` given all before it, one forward of ``model``."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    logp = torch.log_softmax(logits.float(), -1)
-    return torch.stack([logp[p - 1, ids[p]] for p in range(start, len(ids))])
+    return logprobs_of(forward(model, ids)[0][start - 1 :], ids, start)
 
 
-def kept_kv_logprobs(old, new, ids: list[int], start: int) -> torch.Tensor:
-    """What ``keep`` samples from: positions ``0 .. start-2`` computed by ``old`` (the KV the request held at the
-    load), the rest by ``new`` attending to it; log-probs of ``ids[start:]``."""
-    with torch.no_grad():
-        cache = old(torch.tensor([ids[: start - 1]]), use_cache=True).past_key_values
-        logits = new(torch.tensor([ids[start - 1 :]]), past_key_values=cache).logits[0]
-    logp = torch.log_softmax(logits.float(), -1)
-    return torch.stack([logp[j, ids[start + j]] for j in range(len(ids) - start)])
+def reference(old, new, ids: list[int], start: int, mode: str) -> tuple[torch.Tensor, np.ndarray]:
+    """What a turn open across a load samples from, as log-probs of ``ids[start:]`` and experts of positions
+    ``0 .. len(ids)-2``: positions ``0 .. start-2`` computed by ``old`` (the KV and experts the request had at the
+    load); the rest by ``new``, over that KV (``keep``) or over KV it recomputed (``recompute``)."""
+    _, head, cache = forward(old, ids[: start - 1])
+    if mode == "keep":
+        logits, tail, _ = forward(new, ids[start - 1 : -1], cache)
+    else:
+        logits, experts, _ = forward(new, ids[:-1])
+        logits, tail = logits[start - 1 :], experts[start - 1 :]
+    return logprobs_of(logits, ids, start), np.concatenate([head, tail])
 
 
 def _turn_across_a_load(ray, engine, prompt, mode, state, version):
@@ -96,16 +119,19 @@ def test_a_turn_spans_a_weight_load_with_each_tokens_version_and_logprob(ray_clu
     ids = prompt + turn.token_ids
     got = torch.tensor(turn.logprobs)
     assert (got[:k] - full_logprobs(old, ids, len(prompt))[:k]).abs().max() < TOL  # sampled by the old weights
+    want, experts = reference(old, new, ids, len(prompt) + k, mode)
+    assert (got[k:] - want).abs().max() < TOL  # the new weights, over the old KV (keep) or a recomputed one
     fresh = full_logprobs(new, ids, len(prompt) + k)
-    if mode == "recompute":  # the old KV recomputed under the new weights: a plain forward of the new model
-        assert (got[k:] - fresh).abs().max() < TOL
-    else:  # the old KV kept: the new weights over it
-        assert (got[k:] - kept_kv_logprobs(old, new, ids, len(prompt) + k)).abs().max() < TOL
-        assert (got[k:] - fresh).abs().max() > 1e-3  # ... which a plain forward of the new weights is not
-    # the turn that joined during the load: the new version only, and no KV of the old weights reused
+    if mode == "keep":  # ... which for keep a plain forward of the new weights is not
+        assert (got[k:] - fresh).abs().max() > 1e-3
+    assert np.array_equal(np.sort(turn.routed_experts, -1), experts)  # R3: each position its own forward's
+    # the turn that joined during the load: the new version only, and no KV (or experts) of the old weights
     assert joined.token_versions is None and joined.weight_version == version + 1
-    want = full_logprobs(new, prompt + joined.token_ids, len(prompt))
+    logits, experts, _ = forward(new, prompt + joined.token_ids)
+    want = logprobs_of(logits[len(prompt) - 1 :], prompt + joined.token_ids, len(prompt))
     assert (torch.tensor(joined.logprobs) - want).abs().max() < TOL
+    assert np.array_equal(np.sort(joined.routed_experts, -1), experts[:-1])
+    assert ray_cluster.get(engine.routing_stats.remote())["unresolved"] == 0
     if mode == "recompute":  # the next test continues from these weights
         ray_cluster.get(engine.set_in_flight.remote("off"))
 

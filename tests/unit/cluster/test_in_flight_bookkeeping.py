@@ -63,9 +63,10 @@ def test_tokens_per_version_count_sampled_tokens_only():
 def test_in_flight_loads_the_agent_config_with_partial_episodes_and_refuses_the_rest():
     assert load_config(AGENT).sync.in_flight == "off"  # the default drains
     assert load_config(AGENT, [*PARTIAL, "sync.in_flight=keep"]).sync.in_flight == "keep"
+    assert load_config(AGENT, [*PARTIAL, "sync.in_flight=recompute", "rollout.return_routed_experts=true",
+                               "learner.routing_replay=rollout"]).rollout.return_routed_experts  # R3 too
     for extra, needle in [([], "needs trainer.partial_rollouts=true and env set"),
-                          ([*PARTIAL, "rollout.in_process=false"], "needs rollout.in_process=true"),
-                          ([*PARTIAL, "rollout.return_routed_experts=true"], "R3 across an in-flight load")]:
+                          ([*PARTIAL, "rollout.in_process=false"], "needs rollout.in_process=true")]:
         with pytest.raises(ConfigError, match="sync.in_flight='recompute'") as err:
             load_config(AGENT, [*extra, "sync.in_flight=recompute"])
         assert needle in str(err.value)

@@ -31,3 +31,29 @@ def test_a_turn_that_ended_before_a_mark_it_never_reached():
 def test_bad_marks_are_refused(marks):
     with pytest.raises(ValueError, match="marks"):
         token_versions(marks, 4)
+
+
+def _routing(tokens, experts):
+    import numpy as np
+
+    ids = np.array([[[e, e + 1]] for e in experts], dtype=np.int16)  # [T, 1 layer, k=2]
+    return np.array(tokens, dtype=np.int64), ids
+
+
+def test_r3_merge_keeps_the_experts_recorded_before_the_load():
+    import numpy as np
+
+    from rollout.in_flight import merge_routing
+
+    # before the load: positions 0-3 (two of them from the prefix cache, filled); after it, keep mode records
+    # positions 4-5 only (the earlier ones' tokens, ids -1); recompute records 0-5 again under the new weights
+    head = _routing([5, 6, 7, 8], [0, 1, 2, 3])
+    keep = _routing([5, 6, 7, 8, 9, 10], [-1, -1, -1, -1, 4, 5])
+    tokens, ids = merge_routing(head, keep)
+    assert tokens.tolist() == [5, 6, 7, 8, 9, 10] and ids[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    recompute = _routing([5, 6, 7, 8, 9, 10], [6, 6, 6, 6, 4, 5])
+    assert merge_routing(head, recompute)[1][:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    gap = merge_routing(head, _routing([-1] * 6, [-1] * 5 + [5]))
+    assert gap[0].tolist() == [5, 6, 7, 8, -1, -1] and gap[1][:, 0, 0].tolist() == [0, 1, 2, 3, -1, 5]
+    assert merge_routing(None, keep) is keep
+    assert np.array_equal(merge_routing(head, head)[1], head[1])
