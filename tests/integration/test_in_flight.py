@@ -91,7 +91,9 @@ def _turn_across_a_load(ray, engine, prompt, mode, state, version):
     for _ in range(2):  # one scheduler step each: the prefill and the first token, then the second
         assert ray.get(engine.advance_turns.remote([first] if _ == 0 else [], None, 0.0))[0] == []
     ray.get(engine.start_weight_update.remote())
-    joined = TurnRequest(f"{mode}#1", prompt, max_tokens=4, seed=4)
+    # longer than the first: with recompute it hits the prompt KV the first one recomputed, whose routing is its
+    # donor once the first one has ended (a running request's routing is taken only at its end)
+    joined = TurnRequest(f"{mode}#1", prompt, max_tokens=16, seed=4)
     assert ray.get(engine.advance_turns.remote([joined], None, 0.0)) == ([], 0.0)  # waits: no step mid-load
     for meta, ref in put_buckets(ray, state, 2):
         ray.get(engine.update_weights.remote(meta, ref))
