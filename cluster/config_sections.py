@@ -8,7 +8,7 @@ from __future__ import annotations
 import string
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from learner.health import GUARD_CHECKS
 from reward.config import ServedModelConfig
@@ -253,6 +253,12 @@ class SyncConfig(Section):
         "'recompute' has vLLM preempt them and recompute their KV under the new weights first "
         "(reset_prefix_cache(reset_running_requests=True)). Needs trainer.partial_rollouts with env set "
         "(episodes) and rollout.in_process (docs/agents.md 'In-flight weight updates')")
+
+    @field_validator("in_flight", mode="before")
+    @classmethod
+    def _off_as_yaml_writes_it(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` as false: that is ``"off"`` (true names no mode and stays refused)."""
+        return "off" if value is False else value
 
 
 def _threshold(key: str, what: str) -> str:

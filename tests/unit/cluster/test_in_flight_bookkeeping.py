@@ -62,6 +62,7 @@ def test_tokens_per_version_count_sampled_tokens_only():
 
 def test_in_flight_loads_the_agent_config_with_partial_episodes_and_refuses_the_rest():
     assert load_config(AGENT).sync.in_flight == "off"  # the default drains
+    assert load_config(AGENT, ["sync.in_flight=off"]).sync.in_flight == "off"  # YAML's false
     assert load_config(AGENT, [*PARTIAL, "sync.in_flight=keep"]).sync.in_flight == "keep"
     assert load_config(AGENT, [*PARTIAL, "sync.in_flight=recompute", "rollout.return_routed_experts=true",
                                "learner.routing_replay=rollout"]).rollout.return_routed_experts  # R3 too
