@@ -261,6 +261,7 @@ class Config(Section):
                              f"trainer.max_staleness >= 2 (got {t.partial_rollouts} and {t.max_staleness}): rounds "
                              "beside the learner make every token one version old, so a sample that spans a sync "
                              "needs a second version of the bound")
+        self._check_in_flight()
         if not t.partial_rollouts:
             if t.max_staleness > 1:
                 raise ValueError(f"trainer.max_staleness={t.max_staleness} needs trainer.partial_rollouts=true (without "
@@ -274,6 +275,21 @@ class Config(Section):
         seg, limit = t.partial_segment_tokens, self.rollout.max_response_tokens
         if seg is not None and limit % seg:
             raise ValueError(f"trainer.partial_segment_tokens={seg} must divide rollout.max_response_tokens={limit}")
+
+    def _check_in_flight(self) -> None:
+        """``sync.in_flight`` (keep / recompute): weights load while turns are open, which today only partial
+        episodes do (single answers drain by rounds); the engine must step in this process (it reads vLLM's
+        scheduler to stamp each token's version)."""
+        mode = self.sync.in_flight
+        if mode == "off":
+            return
+        why = ("needs trainer.partial_rollouts=true and env set (episodes whose turns stay open across syncs; "
+               "single answers' partial rollouts do not use it yet)" if not (self.trainer.partial_rollouts
+                                                                            and self.env.enabled) else
+               "needs rollout.in_process=true (the engine reads vLLM's scheduler between steps)"
+               if not self.rollout.in_process else "")
+        if why:
+            raise ValueError(f"sync.in_flight={mode!r} {why}")
 
     def _check_routing_replay(self) -> None:
         if self.learner.routing_replay == "rollout" and not self.rollout.return_routed_experts:

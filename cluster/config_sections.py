@@ -8,7 +8,7 @@ from __future__ import annotations
 import string
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from learner.health import GUARD_CHECKS
 from reward.config import ServedModelConfig
@@ -244,6 +244,21 @@ class SyncConfig(Section):
         "finish; the driver waits for that before the engines sample again, so no sample mixes versions. Takes "
         "the engines' load off the learner's path. With sync.transport=collective the learner waits as without "
         "it (a broadcast needs rank 0 until every engine has received it)")
+    in_flight: Literal["off", "keep", "recompute"] = Field(
+        "off", description="in-flight weight updates: 'off' drains (the open turns finish under the old weights "
+        "before a sync); 'keep' and 'recompute' load the new weights between two of vLLM's scheduler steps while "
+        "turns are open: nothing is aborted, each sampled token carries the version and log-prob of the weights "
+        "that sampled it (the staleness bound applies to a sequence's oldest token). 'keep' keeps the open "
+        "requests' KV cache (computed under the old weights; such requests never enter the prefix cache), "
+        "'recompute' has vLLM preempt them and recompute their KV under the new weights first "
+        "(reset_prefix_cache(reset_running_requests=True)). Needs trainer.partial_rollouts with env set "
+        "(episodes) and rollout.in_process (docs/agents.md 'In-flight weight updates')")
+
+    @field_validator("in_flight", mode="before")
+    @classmethod
+    def _off_as_yaml_writes_it(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` as false: that is ``"off"`` (true names no mode and stays refused)."""
+        return "off" if value is False else value
 
 
 def _threshold(key: str, what: str) -> str:

@@ -154,7 +154,9 @@ class SampledTurn:
         finish_reason: ``"stop"`` (an EOS id or a stop string) or ``"length"``.
         stop_reason: the stop string that ended the turn, the EOS id (int), or None (EOS not among the stop
             strings, or cut at the limit).
-        weight_version: the engine's weight version when the turn was sampled.
+        weight_version: the engine's weight version when the turn was sampled (the oldest, when it spans a load).
+        token_versions: None (every token sampled by ``weight_version``), or, for a turn open across an in-flight
+            weight load (``sync.in_flight``), the version that sampled each of ``token_ids`` (length T).
         routed_experts: None, or (``rollout.return_routed_experts``) int16 numpy ``[C + T - 1, layers, k]``: the
             experts the engine ran for every input position of the episode so far (context ``C`` and this
             turn's ``T`` ids, the last one never fed back), each from the forward that computed it; the last
@@ -169,6 +171,7 @@ class SampledTurn:
     stop_reason: str | int | None
     weight_version: int
     routed_experts: Any = None
+    token_versions: list[int] | None = None
 
 
 @dataclass(frozen=True)

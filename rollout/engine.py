@@ -97,6 +97,10 @@ class RolloutEngine(Sampling, TurnSampling, WeightUpdates):
                                             self._llm.get_tokenizer().eos_token_id)
         self._syncing = False  # between start_weight_update and a successful finish: no sampling
         self._open_turns: dict[str, tuple[TurnRequest, str]] = {}  # advance_turns' turns: (request, vLLM id)
+        self._load_open = False  # a weight-sync session under way (in-flight: turns wait for it, no step)
+        self._in_flight = "off"  # set_in_flight: weight updates while turns are open (sync.in_flight)
+        self._routing_heads: dict[str, tuple[Any, Any]] = {}  # R3: open turns' routings before an in-flight load
+        self._turn_marks: dict[str, list[tuple[int, int]]] = {}  # open turn -> where each version's tokens start
         self._token_records = TokenRecords()  # each turn's context and sampled ids, digested (the token check)
 
     def _set_environment(self, cache_dir: str | None) -> None:

@@ -31,6 +31,10 @@ class EngineBase:
     _checkpoint_names: set[str] | None
     _tied_embeddings: bool
     _open_turns: dict[str, tuple[TurnRequest, str]]
+    _load_open: bool  # between start_weight_update and its finish (or its failure)
+    _in_flight: str  # sync.in_flight: "off" (a sync needs no open turn), "keep" or "recompute"
+    _routing_heads: dict[str, tuple[Any, Any]]  # R3: open turn -> its routing recorded before an in-flight load
+    _turn_marks: dict[str, list[tuple[int, int]]]  # open turn -> [(first token index, version)] (rollout.in_flight)
     _token_records: TokenRecords
 
     def _take_routing(self) -> None:

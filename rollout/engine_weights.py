@@ -13,6 +13,7 @@ import torch
 
 from rollout.contracts import BucketLoad
 from rollout.engine_base import EngineBase
+from rollout.in_flight import MODES, isolate_old_kv, merge_routing, output_counts, record_arrays, scheduler
 
 
 class WeightUpdates(EngineBase):
@@ -21,17 +22,39 @@ class WeightUpdates(EngineBase):
     # the state these calls change (``EngineBase`` declares it too; each class declares what it assigns)
     _syncing: bool
     _version: int
+    _in_flight: str
+    _load_open: bool
+
+    def set_in_flight(self, mode: str) -> None:
+        """``sync.in_flight``: ``"off"`` (a sync refuses open turns), ``"keep"`` or ``"recompute"`` (a sync loads
+        while turns of ``advance_turns`` are open; ``rollout.in_flight``).
+
+        Raises:
+            ValueError: another mode.
+            RuntimeError: keep / recompute with vLLM's engine core in another process or scheduling
+                asynchronously (``rollout.in_flight.scheduler``).
+        """
+        if mode not in MODES:
+            raise ValueError(f"sync.in_flight={mode!r} must be one of {MODES}")
+        if mode != "off":
+            scheduler(self._llm)
+        self._in_flight = mode
 
     def start_weight_update(self) -> None:
         """Open a weight-sync session (vLLM's ``start_weight_update``): sampling is refused until
-        ``finish_weight_update`` succeeds.
+        ``finish_weight_update`` succeeds, except that with ``sync.in_flight`` on ``advance_turns`` takes new
+        turns (and runs no step) meanwhile.
 
         Raises:
-            RuntimeError: turns of ``advance_turns`` are still open (they would mix two weight versions).
+            RuntimeError: turns of ``advance_turns`` are still open and ``sync.in_flight`` is off (they would
+                mix two weight versions).
         """
-        self._check_no_open_turns("start_weight_update")
-        self._syncing = True
+        if self._in_flight == "off":
+            self._check_no_open_turns("start_weight_update")
+        self._syncing = self._load_open = True
         if self._routing_layers:
+            if self._open_turns and self._in_flight != "off":
+                self._hold_open_routings()
             self._llm.collective_rpc("rollout_take_routing")  # records of an interrupted call: old weights
         self._routing.clear()
         self._llm.start_weight_update()
@@ -101,24 +124,53 @@ class WeightUpdates(EngineBase):
 
     def finish_weight_update(self, version: int) -> int:
         """Close the session: finalize the layer-wise reload, check that every checkpoint tensor arrived,
-        reset the prefix cache and take ``version``. Returns the number of tensors loaded.
+        reset the prefix cache and take ``version``. Returns the number of tensors loaded. With turns open
+        (``sync.in_flight``) the prefix cache is reset as ``rollout.in_flight`` describes for the mode, and the
+        open turns' tokens from here on carry ``version``.
 
         Raises:
             ValueError: checkpoint tensors missing from the session (the engine stays refused for sampling).
             RuntimeError: vLLM refused to reset the prefix cache.
         """
+        self._load_open = False  # from here on a failure leaves the engine refusing, never waiting
         self._llm.finish_weight_update()
         received = set(self._llm.collective_rpc("rollout_received_names")[0])
         missing = self._known_names() - received - ({"lm_head.weight"} if self._tied_embeddings else set())
         if self._checkpoint_names is not None and missing:
             raise ValueError(f"weight sync for {self.model_path!r} left {len(missing)} checkpoint tensors unloaded: "
                              f"{sorted(missing)[:5]}")
-        if not self._llm.reset_prefix_cache():
+        if self._open_turns and self._in_flight != "off":
+            self._load_under_open_turns(int(version))
+        elif not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
         self._routing.clear()  # no later request can hit KV (or routings) of the old weights
         self._version = int(version)
         self._syncing = False
         return len(received)
+
+    def _hold_open_routings(self) -> None:
+        """R3 before an in-flight load: take the open turns' routings so far, fill their prefix-cache runs from
+        this version's donors (the store is cleared at the load) and keep them until the turn ends."""
+        episode = {rid: eid for eid, (_, rid) in self._open_turns.items()}
+        for rec in self._llm.collective_rpc("rollout_take_routing", args=(list(episode),))[0]:
+            eid = episode[rec["request"]]
+            head = self._routing_heads.get(eid)
+            got = record_arrays(rec) if head is not None else self._routing.resolve(rec)
+            if got is not None:  # else the turn ends without a complete routing (unresolved, an error at its end)
+                self._routing_heads[eid] = merge_routing(head, got)
+
+    def _load_under_open_turns(self, version: int) -> None:
+        """The new weights are in while turns are open: mark where ``version``'s tokens start in each open turn,
+        then keep their KV out of reach (``keep``) or have vLLM recompute it (``recompute``)."""
+        sched = scheduler(self._llm)
+        counts = output_counts(sched, {eid: rid for eid, (_, rid) in self._open_turns.items()})
+        for eid, n in counts.items():
+            self._turn_marks.setdefault(eid, [(0, self._version)]).append((n, version))
+        if self._in_flight == "recompute":
+            if not self._llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM refused to reset the prefix cache (recomputing the open requests)")
+        else:
+            isolate_old_kv(sched)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int, bucket_tensors: int = 16) -> float:
         """Load checkpoint-format ``state`` through the same session calls, in buckets of ``bucket_tensors``
@@ -137,6 +189,7 @@ class WeightUpdates(EngineBase):
     def _close_session(self) -> None:
         """End a session that failed half-way (vLLM has no abort): the engine keeps refusing to sample until a
         whole sync succeeds."""
+        self._load_open = False
         try:
             self._llm.finish_weight_update()
         except Exception:  # noqa: BLE001 - the session may already be closed by vLLM after its own error

@@ -111,7 +111,8 @@ class RoutingCapture:
         takes each turn's when it ends).
 
         Returns:
-            ``[{"tokens": list of T ints, "ids": bytes of int16 [T, layers, k], "shape": [T, layers, k]}, ...]``:
+            ``[{"tokens": list of T ints, "ids": bytes of int16 [T, layers, k], "shape": [T, layers, k],
+            "request": the vLLM request id}, ...]``:
             for positions ``0 .. T-1`` of the request, the input token and the experts each MoE layer ran for
             it; ``T`` is one past the highest recorded position. Positions served from the prefix cache (a
             leading run ``0 .. p0-1``) have ids -1 and their input tokens; a position missing otherwise has
@@ -127,7 +128,8 @@ class RoutingCapture:
                     (step["positions"][rows], step["tokens"][rows], stacked[rows]))
         self._steps = []
         wanted = list(self._parts) if only is None else [r for r in only if r in self._parts]
-        out = [self._record(self._parts.pop(req_id), self._prefix_tokens.pop(req_id, None)) for req_id in wanted]
+        out = [{**self._record(self._parts.pop(req_id), self._prefix_tokens.pop(req_id, None)), "request": req_id}
+               for req_id in wanted]
         if only is None:
             self._prefix_tokens = {}
         return out
@@ -178,6 +180,7 @@ class RoutingStore:
     # set by clear() (the constructor calls it)
     _records: dict[tuple[int, ...], np.ndarray]
     _by_block: dict[tuple[int, int], tuple[int, ...]]
+    _finals: dict[tuple[int, ...], np.ndarray]
     filled_positions: int
     unresolved: int
 
@@ -189,6 +192,7 @@ class RoutingStore:
 
     def clear(self) -> None:
         """Forget every routing (the prefix cache was reset: no later request can hit an earlier one's KV)."""
+        self._finals = {}  # put_final: whole sequences that are no donor (turns open across a weight load)
         self._records = {}
         self._by_block = {}  # (p, chain hash of tokens[:p]) -> record key
         self.filled_positions = 0  # positions taken from a donor since the last clear
@@ -218,6 +222,33 @@ class RoutingStore:
             full.setflags(write=False)
             self.filled_positions += p0
             self._put(tuple(tokens.tolist()), full)
+
+    def resolve(self, rec: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """One ``RoutingCapture.take`` record as int64 tokens ``[T]`` and int16 ids ``[T, layers, k]``, its leading
+        prefix-cache run filled from a donor of this store; None when it has another gap or no donor (counted in
+        ``unresolved``). Stores nothing (``rollout.in_flight.merge_routing`` keeps it)."""
+        tokens = np.asarray(rec["tokens"], dtype=np.int64)
+        ids = np.frombuffer(rec["ids"], dtype=np.int16).reshape(rec["shape"]).copy()
+        computed = ids[:, 0, 0] >= 0
+        p0 = int(np.argmax(computed)) if computed.any() else len(tokens)
+        if len(tokens) == 0 or (tokens < 0).any() or not computed[p0:].all():
+            self.unresolved += 1
+            return None
+        if p0:
+            donor = self._donor(tuple(tokens[:p0].tolist()))
+            if donor is None:
+                self.unresolved += 1
+                return None
+            ids[:p0] = donor[:p0]
+            self.filled_positions += p0
+        return tokens, ids
+
+    def put_final(self, tokens: np.ndarray, ids: np.ndarray) -> None:
+        """Keep a whole sequence's routing for ``get`` without making it a donor: a turn open across an in-flight
+        weight load holds experts of two versions, which no later request's prefix hit ran."""
+        ids = np.array(ids, dtype=np.int16)
+        ids.setflags(write=False)
+        self._finals[tuple(int(t) for t in tokens)] = ids
 
     def _chain(self, key: tuple[int, ...]):
         """``(p, hash of key[:p])`` at every block boundary ``p`` of ``key``."""
@@ -261,6 +292,8 @@ class RoutingStore:
                 donor was not recorded).
         """
         key = tuple(int(t) for t in token_ids[:-1])
+        if key in self._finals:
+            return self._finals[key]
         if key not in self._records:
             raise KeyError(f"no engine routing recorded for a sequence of {len(key)} input tokens")
         return self._records[key]

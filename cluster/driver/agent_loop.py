@@ -195,6 +195,7 @@ class EpisodeRunner:
             if in_flight[j] < self.depth and (mine or loop.open_turns[j]):
                 reqs = [self._request(e, loop.turn_seed) for e in mine]
                 loop.open_turns[j] += len(reqs)
+                loop.on_engine.update((e.episode_id, j) for e in mine)
                 sent.update(id(e) for e in mine)
                 loop.calls[engines[j].advance_turns.remote(reqs, temperature, self.slice_s)] = j
         loop.ready = [e for e in loop.ready if id(e) not in sent]
@@ -214,7 +215,9 @@ class EpisodeRunner:
                 loop.busy += seconds
                 loop.open_turns[j] -= len(turns)
                 for turn in turns:
-                    self._on_turn(loop.by_id[turn.episode_id], turn, loop.stepping)
+                    loop.on_engine.pop(turn.episode_id, None)
+                    if turn.episode_id in loop.by_id:  # else its episode was restarted meanwhile (partial episodes)
+                        self._on_turn(loop.by_id[turn.episode_id], turn, loop.stepping)
             elif ref in loop.starting:
                 e = loop.starting.pop(ref)
                 if self._on_start(e, ref):

@@ -59,12 +59,19 @@ class Episode:
     worker_lost: bool = False  # its env worker's process died under it
     branch: int = 0
 
-    def add(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
-        """Append sampled ids (with their log-probs) or, with ``logprobs`` None, an environment reply's ids."""
+    def add(self, ids: list[int], logprobs: list[float] | None, version: int | list[int]) -> None:
+        """Append sampled ids (with their log-probs) or, with ``logprobs`` None, an environment reply's ids;
+        ``version``: one for all of them, or each id's (a turn open across an in-flight weight load).
+
+        Raises:
+            ValueError: a version list whose length is not ``len(ids)``.
+        """
+        if isinstance(version, list) and len(version) != len(ids):
+            raise ValueError(f"{len(version)} token versions for {len(ids)} ids")
         self.response_ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += [version] * len(ids)
+        self.versions += list(version) if isinstance(version, list) else [version] * len(ids)
         if logprobs is not None:
             self.sampled += ids
 
@@ -73,7 +80,7 @@ class Episode:
         until the environment gives one, its R3 routing spliced in (``spliced_routing``) and how it ended."""
         self.turn_starts.append(len(self.response_ids))
         self.turn_rewards.append(0.0)
-        self.add(turn.token_ids, turn.logprobs, turn.weight_version)
+        self.add(turn.token_ids, turn.logprobs, turn.token_versions or turn.weight_version)
         self.routed_experts = spliced_routing(self.routed_experts, turn.routed_experts)
         self.turns += 1
         last = turn.token_ids[-1] if turn.token_ids else None
@@ -81,7 +88,7 @@ class Episode:
 
     def add_reply(self, ids: list[int]) -> None:
         """Append the ids of what answered the last turn (an environment's or an agent's messages; mask 0), at the
-        version of the turn before."""
+        version of the turn before (its last token's)."""
         self.add(ids, None, self.versions[-1] if self.versions else 0)
 
     def trajectory(self) -> dict[str, Any]:
@@ -135,8 +142,8 @@ class TurnLoop:
     ``ready``: episodes waiting for an engine; ``open_turns``: turns open per engine slot; ``calls``: queued
     ``advance_turns`` refs -> engine slot; ``stepping``: env ``step`` refs -> episode; ``starting``: env
     ``start`` refs -> episode (episodes whose environment starts while the engines sample); ``turn_seed``: turns
-    requested per episode id (each turn's sampling seed); ``by_id``: every episode the loop has seen; ``busy``:
-    the engines' seconds in scheduler steps."""
+    requested per episode id (each turn's sampling seed); ``by_id``: every episode the loop has seen; ``on_engine``:
+    episode id -> the engine slot its open turn is on; ``busy``: the engines' seconds in scheduler steps."""
 
     ready: list[Episode] = field(default_factory=list)
     open_turns: Counter = field(default_factory=Counter)
@@ -145,6 +152,7 @@ class TurnLoop:
     starting: dict = field(default_factory=dict)
     turn_seed: Counter = field(default_factory=Counter)
     by_id: dict[str, Episode] = field(default_factory=dict)
+    on_engine: dict[str, int] = field(default_factory=dict)
     busy: float = 0.0
 
     def __post_init__(self):

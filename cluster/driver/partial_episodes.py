@@ -10,6 +10,12 @@ sync; tool calls under way go on through the sync (the env workers do not depend
 of an episode is sampled from its exact ids by the new weights, each sampled token keeping its version and
 behaviour log-prob, and R3 its own turn's experts (``episodes.spliced_routing``).
 
+With ``sync.in_flight`` on (keep / recompute) there is no drain: turns stay open on the engines across the
+collection's end and the sync (the engines load the new weights between two scheduler steps,
+``rollout.in_flight``), and a turn may span versions, each token with its own version and log-prob. An episode
+whose oldest token falls out of the bound is restarted as below, its open turn aborted on its engine (its tokens
+counted in ``partial/dropped_tokens``); the bound is checked again as turns end, so no group is taken stale.
+
 The staleness bound (``trainer.max_staleness = k``): before a collection at version ``V``, an episode not yet
 trained whose oldest sampled token is older than ``V - k`` is restarted: its environment is aborted and a new
 episode of the same group (same seed, so the same initial state) starts (``partial/restarted_episodes``, its
@@ -30,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import ray
 
 from cluster.config import Config
 from cluster.data.prompts import PromptStream
@@ -210,8 +218,8 @@ class PartialEpisodeCollector:
 
     def _restart(self) -> None:
         """Carry out the marked restarts, and restart the episodes under way whose env worker was replaced or
-        removed (the loop is drained); counted in ``restarted_episodes``."""
-        b, pool, again = self._backlog, self.runner.pool, []
+        removed; counted in ``restarted_episodes`` (an open turn of theirs, ``sync.in_flight``, is aborted)."""
+        b, pool, again, gone = self._backlog, self.runner.pool, [], []
         for g in b.groups:
             for i, e in enumerate(g.episodes):
                 open_env = g.verdicts[i] is None  # started and not finished: its environment is open
@@ -221,16 +229,37 @@ class PartialEpisodeCollector:
                 if open_env and not lost:
                     pool.workers[e.worker].abort.remote(e.episode_id)  # its environment, closed without a reward
                 self._forget(e)
+                gone.append(e)
                 b.dropped_tokens += sum(e.mask)
                 g.episodes[i], g.verdicts[i] = self._new_episode(g, e.sample_index), None
                 again.append(g.episodes[i])
         b.to_restart.clear()
         b.restarted_episodes += len(again)
+        b.dropped_tokens += self._drop_open_turns(gone)
         self._open(again)
 
+    def _drop_open_turns(self, episodes: list[Episode]) -> int:
+        """Abort the open turns of ``episodes`` on their engines (none when the loop was drained); returns the
+        sampled tokens thrown away. A turn that ended in a call not read yet comes back later and is ignored
+        (``EpisodeRunner.pump``: its episode is no longer in the loop)."""
+        engines = self.runner.fleet.engines
+        by_slot: dict[int, list[str]] = {}
+        for e in episodes:
+            slot = self.loop.on_engine.pop(e.episode_id, None)
+            if slot is not None:
+                by_slot.setdefault(slot, []).append(e.episode_id)
+        if not by_slot:
+            return 0
+        slots = sorted(by_slot)
+        tokens = 0
+        for slot, (turns, lost) in zip(slots, ray.get([engines[j].drop_turns.remote(by_slot[j]) for j in slots])):
+            self.loop.open_turns[slot] -= turns
+            tokens += lost
+        return tokens
+
     def _forget(self, e: Episode) -> None:
-        """Drop an episode from the loop (it has no open turn: the loop is drained); its env answer, if one is
-        still coming, is ignored."""
+        """Drop an episode from the loop (an open turn of it is aborted by ``_drop_open_turns``); its env answer
+        or its turn, if one is still coming, is ignored."""
         self.loop.ready = [x for x in self.loop.ready if x is not e]
         self.loop.stepping = {ref: x for ref, x in self.loop.stepping.items() if x is not e}
         self.loop.starting = {ref: x for ref, x in self.loop.starting.items() if x is not e}
@@ -251,10 +280,23 @@ class PartialEpisodeCollector:
         # a worker already replaced since (its episodes' handles are stale) is not replaced again
         self.runner.repair_pool({e.worker for e in episodes if e.worker_lost and not self._stale_worker(e)})
 
-    def _drain(self) -> None:
-        """Let the open turns finish (no new turn starts): the engines hold no request at the sync."""
-        while not self.loop.drained():
-            self.runner.pump(self.loop, None, submit=False)
+    @property
+    def in_flight(self) -> bool:
+        """True when weights load while turns are open (``sync.in_flight`` keep / recompute): no drain."""
+        return self.cfg.sync.in_flight != "off"
+
+    def drain_turns(self) -> None:
+        """Let the open turns finish (no new turn starts): the engines hold no request (before a sync unless
+        ``sync.in_flight``; before an evaluation, whose episodes share the engines)."""
+        with self.runner.aborting_on_error():
+            while not self.loop.drained():
+                self.runner.pump(self.loop, None, submit=False)
+
+    def _expire_ended(self, version: int) -> None:
+        """``sync.in_flight``: a turn that ended may hold tokens of versions older than the bound (it was open
+        across several loads): restart such episodes before their group can be taken."""
+        if self.in_flight and self._backlog.expire(version):
+            self._restart()
 
     def rounds_beside(self, stop: threading.Event) -> None:
         """``trainer.partial_rollout_overlap``: play on at the engines' current weights while the learner trains,
@@ -267,7 +309,8 @@ class PartialEpisodeCollector:
                 self._admit()
                 if self.loop.idle():
                     break
-            self._drain()
+            if not self.in_flight:
+                self.drain_turns()
         self._beside_s += time.perf_counter() - t0
 
     def collect(self, step: int) -> Collected:
@@ -284,11 +327,13 @@ class PartialEpisodeCollector:
             self._admit()  # also when P groups ended already: the backlog stays full for the next collection
             while b.num_ended() < P:
                 self.runner.pump(self.loop, None)  # first the episodes carried over: the engines start at once
+                self._expire_ended(version)
                 self._admit()  # then new groups' environments start while the engines sample
                 if self.loop.idle() and b.num_ended() < P:
                     raise RuntimeError(f"partial episodes: nothing under way with {b.num_ended()} of {P} groups "
                                        "ended")
-            self._drain()
+            if not self.in_flight:
+                self.drain_turns()
         self._score()
         wall = time.perf_counter() - t0
         groups = b.take(P, version)

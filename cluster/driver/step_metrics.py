@@ -52,6 +52,21 @@ def staleness(c: Collected, learner_version: int, max_staleness: int, step: int)
     return {"rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0, "rollout/staleness_max": float(worst)}
 
 
+def token_ages(c: Collected, learner_version: int) -> dict[str, float]:
+    """The batch's sampled tokens per weight version, as ``rollout/tokens_age_<a>``: tokens sampled ``a``
+    versions before ``learner_version`` (each token its own version: a sample or a turn may span weight syncs,
+    partial rollouts and ``sync.in_flight``); environment replies (mask 0) are not counted."""
+    counts: dict[int, int] = {}
+    for x in c.completions:
+        n = len(x.response_token_ids)
+        versions = x.token_versions or [x.weight_version] * n
+        mask = x.response_mask or [1] * n
+        for v, m in zip(versions, mask):
+            if m:
+                counts[learner_version - v] = counts.get(learner_version - v, 0) + 1
+    return {f"rollout/tokens_age_{a}": float(k) for a, k in sorted(counts.items())}
+
+
 def response_token_limit(cfg: Config) -> int:
     """The most tokens a response may sample: ``rollout.max_response_tokens``, or for multi-turn episodes
     ``env.max_turns`` turns of it within ``rollout.max_model_len`` (the length slices' range)."""

@@ -240,6 +240,8 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics (``cluster.driver.evaluation.evaluate``)."""
+        if self.cfg.sync.in_flight != "off":  # partial episodes' open turns end first: the eval shares the engines
+            self.collector.drain_turns()
         verifiers = getattr(self.rewards, "verifiers", self.rewards)  # held-out accuracy: the verifiers' (no judge)
         return evaluate(self.cfg, self.fleet, verifiers, self.eval_rows, self.episodes)
 
@@ -335,10 +337,11 @@ class Trainer:
             stop = threading.Event()  # set when the learner is done: the round under way completes, then the sync
             ahead = self._pool.submit(self.collector.rounds_beside, stop)
         result: RolloutTrainResult | None = None
-        learner_s, sync_s, t_wait = 0.0, 0.0, None
+        learner_s, sync_s, t_wait, in_flight_sync = 0.0, 0.0, None, False
         try:
             m: dict[str, Any] = {"step": self.step + 1, **step_metrics.staleness(
                 c, self.weight_version, self.cfg.trainer.max_staleness, self.step + 1)}
+            ages = step_metrics.token_ages(c, self.weight_version)
             if c.prompts:
                 result, learner_s = self.train(c, rewards)
             else:
@@ -346,16 +349,23 @@ class Trainer:
         finally:
             if ahead is not None:  # never leave the rollout thread running into a shutdown
                 if stop is not None:
-                    stop.set()
+                    in_flight_sync = self.cfg.sync.in_flight != "off" and result is not None and not result.skipped
+                    try:
+                        if in_flight_sync:  # sync.in_flight: the engines load while the rounds go on
+                            sync_s = self.after_train(result, m)
+                    finally:
+                        stop.set()
                 t_wait = time.perf_counter()
                 wait_futures([ahead])
         # the learner's step done, how long the driver still waited for the rollout collected ahead (0 on-policy)
         wait_s = time.perf_counter() - t_wait if t_wait is not None else 0.0
-        # no request is in flight at the sync below (rounds beside the learner return None: they fill the buffer)
+        # no request is in flight at the sync below unless sync.in_flight (rounds beside the learner return None:
+        # they fill the buffer)
         self.pending = ahead.result() if ahead is not None else None
         if result is not None:
             m.update(result.metrics)
-            sync_s = self.after_train(result, m)
+            if not in_flight_sync:
+                sync_s = self.after_train(result, m)
             if warning := step_metrics.correction_warning(result.metrics, self.cfg.learner):
                 log.warning("step %d: %s", self.step + 1, warning)
             if sync_s:
@@ -366,6 +376,7 @@ class Trainer:
             self.prompt_log.log(self.step, self.trained_uids[-1], c.start_position, c.end_position,
                                 skipped=result is None or result.skipped)
         m.update(step_metrics.rollout_metrics(self.cfg, c, rewards))
+        m.update(ages)  # the batch's tokens per weight version (rollout/tokens_age_<a>)
         m.update(self.run_metrics(learner_s, sync_s, restarts))
         by_length = result.by_response_length if result is not None else {}
         m.update(step_metrics.length_metrics(self.cfg, c, rewards, by_length))

@@ -230,9 +230,12 @@ class EngineFleet:
 
         index = self._next_index
         self._next_index += 1
-        return start_engine(RolloutEngine, self.model_path, self.cfg.rollout, index=index,
-                            cache_dir=self.cache_dir / f"engine{index}", what="rollout engine",
-                            placement_timeout_s=self.cfg.cluster.placement_timeout_s)
+        actor, pg = start_engine(RolloutEngine, self.model_path, self.cfg.rollout, index=index,
+                                 cache_dir=self.cache_dir / f"engine{index}", what="rollout engine",
+                                 placement_timeout_s=self.cfg.cluster.placement_timeout_s)
+        if self.cfg.sync.in_flight != "off":  # queued behind the constructor (the config check rules out refusals)
+            actor.set_in_flight.remote(self.cfg.sync.in_flight)
+        return actor, pg
 
     def _load_current(self, engines: list[Any]) -> None:
         """Give new engines the current weights (they start with the model folder's, version 0), labelled by
