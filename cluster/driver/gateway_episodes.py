@@ -35,6 +35,7 @@ import ray
 
 from cluster.driver.agent_loop import EpisodeRunner
 from cluster.driver.episodes import Episode, _row_dict, tool_call_dicts
+from cluster.runtime import deadlines
 from reward.contracts import RewardResult
 from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
 from rollout.chat_delta import ChatDeltaError, TurnEnd, reply_ids
@@ -122,7 +123,9 @@ class GatewayEpisodeRunner(EpisodeRunner):
             error = self._take_request(e, ev["request"])
             if error is None:
                 return True
-            ev = ray.get(self.gateway.exchange.remote(e.session["session_id"], error, self._remaining(e)))
+            wait = self._remaining(e)  # the gateway answers within it; past it and deadlines.env_s, the run stops
+            ev = deadlines.get([self.gateway.exchange.remote(e.session["session_id"], error, wait)], [self.gateway],
+                               "env", wait + self.cfg.deadlines.env_s, "deadlines.env_s")[0]
         e.end = ev
         if ev["kind"] == "timeout":
             e.status = TIMEOUT
