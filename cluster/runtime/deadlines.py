@@ -19,6 +19,7 @@ first call of one phase hang (``hang_hook``), the test hook that shows each dead
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -230,6 +231,7 @@ def hang_hook(cls: type, methods: tuple[str, ...], phase: str, settings: Any) ->
     def hanging(name: str):
         inner = getattr(cls, name)
 
+        @functools.wraps(inner)
         def method(self, *args, **kwargs):
             try:
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
@@ -238,7 +240,6 @@ def hang_hook(cls: type, methods: tuple[str, ...], phase: str, settings: Any) ->
                 pass
             return inner(self, *args, **kwargs)
 
-        method.__name__ = name
         return method
 
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, **{m: hanging(m) for m in methods}})

@@ -228,3 +228,25 @@ def test_a_peers_collective_timeout_names_the_stuck_rank(ray_cluster, model_path
         for actor in group.actors:
             ray_cluster.kill(actor)
         group.shutdown()
+
+
+@pytest.mark.matrix  # two engine starts (the stuck judge engine and its replacement)
+@pytest.mark.timeout(400)
+def test_a_stuck_judge_engine_gives_invalid_samples_names_itself_and_is_replaced(ray_cluster, tiny_moe, tmp_path,
+                                                                                caplog):
+    import math
+
+    from cluster.runtime.judge import JudgeFleet
+    from tests.helpers.judge import judge_requests, tiny_judge_config
+
+    caplog.set_level(logging.ERROR, logger="cluster.runtime.deadlines")
+    fleet = JudgeFleet(tiny_judge_config(tiny_moe, timeout_s=5), str(tiny_moe), tmp_path / "cache",
+                       run_deadlines=DeadlinesConfig(debug_hang="judge", debug_hang_s=HANG))
+    try:
+        out = fleet.judge(judge_requests())
+        assert all(math.isnan(j.score) and j.status == "timeout" for j in out) and fleet.replaced == 1
+        errors = [r.getMessage() for r in caplog.records if "did not finish phase 'judge'" in r.getMessage()]
+        assert len(errors) == 1 and "reward.judge.timeout_s" in errors[0] and "pid" in errors[0], errors
+        assert all(j.status in ("ok", "unparsed") for j in fleet.judge(judge_requests()))  # the new engine answers
+    finally:
+        fleet.shutdown()
