@@ -25,6 +25,11 @@ class Sleeper:
         return x * 2
 
 
+def _nodes(ray) -> set[str]:
+    """The live nodes as a ``PhaseTimeout`` names them: ``"<ip> (node <node id's first 12 characters>)"``."""
+    return {f"{n['NodeManagerAddress']} (node {n['NodeID'][:12]})" for n in ray.nodes() if n["Alive"]}
+
+
 def _stacks_logged(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("Python stacks of"))
 
@@ -36,16 +41,17 @@ def test_get_names_the_stuck_actor_its_node_phase_and_step_and_logs_its_stacks(r
     cls = ray.remote(deadlines.hang_hook(Sleeper, ("work",), "reward", settings)).options(num_cpus=0)
     actors = [cls.remote() for _ in range(2)]
     pids = ray.get([a.pid.remote() for a in actors])
-    assert deadlines.get([a.work.remote(i) for i, a in enumerate(actors[:1])], actors[:1], "reward", 1.0, "k") == [0]
     deadlines.set_step(7)
     caplog.set_level(logging.ERROR, logger="cluster.runtime.deadlines")
     try:
-        refs = [actors[1].work.remote(3), actors[0].work.remote(4)]  # actor 1's is the run's first hooked call
+        hung = actors[1].work.remote(3)  # the run's first hooked call
+        assert not ray.wait([hung], timeout=1.0)[0]
+        refs = [hung, actors[0].work.remote(4)]
         with pytest.raises(deadlines.PhaseTimeout) as info:
             deadlines.get(refs, [actors[1], actors[0]], "reward", 2.0, "deadlines.reward_s")
         err = info.value
         assert (err.phase, err.step, err.timeout_s) == ("reward", 7, 2.0)
-        assert err.actor == f"Sleeper pid {pids[1]}" and err.node.startswith("127.0.0.1 (node ")
+        assert err.actor == f"Sleeper pid {pids[1]}" and err.node in _nodes(ray)
         assert "1 of 2 calls unanswered" in str(err) and "RL step 7" in str(err)
         stacks = _stacks_logged(caplog)
         assert f"pid {pids[1]}" in stacks and "deadlines.py" in stacks and "method" in stacks, stacks
@@ -79,7 +85,7 @@ def test_a_reward_worker_past_its_deadline_is_replaced_and_its_share_scored_once
         assert len(set(new) - set(pids)) == 1  # the stuck worker was replaced, the other kept
         errors = [r.getMessage() for r in caplog.records if "did not finish phase 'reward'" in r.getMessage()]
         assert len(errors) == 1 and "RewardWorker pid" in errors[0] and "RL step 2" in errors[0], errors
-        assert "deadlines.reward_s" in errors[0] and "127.0.0.1" in errors[0]
+        assert "deadlines.reward_s" in errors[0] and any(node in errors[0] for node in _nodes(ray_cluster))
         assert "score" in _stacks_logged(caplog)
     finally:
         deadlines.set_step(None)
@@ -128,7 +134,7 @@ def test_a_stuck_learner_rank_stops_the_call_with_its_phase_timeout(ray_cluster,
         err = info.value
         assert (err.phase, err.step, err.timeout_s, err.actor) == (phase, 4, 3.0, f"LearnerRank pid {pid}")
         assert err.key == ("deadlines.checkpoint_s" if phase.startswith("checkpoint") else f"deadlines.{phase}_s")
-        assert err.node.startswith("127.0.0.1 (node ")
+        assert err.node in _nodes(ray_cluster)
         stacks = _stacks_logged(caplog)
         assert f"pid {pid}" in stacks and "deadlines.py" in stacks, stacks
     finally:

@@ -93,3 +93,24 @@ def test_hang_hook_hangs_the_first_call_of_the_run_only():
     hung.start()
     hung.join(timeout=0.5)
     assert hung.is_alive()  # another run (another section) hangs once too
+
+
+def test_a_phase_timeout_stops_gspo_train_with_exit_code_6_naming_it(tmp_path, monkeypatch, capsys):
+    import cluster.driver.trainer as trainer_module
+    from cluster.train import main
+
+    class StuckTrainer:
+        def __init__(self, cfg, verbose=True):
+            self.run_dir, self.step, self.shut = cfg.run_dir, 0, False
+
+        def start(self):
+            raise deadlines.PhaseTimeout("learner_step", "LearnerRank pid 9", "10.0.0.1 (node ab)", 1, 5.0,
+                                         "deadlines.learner_step_s")
+
+        def shutdown(self):
+            self.shut = True
+
+    monkeypatch.setattr(trainer_module, "Trainer", StuckTrainer)
+    code = main([str(REPO_ROOT / "configs" / "tiny_moe.yaml"), f"trainer.output_dir={tmp_path}", "wandb.mode=disabled"])
+    err = capsys.readouterr().err
+    assert code == 6 and "LearnerRank pid 9 on 10.0.0.1" in err and "no checkpoint was written yet" in err, err
