@@ -92,7 +92,10 @@ class Where:
 
 def where(actor: Any) -> Where:
     """The class, pid and node of ``actor`` (a Ray actor handle), read from the GCS actor table: a stuck actor
-    cannot answer a call, and the state API needs the dashboard, which a local run does not start."""
+    cannot answer a call, and the state API needs the dashboard, which a local run does not start. A string (a
+    Ray task's description, e.g. ``"file check on node <id>"``) is named as it is."""
+    if isinstance(actor, str):
+        return Where(actor, None, None, None)
     try:
         row = ray._private.state.state.actor_table(actor._actor_id.hex())  # noqa: SLF001 - no public equivalent
         addr = row.get("Address") or {}
@@ -123,7 +126,7 @@ def dump_stacks(actors: list[Any]) -> dict[str, str]:
         w = where(actor)
         label = f"{w.actor} on {w.node}"
         if w.pid is None or w.node_id is None:
-            out[label] = "no pid or node in Ray's actor table"
+            out[label] = "no pid or node in Ray's actor table (a task, or an actor not started)"
             continue
         task = ray.remote(_py_spy_dump).options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(w.node_id, soft=False))
@@ -158,7 +161,8 @@ def _is_collective_timeout(err: BaseException) -> bool:
 
 
 def get(refs: list[Any], actors: list[Any], phase: str, timeout_s: float, key: str) -> list[Any]:
-    """``ray.get(refs)`` within ``timeout_s`` seconds in all; ``actors[i]`` is the actor that answers ``refs[i]``.
+    """``ray.get(refs)`` within ``timeout_s`` seconds in all; ``actors[i]`` is the actor that answers ``refs[i]``
+    (or, for a Ray task, a string naming it: its stacks are not dumped).
 
     Fails fast: the first error raises at once. A rank's collective timeout while a peer is still busy raises
     ``PhaseTimeout`` naming that peer (the one its collective waited for).

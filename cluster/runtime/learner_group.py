@@ -123,7 +123,9 @@ class LearnerGroup:
         when the run may span nodes; the bind host when it is local)."""
         if len(self.groups) > 1 or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
             strategy = PlacementGroupSchedulingStrategy(self.groups[0], placement_group_bundle_index=0)
-            addr, port = ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
+            probe = ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote()
+            addr, port = deadlines.get([probe], ["the rendezvous probe on rank 0's node"], "start",
+                                       cfg.deadlines.start_s, "deadlines.start_s")[0]
         else:
             addr, port = cfg.trainer.bind_host, free_port("0.0.0.0")
         return addr, 0 if cfg.learner.world_size == 1 else port

@@ -320,7 +320,8 @@ class EngineFleet:
 
     def pids(self) -> list[int]:
         self.settle()
-        return ray.get([e.pid.remote() for e in self.engines])
+        return deadlines.get([e.pid.remote() for e in self.engines], list(self.engines), "start",
+                             self.cfg.deadlines.start_s, "deadlines.start_s")
 
     def stop(self, count: int) -> None:
         """Stop the last ``count`` engines (between steps, so no prompt is in flight)."""
