@@ -256,3 +256,24 @@ def test_a_stuck_judge_engine_gives_invalid_samples_names_itself_and_is_replaced
         assert all(j.status in ("ok", "unparsed") for j in fleet.judge(judge_requests()))  # the new engine answers
     finally:
         fleet.shutdown()
+
+
+@pytest.mark.matrix  # a whole run's start (learner, engine, reward worker)
+@pytest.mark.timeout(900)
+def test_a_run_with_a_stuck_learner_step_stops_with_exit_6_and_the_stacks_in_its_log(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT, TEST_ENV
+
+    cmd = [sys.executable, "-m", "cluster.train", str(REPO_ROOT / "configs" / "tiny_moe.yaml"), "trainer.total_steps=2",
+           "warm_start.steps=0", "trainer.eval_every=0", "trainer.plots=false", "wandb.mode=disabled",
+           f"trainer.output_dir={tmp_path}", "trainer.run_name=stuck", "deadlines.debug_hang=learner_step",
+           f"deadlines.debug_hang_s={HANG}", "deadlines.learner_step_s=10"]
+    env = {**TEST_ENV, **os.environ, "PYTHONPATH": str(REPO_ROOT)}  # this environment's values win
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=800, cwd=REPO_ROOT)
+    assert done.returncode == 6, done.stderr[-3000:]
+    assert "did not finish phase 'learner_step' within 10s (deadlines.learner_step_s) at RL step 1" in done.stderr
+    log = (tmp_path / "stuck" / "logs" / "driver.log").read_text()
+    assert "Python stacks of LearnerRank pid" in log and "train_rollout_batch" in log, log[-3000:]
