@@ -54,12 +54,13 @@ class PhaseTimeout(RuntimeError):
     def __init__(self, phase: str, actor: str, node: str, step: int | None, timeout_s: float, key: str,
                  detail: str = ""):
         self.phase, self.actor, self.node, self.step, self.timeout_s, self.key = phase, actor, node, step, timeout_s, key
+        self.detail = detail
         at = f"at RL step {step}" if step is not None else "before the first RL step"
         super().__init__(f"{actor} on {node} did not finish phase '{phase}' within {timeout_s:g}s ({key}) {at}"
                          + (f": {detail}" if detail else "") + "; its Python stacks are in the run's log")
 
     def __reduce__(self):  # pickles through Ray with its fields
-        return (PhaseTimeout, (self.phase, self.actor, self.node, self.step, self.timeout_s, self.key))
+        return (PhaseTimeout, (self.phase, self.actor, self.node, self.step, self.timeout_s, self.key, self.detail))
 
 
 def set_step(step: int | None) -> None:

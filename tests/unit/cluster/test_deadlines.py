@@ -50,6 +50,7 @@ def test_phase_timeout_names_actor_node_phase_step_and_key_and_pickles():
         assert part in text, part
     again = pickle.loads(pickle.dumps(err))
     assert (again.phase, again.actor, again.node, again.step, again.timeout_s) == ("reward", err.actor, err.node, 3, 5.0)
+    assert str(again) == text
     assert "before the first RL step" in str(deadlines.PhaseTimeout("start", "a", "n", None, 1.0, "k"))
 
 
