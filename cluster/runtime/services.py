@@ -421,6 +421,7 @@ class EngineFleet:
                 self.replace(slot)
                 for o, l, r in [(offset, lo, rows)] + lost:
                     submit(slot, o, l, r)
+                moved[slot] = time.monotonic()  # the new engine's deadline starts when it has its pieces
 
     @staticmethod
     def _pieces(share: list[PromptRow], k: int) -> tuple[list[int], list[list[PromptRow]]]:

@@ -253,6 +253,7 @@ def test_a_stuck_judge_engine_gives_invalid_samples_names_itself_and_is_replaced
         assert all(math.isnan(j.score) and j.status == "timeout" for j in out) and fleet.replaced == 1
         errors = [r.getMessage() for r in caplog.records if "did not finish phase 'judge'" in r.getMessage()]
         assert len(errors) == 1 and "reward.judge.timeout_s" in errors[0] and "pid" in errors[0], errors
+        fleet.settings = fleet.settings.model_copy(update={"timeout_s": 300})  # room for the new engine's start
         assert all(j.status in ("ok", "unparsed") for j in fleet.judge(judge_requests()))  # the new engine answers
     finally:
         fleet.shutdown()
