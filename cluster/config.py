@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from cluster.config_sections import (
     ClusterConfig,
+    DeadlinesConfig,
     DataConfig,
     DistillConfig,
     HealthConfig,
@@ -56,6 +57,7 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     precision: Literal["auto", "bf16", "fp32"] | None = Field(
         None, description="one switch for the run's precision (cluster/precision.py): 'bf16' sets rollout.dtype and "
         "learner.dtype to bfloat16 (DeepSpeed bf16 with fp32 master weights; needs learner.zero_stage >= 1), "
@@ -142,6 +144,10 @@ class Config(Section):
                 + f" must be below learner.dist_timeout_s={lr.dist_timeout_s:g}: the other learner ranks wait in a "
                 "collective while rank 0 waits for an engine"
             )
+        if self.deadlines.sync_s <= phases * self.sync.engine_timeout_s:
+            raise ValueError(f"deadlines.sync_s={self.deadlines.sync_s:g} must be above sync.engine_timeout_s="
+                             f"{self.sync.engine_timeout_s:g}" + (" x 2" if phases == 2 else "") + ": the learner's "
+                             "sync outlives its waits for a hung engine, which is replaced, not the run stopped")
         if t.length_buckets > self.rollout.max_response_tokens:
             raise ValueError(f"trainer.length_buckets={t.length_buckets} exceeds rollout.max_response_tokens="
                              f"{self.rollout.max_response_tokens} (a bucket holds at least one length)")

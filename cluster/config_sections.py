@@ -315,6 +315,66 @@ class ClusterConfig(Section):
         "stops with an error, its last checkpoint intact")
 
 
+#: The phases a deadline bounds (``DeadlinesConfig``): the name in ``PhaseTimeout`` messages and ``debug_hang``.
+DEADLINE_PHASES = ("start", "generation", "reward", "env", "learner_step", "sync", "checkpoint_save",
+                   "checkpoint_load")
+#: The phases ``deadlines.debug_hang`` can hang: these, and the fixed models' calls, whose deadlines are their
+#: sections' ``timeout_s`` (``reward.judge.timeout_s``, ``distill.timeout_s``).
+HANG_PHASES = (*DEADLINE_PHASES, "judge", "teacher")
+
+
+class DeadlinesConfig(Section):
+    """How long the driver waits on each phase of a step before it counts the actor as stuck
+    (``cluster/runtime/deadlines.py``; the table of every deadline, these and the services' own, is in
+    docs/faults.md). Past one, a rollout engine, reward or env worker is replaced (its share done again; an env
+    worker's episodes end as if it had died) and a learner rank stops the run; either way a ``PhaseTimeout``
+    naming the actor, its node, the phase and the step is logged, with the stuck processes' Python stacks
+    (py-spy). The fixed models' calls keep their
+    sections' ``timeout_s`` (``reward.judge``, ``distill``)."""
+
+    start_s: float = Field(
+        1800.0, gt=0, allow_inf_nan=False, description="an actor's start: the learner's ranks building their models "
+        "and rendezvous, an engine or worker answering its first call")
+    generation_s: float = Field(
+        1200.0, gt=0, allow_inf_nan=False, description="one rollout engine's generate call with no piece of its "
+        "share finished (a stall); past it the engine is replaced and its pieces generated again")
+    reward_s: float = Field(
+        900.0, gt=0, allow_inf_nan=False, description="one reward worker's score call (its share of a step; each "
+        "verifier inside it is bounded by reward.timeout_s); past it the worker is replaced and the share scored "
+        "again")
+    env_s: float = Field(
+        900.0, gt=0, allow_inf_nan=False, description="one env worker call (an episode's start, step or finish; "
+        "the user code inside it is bounded by env.tool_timeout_s and env.episode_timeout_s); past it the "
+        "worker's episodes end as if it had died, and it is replaced")
+    learner_step_s: float = Field(
+        1800.0, gt=0, allow_inf_nan=False, description="one learner call on every rank: an RL or SFT step (every "
+        "collective inside it is also bounded by learner.dist_timeout_s, reported as this phase naming the rank "
+        "its peers waited for)")
+    sync_s: float = Field(
+        1200.0, gt=0, allow_inf_nan=False, description="one weight sync on the learner's side, either transport "
+        "(each engine call inside it is bounded by sync.engine_timeout_s)")
+    checkpoint_s: float = Field(
+        1800.0, gt=0, allow_inf_nan=False, description="saving or loading the learner's checkpoint (every rank)")
+    stacks: bool = Field(
+        True, description="past a deadline, dump the stuck actors' Python stacks into the run's log with py-spy "
+        "(run on the actor's node by a Ray task)")
+    debug_hang: Literal[HANG_PHASES] | None = Field(  # type: ignore[valid-type]
+        None, description="testing only: the first call of this phase in the run (one actor, one call) sleeps "
+        "debug_hang_s before it runs, to see its deadline pass. None = off")
+    debug_hang_s: float = Field(3600.0, gt=0, description="testing only: how long debug_hang sleeps, seconds")
+
+    def seconds(self, phase: str) -> float:
+        """The deadline of ``phase`` (one of ``DEADLINE_PHASES``; both checkpoint phases share
+        ``checkpoint_s``), seconds.
+
+        Raises:
+            KeyError: an unknown phase.
+        """
+        if phase not in DEADLINE_PHASES:
+            raise KeyError(f"unknown deadline phase {phase!r} (one of {', '.join(DEADLINE_PHASES)})")
+        return getattr(self, "checkpoint_s" if phase.startswith("checkpoint") else f"{phase}_s")
+
+
 class WandbConfig(Section):
     """Weights & Biases logging of the same metrics as metrics.jsonl."""
 

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.driver.guard import HealthStop
     from cluster.driver.trainer import Trainer
+    from cluster.runtime.deadlines import PhaseTimeout
     from cluster.runtime.services import PlacementTimeout
 
     logs = console.setup_driver_logging(cfg.run_dir, args.verbose)
@@ -123,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}\nThe run stops at step {trainer.step + 1}; {where}: resume with "
                   "trainer.resume=true once the cluster has room.", file=sys.stderr)
             return 5
+        if isinstance(e, PhaseTimeout):  # an actor past its deadline (cluster.runtime.deadlines): named, stacks logged
+            ck = latest_checkpoint(trainer.run_dir)
+            where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"
+            print(f"error: {e}\nThe run stops; {where}: resume with trainer.resume=true.", file=sys.stderr)
+            return 6
         if isinstance(e, ray.exceptions.RayError) and learner_lost(trainer, e):
             ck = latest_checkpoint(trainer.run_dir)
             where = f"the last checkpoint is {ck}" if ck else "no checkpoint was written yet"

@@ -38,9 +38,15 @@ class RewardPool:
         cfg: the ``reward`` config section.
         scheduling_strategy_factory: optional ``f(slot_index) -> scheduling strategy`` (for example a
             placement-group strategy from the driver); None = Ray's default placement.
+        call_timeout_s: a worker's score call not done within this many seconds is stuck: ``on_stuck(actor,
+            slot)`` is called, the worker replaced and its share sent again, as for a worker that died.
+            None: no deadline.
+        worker_cls: the worker class (``RewardWorker`` or a subclass of it).
     """
 
-    def __init__(self, cfg: RewardConfig, scheduling_strategy_factory: Callable[[int], Any] | None = None):
+    def __init__(self, cfg: RewardConfig, scheduling_strategy_factory: Callable[[int], Any] | None = None,
+                 call_timeout_s: float | None = None, on_stuck: Callable[[Any, int], None] | None = None,
+                 worker_cls: type = RewardWorker):
         import ray
 
         if cfg.sandbox.backend == "plain":
@@ -48,7 +54,9 @@ class RewardPool:
         self._ray = ray
         self.cfg = cfg
         self._factory = scheduling_strategy_factory
-        self._cls = ray.remote(RewardWorker)
+        self._cls = ray.remote(worker_cls)
+        self.call_timeout_s = call_timeout_s  # a score call's deadline (None: none); past it the worker is replaced
+        self._on_stuck = on_stuck  # told (actor, slot) of a worker past call_timeout_s, before it is replaced
         self._actors: list[Any] = []
         self._counters = self._zero()
         self.resize(cfg.num_workers)
@@ -112,15 +120,18 @@ class RewardPool:
         results: list[RewardResult | None] = [None] * len(requests)
         n = len(self._actors)
         bounds = [(len(requests) * k // n, len(requests) * (k + 1) // n) for k in range(n)]
-        pending = {}
+        pending, sent = {}, {}
         for slot, (lo, hi) in enumerate(bounds):
             if hi > lo:
                 pending[self._actors[slot].score.remote(requests[lo:hi])] = (slot, lo, hi, 1)
         while pending:
-            ready, _ = self._ray.wait(list(pending), num_returns=1)
-            for ref in ready:
+            sent.update({ref: time.monotonic() for ref in pending if ref not in sent})
+            ready, stuck = self._wait(pending, sent)
+            for ref in ready + stuck:
                 slot, lo, hi, attempt = pending.pop(ref)
                 try:
+                    if ref in stuck:
+                        self._stuck(slot)
                     share = self._ray.get(ref)
                 except RayActorError as err:
                     self._counters["fault/reward_restarts"] += 1
@@ -131,7 +142,8 @@ class RewardPool:
                                               infra_failed=lost)
                                  for _ in range(lo, hi)]
                     else:
-                        self._ensure_alive(slot)
+                        if ref not in stuck:
+                            self._ensure_alive(slot)
                         pending[self._actors[slot].score.remote(requests[lo:hi])] = (slot, lo, hi, attempt + 1)
                         continue
                 results[lo:hi] = share
@@ -158,3 +170,25 @@ class RewardPool:
                 pass
         self._actors = []
 
+    def _wait(self, pending: dict[Any, Any], sent: dict[Any, float]) -> tuple[list[Any], list[Any]]:
+        """The next finished share calls, or (when none finished by then) the calls past ``call_timeout_s``:
+        ``(ready, stuck)``, one of them empty."""
+        if self.call_timeout_s is None:
+            return self._ray.wait(list(pending), num_returns=1)[0], []
+        due = min(sent[ref] for ref in pending) + self.call_timeout_s
+        ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=max(0.0, due - time.monotonic()))
+        return ready, ([] if ready else [ref for ref in pending if sent[ref] + self.call_timeout_s <= time.monotonic()])
+
+    def _stuck(self, slot: int) -> None:
+        """The worker in ``slot`` is past ``call_timeout_s``: reported (``on_stuck``), then replaced.
+
+        Raises:
+            ray.exceptions.RayActorError: always (the share is lost as if the worker had died).
+        """
+        from ray.exceptions import RayActorError
+
+        if self._on_stuck is not None:
+            self._on_stuck(self._actors[slot], slot)
+        self._replace(slot)
+        raise RayActorError(error_msg=f"reward worker {slot} past its score deadline ({self.call_timeout_s:g}s); "
+                            "replaced")

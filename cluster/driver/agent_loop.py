@@ -39,6 +39,7 @@ from cluster.config import Config
 from cluster.driver.env_pool import EnvPool
 from cluster.driver.episodes import (Episode, TurnLoop, _row_dict, episode_metrics, fill_missing_routing,
                                      rerendered_context, tool_call_dicts)
+from cluster.runtime import deadlines
 from reward.contracts import RewardResult
 from reward.env_worker import EnvOutcome
 from reward.infra import failed_reward
@@ -72,6 +73,8 @@ class EpisodeRunner:
         self.depth = 2  # advance_turns calls queued per engine
         self.rerender = cfg.env.debug_rerender  # debug only: later turns sampled on a re-rendered history
         self.rerendered = 0  # turns sampled on a re-rendered history (env.debug_rerender)
+        self.since: dict = {}  # a call under way in the loop -> when the loop first waited on it (its deadline's start)
+        self.stuck_workers: set[int] = set()  # env workers past deadlines.env_s this round (replaced after it)
 
     def run(self, rows: list[PromptRow], G: int, seed: int, temperature: float | None = None) -> tuple[
             list[Completion], list[RewardResult], dict[str, float], dict[str, list[int]]]:
@@ -108,11 +111,27 @@ class EpisodeRunner:
     def _env(self, e: Episode, ref):
         """``ray.get(ref)`` of an env worker call for episode ``e``; None when the worker's process died (the
         episode then ends with status ``error``, its worker is replaced after the round)."""
+        if e.worker in self.stuck_workers:  # an earlier call of this round found the worker stuck
+            e.status, e.worker_lost = ERROR, True
+            return None
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=self.cfg.deadlines.env_s)
+        except ray.exceptions.GetTimeoutError:
+            self.env_stuck(e)
+            return None
         except ray.exceptions.RayActorError:
             e.status, e.worker_lost = ERROR, True
             return None
+
+    def env_stuck(self, e: Episode) -> None:
+        """Episode ``e``'s env worker is past ``deadlines.env_s``: its ``PhaseTimeout`` is logged with its stacks
+        (once per worker and round) and the episode ends as if the worker had died (it is replaced after the
+        round, ``repair_pool``)."""
+        if e.worker not in self.stuck_workers:
+            self.stuck_workers.add(e.worker)
+            deadlines.stuck("env", self.pool.workers[e.worker], self.cfg.deadlines.env_s, "deadlines.env_s",
+                            f"env worker {e.worker}, episode {e.episode_id}; replaced after the round")
+        e.status, e.worker_lost = ERROR, True
 
     def start_episodes(self, episodes: list[Episode]) -> dict:
         """Open ``episodes`` in their env workers: their first ids and tools, or their end (status ``timeout`` /
@@ -202,7 +221,7 @@ class EpisodeRunner:
         waiting = list(loop.calls) + list(loop.stepping) + list(loop.starting)
         if not waiting:
             return
-        ray.wait(waiting, num_returns=1)
+        self.wait_first(loop, waiting, engines)
         done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
         for ref in done:
             if ref in loop.calls:
@@ -248,6 +267,28 @@ class EpisodeRunner:
         """An episode whose turn was open on an engine that died: nothing of the turn was kept, so it is sampled
         again (on the engine that replaced it)."""
         loop.ready.append(e)
+
+    def wait_first(self, loop: TurnLoop, waiting: list, engines: list) -> None:
+        """Wait for the first of ``waiting`` (the loop's engine and env calls) within their deadlines, each from
+        when the loop first waited on it: ``deadlines.generation_s`` for an engine's ``advance_turns``,
+        ``deadlines.env_s`` for an env worker's call. An env call past its deadline ends its episode as if its
+        worker had died (``env_stuck``).
+
+        Raises:
+            cluster.runtime.deadlines.PhaseTimeout: an engine call past its deadline (the run stops: the open
+                turns of an engine cannot be moved to another).
+        """
+        dc, now = self.cfg.deadlines, time.monotonic()
+        self.since = {ref: self.since.get(ref, now) for ref in waiting}
+        limit = {ref: dc.generation_s if ref in loop.calls else dc.env_s for ref in waiting}
+        due = min(self.since[ref] + limit[ref] for ref in waiting)
+        if ray.wait(waiting, num_returns=1, timeout=max(0.0, due - now))[0]:
+            return
+        for ref in [r for r in waiting if self.since[r] + limit[r] <= time.monotonic()]:
+            if ref in loop.calls:
+                raise deadlines.stuck("generation", engines[loop.calls[ref]], dc.generation_s,
+                                      "deadlines.generation_s", f"rollout engine {loop.calls[ref]}'s turns")
+            self.env_stuck(loop.stepping.pop(ref, None) or loop.starting.pop(ref))
 
     def _request(self, e: Episode, turn_seed: Counter) -> TurnRequest:
         """The episode's next turn: its exact ids (or, with ``env.debug_rerender``, after its first turn and where
@@ -325,7 +366,8 @@ class EpisodeRunner:
         holding too many abandoned threads (``EnvPool.maintain``)."""
         for slot in sorted(dead):
             if slot < len(self.pool):
-                log.warning("env worker %d died: its episodes end with status error (infra_failed worker_lost); "
-                            "replaced", slot)
+                log.warning("env worker %d died or was stuck: its episodes end with status error "
+                            "(infra_failed worker_lost); replaced", slot)
                 self.pool.replace(slot)
+        self.stuck_workers.clear()
         self.pool.maintain()

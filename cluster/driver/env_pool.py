@@ -10,6 +10,7 @@ import logging
 import ray
 
 from cluster.config import Config
+from cluster.runtime import deadlines
 
 log = logging.getLogger("cluster.train")
 
@@ -23,15 +24,25 @@ class EnvPool:
     def __init__(self, cfg: Config, scheduling_strategy_factory):
         self.cfg, self.factory = cfg, scheduling_strategy_factory
         self.workers = [self._start(i) for i in range(cfg.env.num_workers)]
-        ray.get([w.pid.remote() for w in self.workers])  # started (an env class that does not import fails here)
+        self._started(self.workers)  # an env class that does not import fails here
         self.restarts = 0  # workers replaced since the start
 
     def _start(self, slot: int):
         from reward.env_worker import EnvWorker
 
         ec = self.cfg.env
-        return ray.remote(EnvWorker).options(num_cpus=ec.num_cpus_per_worker, max_concurrency=64,
+        cls = deadlines.hang_hook(EnvWorker, ("start", "step"), "env", self.cfg.deadlines)  # debug_hang=env only
+        return ray.remote(cls).options(num_cpus=ec.num_cpus_per_worker, max_concurrency=64,
                                              scheduling_strategy=self.factory(slot)).remote(ec, self.cfg.reward)
+
+    def _started(self, workers: list) -> None:
+        """Wait for ``workers`` to answer (started) within ``deadlines.start_s``.
+
+        Raises:
+            cluster.runtime.deadlines.PhaseTimeout: one did not answer in time.
+        """
+        deadlines.get([w.pid.remote() for w in workers], workers, "start", self.cfg.deadlines.start_s,
+                      "deadlines.start_s")
 
     def replace(self, slot: int) -> None:
         """End the worker in ``slot`` (its open episodes are lost) and start a new one there."""
@@ -40,14 +51,16 @@ class EnvPool:
         except Exception:  # noqa: BLE001 - already gone
             pass
         self.workers[slot] = self._start(slot)
-        ray.get(self.workers[slot].pid.remote())
+        self._started([self.workers[slot]])
         self.restarts += 1
 
     def maintain(self) -> int:
         """Between rounds (no episode open): replace every worker holding more than ``env.max_abandoned_threads``
         abandoned threads (tool calls past their deadline that never returned); returns how many."""
         limit, replaced = self.cfg.env.max_abandoned_threads, 0
-        for slot, held in enumerate(ray.get([w.abandoned_threads.remote() for w in self.workers])):
+        held_by = deadlines.get([w.abandoned_threads.remote() for w in self.workers], list(self.workers), "env",
+                                self.cfg.deadlines.env_s, "deadlines.env_s")
+        for slot, held in enumerate(held_by):
             if held > limit:
                 log.warning("env worker %d holds %d abandoned tool threads (> env.max_abandoned_threads=%d): "
                             "replaced", slot, held, limit)
@@ -68,7 +81,7 @@ class EnvPool:
             if hasattr(self.factory, "remove"):
                 self.factory.remove(len(self.workers))
         new = [self._start(slot) for slot in range(len(self.workers), n)]
-        ray.get([w.pid.remote() for w in new])
+        self._started(new)
         self.workers += new
 
     def take_metrics(self) -> dict[str, float]:

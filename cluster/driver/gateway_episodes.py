@@ -42,6 +42,7 @@ import ray
 
 from cluster.driver.agent_loop import EpisodeRunner
 from cluster.driver.episodes import Episode, _row_dict, tool_call_dicts
+from cluster.runtime import deadlines
 from reward.contracts import RewardResult
 from reward.infra import failed_reward
 from reward.episode_status import CUT_TOKENS, ERROR, OK, SCORED, TIMEOUT
@@ -191,7 +192,9 @@ class GatewayEpisodeRunner(EpisodeRunner):
             error = self._take_request(e, ev["request"])
             if error is None:
                 return True
-            ev = ray.get(self.gateway.exchange.remote(e.session["session_id"], error, self._remaining(e)))
+            wait = self._remaining(e)  # the gateway answers within it; past it and deadlines.env_s, the run stops
+            ev = deadlines.get([self.gateway.exchange.remote(e.session["session_id"], error, wait)], [self.gateway],
+                               "env", wait + self.cfg.deadlines.env_s, "deadlines.env_s")[0]
         e.end = ev
         if ev["kind"] == "timeout":
             e.status = TIMEOUT

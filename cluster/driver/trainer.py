@@ -46,7 +46,7 @@ from cluster.driver.tracking import MetricsLogger, plot_curves
 from cluster.driver.trained_prompts import TrainedPromptLog
 from cluster.driver.warm_start import RLLearningRate, warm_start
 from cluster.models.resolve import ensure_model
-from cluster.runtime import devices, judge, node_files, placement, services, teacher, user_code
+from cluster.runtime import deadlines, devices, judge, node_files, placement, services, teacher, user_code
 from cluster.runtime.learner_group import LearnerGroup
 from cluster.runtime.weight_sync import WeightSync
 from learner.contracts import RolloutTrainResult
@@ -145,6 +145,8 @@ class Trainer:
         """Model, tokenizer and data; resume state; the services (learner ranks, engines, reward workers)."""
         cfg = self.cfg
         random.seed(cfg.trainer.seed)
+        deadlines.set_stacks(cfg.deadlines.stacks)
+        deadlines.set_step(None)
         m = cfg.model
         self.model_path = str(ensure_model(m.path, self.run_dir / "model", seed=m.build_seed, **m.build_kwargs()))
         self.tokenizer = tok = load_tokenizer(self.model_path)
@@ -203,7 +205,8 @@ class Trainer:
         self.fleet.start(cfg.rollout.num_engines)
         self.reward_groups = services.RewardGroups(cfg.reward.num_cpus_per_worker, cfg.reward.node_resources,
                                                    cfg.cluster.placement_timeout_s)
-        self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups)
+        self.rewards = RewardPool(cfg.reward, scheduling_strategy_factory=self.reward_groups,
+                                  **deadlines.reward_pool_options(cfg.deadlines))
         if cfg.reward.judge.enabled:  # an LLM judge beside the verifiers (cluster/runtime/judge.py)
             self.rewards = judge.start_judged(cfg, self.rewards, self.run_dir)
         if cfg.env.enabled:  # multi-turn episodes: env workers beside the reward workers
@@ -323,6 +326,7 @@ class Trainer:
         ``trainer.max_staleness=1``, or running partial rollouts' rounds with ``trainer.partial_rollout_overlap``),
         sync, and the step's metrics (see README for their names)."""
         t_step = time.perf_counter()
+        deadlines.set_step(self.step + 1)  # named by a PhaseTimeout
         apply_control(self.run_dir, self.fleet, self.rewards, self.episodes.pool if self.episodes else None)
         restarts = self.fleet.restarts
         c, self.pending = self.pending or self._collect(self.step), None

@@ -41,12 +41,14 @@ class JudgeFleet(ModelFleet):
         model_path: the judge model's folder (``cluster.models.resolve.ensure_model`` of ``jc.model_path``).
         cache_dir: where each engine's vLLM caches go (``<cache_dir>/judge<i>``).
         placement_timeout_s: ``cluster.placement_timeout_s``.
+        run_deadlines: the run's ``deadlines`` section (``ModelFleet``); None: the defaults.
 
     Raises:
         ValueError: a positive or negative token that is not one token of the judge's tokenizer.
     """
 
-    def __init__(self, jc: JudgeConfig, model_path: str, cache_dir: Path, placement_timeout_s: float = 120.0):
+    def __init__(self, jc: JudgeConfig, model_path: str, cache_dir: Path, placement_timeout_s: float = 120.0,
+                 run_deadlines: Any = None):
         from transformers import AutoTokenizer
 
         from rollout.judge_engine import JudgeEngine
@@ -59,7 +61,7 @@ class JudgeFleet(ModelFleet):
             if token_probs else []
         self.max_tokens = 1 if token_probs else jc.max_tokens
         super().__init__(jc, model_path, cache_dir, placement_timeout_s, engine_cls=JudgeEngine, role="judge",
-                         max_tokens=jc.max_tokens, seed=jc.seed)
+                         max_tokens=jc.max_tokens, seed=jc.seed, run_deadlines=run_deadlines)
 
     @property
     def jc(self) -> JudgeConfig:
@@ -209,7 +211,7 @@ def start_judged(cfg: Any, pool: Any, run_dir: Path) -> JudgedRewards:
     jc = cfg.reward.judge
     try:
         path = ensure_model(jc.model_path, run_dir / "judge_model", seed=jc.build_seed)
-        fleet = JudgeFleet(jc, str(path), run_dir / "cache", cfg.cluster.placement_timeout_s)
+        fleet = JudgeFleet(jc, str(path), run_dir / "cache", cfg.cluster.placement_timeout_s, run_deadlines=cfg.deadlines)
     except BaseException:
         pool.shutdown()
         raise

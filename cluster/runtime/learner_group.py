@@ -1,8 +1,10 @@
 """The learner's ranks as one group: started in placement groups, driven together, failing fast.
 
 Every call below goes to every rank (most learner methods are collective: a rank alone would wait for its
-peers in a collective until ``learner.dist_timeout_s``), and results are collected with ``get_fail_fast``, so
-one dead rank stops the driver at once instead of after a peer's timeout.
+peers in a collective until ``learner.dist_timeout_s``), and results are collected with ``deadlines.get``, so
+one dead rank stops the driver at once instead of after a peer's timeout. Every call has a deadline
+(``cluster.runtime.deadlines``; ``LEARNER_PHASES`` maps a method to its phase): a rank past it stops the run with a
+``PhaseTimeout`` naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.common import free_port
 from cluster.config import Config
 from cluster.planning.actor_placement import learner_ranks_per_group
-from cluster.runtime.services import actor_env, get_fail_fast, wait_ready
+from cluster.runtime import deadlines
+from cluster.runtime.services import actor_env, wait_ready
 from learner.contracts import RolloutTrainResult, SFTBatch, SFTStepResult, SyncReport
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,12 @@ log = logging.getLogger(__name__)
 MKL_STRICT_CNR = "AUTO,STRICT"
 RENDEZVOUS_ATTEMPTS = 3  # starts of the ranks when their rendezvous port is taken before rank 0 binds it
 RANK0_ERROR_WAIT_S = 30.0  # how long a failed start waits for rank 0's own error before giving up on a retry
+#: The deadline phase of a learner method (``deadlines.*``); any other method is bounded by ``learner_step_s``.
+LEARNER_PHASES = {"pid": "start", "train_rollout_batch": "learner_step", "sft_step": "learner_step",
+                  "sync_weights": "sync", "save_checkpoint": "checkpoint_save", "load_checkpoint": "checkpoint_load"}
+#: The methods each ``deadlines.debug_hang`` phase makes hang (its first call on one rank).
+HANG_METHODS = {"learner_step": ("train_rollout_batch", "sft_step"), "sync": ("sync_weights",),
+                "checkpoint_save": ("save_checkpoint",), "checkpoint_load": ("load_checkpoint",)}
 
 
 def _node_address() -> tuple[str, int]:
@@ -90,7 +99,8 @@ class LearnerGroup:
 
         cfg, lc, per_group = self._cfg, self._cfg.learner, self._per_group
         master_addr, port = self._rendezvous(cfg)
-        cls = ray.remote(LearnerRank)
+        hang = cfg.deadlines.debug_hang
+        cls = ray.remote(deadlines.hang_hook(LearnerRank, HANG_METHODS.get(str(hang), ()), str(hang), cfg.deadlines))
         return [
             cls.options(
                 num_cpus=lc.num_cpus_per_rank,
@@ -113,7 +123,9 @@ class LearnerGroup:
         when the run may span nodes; the bind host when it is local)."""
         if len(self.groups) > 1 or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS"):
             strategy = PlacementGroupSchedulingStrategy(self.groups[0], placement_group_bundle_index=0)
-            addr, port = ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
+            probe = ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote()
+            addr, port = deadlines.get([probe], ["the rendezvous probe on rank 0's node"], "start",
+                                       cfg.deadlines.start_s, "deadlines.start_s")[0]
         else:
             addr, port = cfg.trainer.bind_host, free_port("0.0.0.0")
         return addr, 0 if cfg.learner.world_size == 1 else port
@@ -126,7 +138,7 @@ class LearnerGroup:
         """``method(*args, **kwargs)`` on every rank; the results in rank order. Fails fast."""
         with self._submit:  # every rank receives the driver's calls in the same order (collectives)
             refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        return get_fail_fast(refs)
+        return self._get(method, refs)
 
     def call_sharded(self, method: str, per_rank: list[tuple], **kwargs) -> list[Any]:
         """``method(*per_rank[r], **kwargs)`` on rank ``r``; the results in rank order. Fails fast."""
@@ -134,7 +146,18 @@ class LearnerGroup:
             raise ValueError(f"{len(per_rank)} argument tuples for {len(self.actors)} learner ranks")
         with self._submit:
             refs = [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)]
-        return get_fail_fast(refs)
+        return self._get(method, refs)
+
+    def _get(self, method: str, refs: list[Any]) -> list[Any]:
+        """The ranks' results of ``method``, within its phase's deadline (``LEARNER_PHASES``); fails fast.
+
+        Raises:
+            cluster.runtime.deadlines.PhaseTimeout: a rank past the deadline (named, its stacks logged).
+        """
+        phase = LEARNER_PHASES.get(method, "learner_step")
+        key = "deadlines.checkpoint_s" if phase.startswith("checkpoint") else f"deadlines.{phase}_s"
+        named = phase if method in LEARNER_PHASES else f"learner_step ({method})"
+        return deadlines.get(refs, list(self.actors), named, self._cfg.deadlines.seconds(phase), key)
 
     def wait_ready(self) -> None:
         """Block until every rank finished its constructor (raises the rank's error if one failed).

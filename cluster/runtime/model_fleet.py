@@ -20,11 +20,14 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from cluster.config_sections import DeadlinesConfig
+from cluster.runtime import deadlines
 from cluster.runtime.services import start_engine
 from reward.config import ServedModelConfig
 from rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
+HANG_METHODS = {"judge": ("judge",), "teacher": ("sequences_logprobs",)}  # what deadlines.debug_hang hangs, by role
 
 
 def served_rollout_config(sm: ServedModelConfig, *, max_tokens: int, seed: int = 0) -> RolloutConfig:
@@ -64,6 +67,8 @@ class ModelFleet:
         seed: the engines' sampler seed.
         wait: wait here until every engine has loaded the model; False: the caller calls ``wait_ready`` (the
             engines load meanwhile, beside the run's other services).
+        run_deadlines: the run's ``deadlines`` section: the engines' ``start_s`` and the test hook ``debug_hang``
+            (``judge``, ``teacher``); None: the defaults, no hook.
 
     Raises:
         PlacementTimeout, or the engine's own error: an engine that cannot start stops the run here (the engines
@@ -71,7 +76,8 @@ class ModelFleet:
     """
 
     def __init__(self, settings: ServedModelConfig, model_path: str, cache_dir: Path, placement_timeout_s: float,
-                 *, engine_cls: type, role: str, max_tokens: int, seed: int = 0, wait: bool = True):
+                 *, engine_cls: type, role: str, max_tokens: int, seed: int = 0, wait: bool = True,
+                 run_deadlines: Any = None):
         self.settings = settings
         self.model_path = str(model_path)
         self.cache_dir = Path(cache_dir)
@@ -83,6 +89,7 @@ class ModelFleet:
         self.groups: list[Any] = []
         self._next_index = 0
         self.replaced = 0  # engines replaced after a timeout or death
+        self.deadlines = run_deadlines  # the run's deadlines section: start_s, debug_hang (None: defaults, no hook)
         try:
             for _ in range(settings.num_engines):
                 actor, pg = self._start_one()
@@ -98,18 +105,21 @@ class ModelFleet:
         """Wait until every engine has loaded the model.
 
         Raises:
-            the engine's error (``ray.exceptions.RayActorError``): an engine that cannot start stops the run here,
-                after every engine of the fleet was shut down.
+            the engine's error (``ray.exceptions.RayActorError``), or ``PhaseTimeout`` past ``deadlines.start_s``:
+                an engine that cannot start stops the run here, after every engine of the fleet was shut down.
         """
+        limit = self.deadlines.start_s if self.deadlines is not None else DeadlinesConfig().start_s
         try:
-            ray.get([e.pid.remote() for e in self.engines])
+            deadlines.get([e.pid.remote() for e in self.engines], list(self.engines), "start", limit,
+                          "deadlines.start_s")
         except BaseException:
             self.shutdown()
             raise
 
     def _start_one(self) -> tuple[Any, Any]:
         index, self._next_index = self._next_index, self._next_index + 1
-        return start_engine(self.engine_cls, self.model_path, self.rollout_config, index=index,
+        engine_cls = deadlines.hang_hook(self.engine_cls, HANG_METHODS.get(self.role, ()), self.role, self.deadlines)
+        return start_engine(engine_cls, self.model_path, self.rollout_config, index=index,
                             cache_dir=self.cache_dir / f"{self.role}{index}", what=f"{self.role} engine",
                             placement_timeout_s=self.placement_timeout_s)
 
@@ -179,7 +189,9 @@ class PendingCalls:
                 failure = CallFailure("error", type(err).__name__, str(err)[:300])
                 for i in share:
                     out[i] = failure
-        for ref, (slot, share) in pending.items():  # past the deadline
+        for ref, (slot, share) in pending.items():  # past the deadline: logged with the engine's stacks
+            deadlines.stuck(fleet.role, fleet.engines[slot], fleet.settings.timeout_s,
+                            f"{fleet.settings.SECTION}.timeout_s", f"{fleet.role} engine {slot}; replacing it")
             try:
                 ray.cancel(ref)  # the engine is replaced below in any case
             except Exception:  # noqa: BLE001

@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.runtime import console
+from cluster.runtime import console, deadlines
 from cluster.common import REPO_ROOT
 from cluster.config import Config
 from cluster.runtime.weight_sync import WeightSync
@@ -230,7 +230,9 @@ class EngineFleet:
 
         index = self._next_index
         self._next_index += 1
-        actor, pg = start_engine(RolloutEngine, self.model_path, self.cfg.rollout, index=index,
+        engine_cls = deadlines.hang_hook(RolloutEngine, ("generate", "generate_greedy"), "generation",
+                                         self.cfg.deadlines)
+        actor, pg = start_engine(engine_cls, self.model_path, self.cfg.rollout, index=index,
                                  cache_dir=self.cache_dir / f"engine{index}", what="rollout engine",
                                  placement_timeout_s=self.cfg.cluster.placement_timeout_s)
         if self.cfg.sync.in_flight != "off":  # queued behind the constructor (the config check rules out refusals)
@@ -267,7 +269,8 @@ class EngineFleet:
         try:
             for _ in range(count):
                 new.append(self._start_one())
-            ray.get([a.pid.remote() for a, _ in new])
+            deadlines.get([a.pid.remote() for a, _ in new], [a for a, _ in new], "start", self.cfg.deadlines.start_s,
+                          "deadlines.start_s")
             self._load_current([a for a, _ in new])
         except BaseException:
             for actor, pg in new:
@@ -320,7 +323,8 @@ class EngineFleet:
 
     def pids(self) -> list[int]:
         self.settle()
-        return ray.get([e.pid.remote() for e in self.engines])
+        return deadlines.get([e.pid.remote() for e in self.engines], list(self.engines), "start",
+                             self.cfg.deadlines.start_s, "deadlines.start_s")
 
     def stop(self, count: int) -> None:
         """Stop the last ``count`` engines (between steps, so no prompt is in flight)."""
@@ -366,10 +370,11 @@ class EngineFleet:
         so the caller can score one piece while the engines generate the next. The samples do not depend on
         the cut (``prompt_offset`` keeps each prompt's seed). A piece whose engine died is generated again on
         the engine that replaces it. ``max_tokens``: the response limit of sampled calls (None: the engine's
-        ``rollout.max_response_tokens``).
+        ``rollout.max_response_tokens``). An engine that finishes no piece within ``deadlines.generation_s`` is
+        stuck: its ``PhaseTimeout`` is logged with its stacks, and it is replaced as a dead one is.
 
         Raises:
-            RuntimeError: an engine slot died more than ``max_retries`` times in one call.
+            RuntimeError: an engine slot died or stalled more than ``max_retries`` times in one call.
         """
         self.settle()  # engines still loading the latest weights sample nothing before they are done
         tasks: dict[Any, tuple[int, int, int, list[PromptRow]]] = {}  # ref -> (slot, offset in share, global lo, rows)
@@ -384,27 +389,42 @@ class EngineFleet:
                                              prompt_offset=offset, max_tokens=max_tokens)
             tasks[ref] = (slot, offset, lo, rows)
 
-        start = 0
+        start, err = 0, None
         for slot, share in enumerate(self._chunks(prompts, len(self.engines))):
             for offset, piece in zip(*self._pieces(share, pieces_per_engine)):
                 submit(slot, offset, start + offset, piece)
             start += len(share)
+        limit = self.cfg.deadlines.generation_s
+        moved = {slot: time.monotonic() for slot in range(len(self.engines))}  # a slot's last finished piece
         while tasks:
-            ready, _ = ray.wait(list(tasks), num_returns=1)
+            busy = {s for s, *_ in tasks.values()}
+            due = min(moved[s] for s in busy) + limit
+            ready, _ = ray.wait(list(tasks), num_returns=1, timeout=max(0.0, due - time.monotonic()))
+            if not ready:  # past deadlines.generation_s: the stalled engine is replaced like a dead one
+                slot = min(busy, key=lambda s: moved[s])
+                err = deadlines.stuck("generation", self.engines[slot], limit, "deadlines.generation_s",
+                                      f"rollout engine {slot}: no piece finished; replacing it")
+                ready = [next(ref for ref, t in tasks.items() if t[0] == slot)]
             slot, offset, lo, rows = tasks.pop(ready[0])
+            moved[slot] = time.monotonic()
             try:
+                if err is not None:
+                    raise err
                 yield lo, ray.get(ready[0])
-            except ray.exceptions.RayActorError as err:
-                # The engine process died: its pieces are generated again on a new engine.
+            except (ray.exceptions.RayActorError, deadlines.PhaseTimeout) as failure:
+                # The engine process died or stalled: its pieces are generated again on a new engine.
+                err = None
                 attempts[slot] = attempts.get(slot, 0) + 1
                 if attempts[slot] > self.max_retries:
-                    raise RuntimeError(f"rollout engine {slot} died {attempts[slot]} times in one step") from err
+                    raise RuntimeError(f"rollout engine {slot} died or stalled {attempts[slot]} times in one step"
+                                       ) from failure
                 lost = [(o, l, r) for ref, (s, o, l, r) in list(tasks.items()) if s == slot]
                 for ref in [ref for ref, t in tasks.items() if t[0] == slot]:
                     del tasks[ref]
                 self.replace(slot)
                 for o, l, r in [(offset, lo, rows)] + lost:
                     submit(slot, o, l, r)
+                moved[slot] = time.monotonic()  # the new engine's deadline starts when it has its pieces
 
     @staticmethod
     def _pieces(share: list[PromptRow], k: int) -> tuple[list[int], list[list[PromptRow]]]:
@@ -439,7 +459,8 @@ class EngineFleet:
         if report.pending is not None:
             self._pending = report.pending  # waited for by the next use of the engines (settle)
             return report
-        versions = ray.get([e.weight_version.remote() for e in self.engines])
+        versions = deadlines.get([e.weight_version.remote() for e in self.engines], list(self.engines), "sync",
+                                 self.cfg.deadlines.sync_s, "deadlines.sync_s")
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync failed: engines report versions {versions}, expected {version}")
         return report
@@ -530,12 +551,3 @@ class RewardGroups:
             remove_placement_group(pg)
         self.groups.clear()
 
-
-def get_fail_fast(refs: list[Any]) -> list[Any]:
-    """``ray.get`` of several refs that raises as soon as ANY of them fails (a dead learner rank), instead of
-    waiting in order behind a peer that blocks in a collective until its timeout."""
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready)  # raises the actor's error
-    return ray.get(refs)

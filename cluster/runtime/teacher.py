@@ -31,14 +31,15 @@ class TeacherFleet(ModelFleet):
         cache_dir: where each engine's vLLM caches go (``<cache_dir>/teacher<i>``).
         placement_timeout_s: ``cluster.placement_timeout_s``.
         wait: wait until the engines have loaded (False: ``wait_ready`` later; ``ModelFleet``).
+        run_deadlines: the run's ``deadlines`` section (``ModelFleet``); None: the defaults.
     """
 
     def __init__(self, dc: DistillConfig, model_path: str, cache_dir: Path, placement_timeout_s: float = 120.0,
-                 wait: bool = True):
+                 wait: bool = True, run_deadlines: Any = None):
         from rollout.engine import RolloutEngine
 
         super().__init__(dc, model_path, cache_dir, placement_timeout_s, engine_cls=RolloutEngine, role="teacher",
-                         max_tokens=1, wait=wait)
+                         max_tokens=1, wait=wait, run_deadlines=run_deadlines)
 
     def logprobs(self, completions: list[Completion]) -> list[list[float] | CallFailure]:
         """Per completion, in order, the teacher's log-prob (nats, temperature 1) of each response token (``[]``
@@ -77,7 +78,8 @@ def start_teacher(cfg: Any, student_tokenizer: Any, run_dir: Path, wait: bool = 
                                 "(configs/tiny_distill.yaml's teacher is written by `make train`)") from None
     check_same_tokenizer(loaded_identity(student_tokenizer), loaded_identity(AutoTokenizer.from_pretrained(str(path))),
                          cfg.model.path, dc.model_path)
-    fleet = TeacherFleet(dc, str(path), run_dir / "cache", cfg.cluster.placement_timeout_s, wait=wait)
+    fleet = TeacherFleet(dc, str(path), run_dir / "cache", cfg.cluster.placement_timeout_s, wait=wait,
+                         run_deadlines=cfg.deadlines)
     log.info("distillation teacher: %d engine(s) of %s, kl_coef %g, reward_weight %g", dc.num_engines,
              dc.model_path, dc.kl_coef, dc.reward_weight)
     return fleet
