@@ -9,8 +9,8 @@ DeepSpeed on the CPU:
 2. from scratch again at 2 learner threads, its whole process group SIGKILLed once step ``KILL_AFTER`` is
    logged (the step after the checkpoint of step ``SAVE_EVERY``): the steps it logged are the first run's, bit for
    bit;
-3. resumed (``trainer.resume=true``, at 1 thread again) from that checkpoint to the end: ``metrics.jsonl`` then
-   holds the first run's lines, bit for bit.
+3. resumed (``trainer.resume=true``; the learner's thread settings must match the checkpoint's) from that
+   checkpoint to the end: ``metrics.jsonl`` then holds the first run's lines, bit for bit.
 
 Every metric of ``metrics.jsonl`` is compared but the time measures (``tests.helpers.driver.VOLATILE_METRICS``).
 The second run trains at another learner thread count (elastic threads off in both): what the elastic threads
@@ -41,10 +41,11 @@ RUN_TIMEOUT_S = 420
 COMMON = [f"trainer.total_steps={STEPS}", f"trainer.save_every={SAVE_EVERY}", "trainer.keep_checkpoints=3",
           "trainer.eval_every=0", "trainer.plots=false", "wandb.mode=disabled", "data.num_train=64"]
 BASE = {
-    MOE: ["warm_start.steps=20", "warm_start.batch_size=16", "trainer.prompts_per_step=8", "trainer.group_size=4",
+    # warm starts long enough that groups get mixed rewards: the learner's weights change every step
+    MOE: ["warm_start.steps=200", "warm_start.batch_size=64", "trainer.prompts_per_step=8", "trainer.group_size=4",
           "data.num_eval=8", "rollout.max_response_tokens=4", "learner.micro_batch_size=8"],
-    # a warm start on the demonstrations long enough that episodes call the tool and read its reply
-    AGENT: ["warm_start.steps=100", "warm_start.batch_size=16", "trainer.prompts_per_step=4", "trainer.group_size=2",
+    # ... and episodes call the tool and read its reply
+    AGENT: ["warm_start.steps=200", "warm_start.batch_size=32", "trainer.prompts_per_step=4", "trainer.group_size=2",
             "data.num_eval=4", "learner.micro_batch_size=2"],
 }
 PARTIAL = ["trainer.partial_rollouts=true", "trainer.max_staleness=2"]
@@ -101,6 +102,8 @@ def test_two_runs_and_a_resume_after_sigkill_log_the_same_digits(tmp_path, mode)
         assert rc == 0 and not escaped, f"the first run failed (rc {rc}, left {escaped}):\n{tail(log1)}"
         first = logged_metrics(tmp_path / "first")
         assert [m["step"] for m in first] == list(range(STEPS + 1)) and "loss/policy" in first[-1]
+        # the learner's weights change (some groups have mixed rewards), also in the steps a resume plays again
+        assert any(m.get("actor/grad_norm", 0) > 0 for m in first[SAVE_EVERY + 1:]), "no step changed the weights"
         if config == AGENT:
             assert any(m["agent/tool_calls_mean"] > 0 for m in first[1:]), "no episode called the tool"
 
@@ -118,7 +121,7 @@ def test_two_runs_and_a_resume_after_sigkill_log_the_same_digits(tmp_path, mode)
 
         log3 = tmp_path / "resumed.log"
         rc, escaped = run_to_end(config, _overrides(config, tmp_path, "second",
-                                                    [*extra, *THREADS[1], "trainer.resume=true"]),
+                                                    [*extra, *THREADS[2], "trainer.resume=true"]),
                                  env, log3, ray_tmp, RUN_TIMEOUT_S)
         assert rc == 0 and not escaped, f"the resumed run failed (rc {rc}, left {escaped}):\n{tail(log3)}"
         assert f"resumed from {ckpt} (step {SAVE_EVERY})" in log3.read_text()
