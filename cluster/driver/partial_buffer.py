@@ -126,6 +126,12 @@ class PartialBuffer:
         self.rounds = 0  # rounds generated so far (seeds each round's requests)
         self.restarted_samples = 0  # samples whose tokens the staleness bound threw away
         self.dropped_tokens = 0  # tokens thrown away with them
+        # what the rounds since the last collection did, reported with the next one (partial_rollout_overlap's
+        # rounds beside the learner): kept here so that a checkpoint, and a run resumed from it, report them too
+        self.beside_rounds = 0  # rounds run beside the learner
+        self.beside_tokens = 0  # tokens they generated
+        self.slots = 0  # decode slots the rounds offered (requests x the round's longest piece)
+        self.slots_used = 0  # of which produced a token
 
     # -- admission and requests ----------------------------------------------------------------------------
     def admit(self, rows: list[PromptRow]) -> None:

@@ -77,8 +77,8 @@ class PartialCollector:
         self.segment = segment_tokens(cfg.rollout.max_response_tokens, versions, tc.partial_segment_tokens)
         self.buffer = PartialBuffer(tc.group_size, cfg.rollout.max_response_tokens, tc.max_staleness)
         self.stats: dict[str, float] = {}  # the last collection's partial/* metrics
-        self.beside = Collected()  # rounds run beside the learner since the last collection (partial_rollout_overlap)
-        self._slots = self._used = 0  # decode slots offered / used by the rounds since the last collection
+        self._beside_s = 0.0  # seconds of the rounds beside the learner since the last collection (their counts:
+        # the buffer's beside_rounds / beside_tokens / slots, which a checkpoint keeps)
         if self.segment * (versions + 1) < cfg.rollout.max_response_tokens:
             log.warning("trainer.partial_segment_tokens=%d x (trainer.max_staleness=%d + 1) is below "
                         "rollout.max_response_tokens=%d: a sample that long cannot finish within the staleness "
@@ -92,8 +92,9 @@ class PartialCollector:
         if admit > 0:
             self.buffer.admit(self.stream.take(admit))
 
-    def _round(self, c: Collected) -> None:
-        """One round: every unfinished sample gets up to one segment (counted in ``c`` and the slot counts)."""
+    def _round(self, c: Collected | None) -> None:
+        """One round: every unfinished sample gets up to one segment (counted in ``c``, or as a round beside the
+        learner when None, and in the buffer's slot counts)."""
         reqs = self.buffer.requests()
         rows = [request_row(r) for r in reqs]
         seed = self.cfg.rollout.seed + 1_000_003 * self.buffer.rounds + 17
@@ -104,11 +105,17 @@ class PartialCollector:
                 self.buffer.extend(reqs[lo + j], comp, self.segment)
                 tokens += len(comp.response_token_ids)
                 longest = max(longest, len(comp.response_token_ids))
-        c.rollout_s += time.perf_counter() - t0
-        c.generated_tokens += tokens
-        c.rounds += 1
-        self.buffer.rounds += 1
-        self._slots, self._used = self._slots + len(reqs) * longest, self._used + tokens
+        b = self.buffer
+        if c is None:
+            self._beside_s += time.perf_counter() - t0
+            b.beside_rounds = getattr(b, "beside_rounds", 0) + 1  # a buffer pickled before these counters has none
+            b.beside_tokens = getattr(b, "beside_tokens", 0) + tokens
+        else:
+            c.rollout_s += time.perf_counter() - t0
+            c.generated_tokens += tokens
+            c.rounds += 1
+        b.rounds += 1
+        b.slots, b.slots_used = getattr(b, "slots", 0) + len(reqs) * longest, getattr(b, "slots_used", 0) + tokens
 
     def rounds_beside(self, stop: threading.Event) -> None:
         """``trainer.partial_rollout_overlap``: rounds at the engines' current weights while the learner trains
@@ -124,7 +131,7 @@ class PartialCollector:
             self._admit()
             if not self.buffer.num_unfinished() or (deterministic and self.buffer.num_ready() >= P):
                 return
-            self._round(self.beside)
+            self._round(None)
 
     def collect(self, step: int) -> Collected:
         """Rounds at the current weight version until ``trainer.prompts_per_step`` groups have finished; those
@@ -132,8 +139,10 @@ class PartialCollector:
         beside the learner since the last collection (``rounds_beside``) count in this one."""
         P, version = self.cfg.trainer.prompts_per_step, self.version()
         c = Collected(step=step, start_position=self.stream.position)
-        beside, self.beside = self.beside, Collected()
-        c.rollout_s, c.rounds, c.generated_tokens = beside.rollout_s, beside.rounds, beside.generated_tokens
+        b = self.buffer
+        beside = getattr(b, "beside_rounds", 0)  # a buffer pickled before these counters has none
+        c.rollout_s, c.rounds, c.generated_tokens = self._beside_s, beside, getattr(b, "beside_tokens", 0)
+        self._beside_s, b.beside_rounds, b.beside_tokens = 0.0, 0, 0
         dropped0 = self.buffer.dropped_tokens
         restarted = self.buffer.expire(version)
         while self.buffer.num_ready() < P:
@@ -150,14 +159,14 @@ class PartialCollector:
         c.end_position = self.stream.position
         spans = [len(set(x.token_versions or [x.weight_version])) for x in c.completions]
         self.stats = {
-            "partial/rounds": float(c.rounds), "partial/rounds_beside_learner": float(beside.rounds),
+            "partial/rounds": float(c.rounds), "partial/rounds_beside_learner": float(beside),
             "partial/restarted_samples": float(restarted),
             "partial/dropped_tokens": float(self.buffer.dropped_tokens - dropped0),
             "partial/multi_version_share": sum(s > 1 for s in spans) / max(1, len(spans)),
             "partial/in_flight_groups": float(self.buffer.num_unfinished()),
-            "rollout/slot_utilization": self._used / self._slots if self._slots else 0.0,
+            "rollout/slot_utilization": b.slots_used / b.slots if getattr(b, "slots", 0) else 0.0,
         }
-        self._slots = self._used = 0
+        b.slots = b.slots_used = 0
         return c
 
 

@@ -24,7 +24,8 @@ def _trainer(out, name, extra):
 
 # keys of metrics.jsonl that measure time, not the computation: they differ between two runs of the same config
 VOLATILE_METRICS = ("timing/", "throughput/", "perf/", "sync/seconds", "sync/gb_per_s", "sync/engine_load_s",
-                    "reward/time_s")
+                    "reward/time_s", "env/time_s", "agent/env_s", "agent/engine_busy_share",
+                    "partial/beside_learner_s")
 
 
 def logged_metrics(run_dir) -> list[dict]:

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from cluster.driver import checkpoint, trained_prompts
-from cluster.runtime.local_head import head_processes, terminate_then_kill
-from tests.helpers import REPO_ROOT, TEST_ENV
+from cluster.runtime.local_head import head_processes
+from tests.helpers import REPO_ROOT
+from tests.helpers.driver_process import driver_env, end_group, private_ray_tmp, run_to_end, start_driver, tail
 from tests.helpers.episode_trace import TRACE_ENV, open_episodes, started
 
 CONFIG = REPO_ROOT / "configs" / "tiny_agent_calc.yaml"
@@ -54,61 +52,22 @@ RUN_TIMEOUT_S = 420
 
 
 def _env(ray_tmp: Path, trace: Path) -> dict[str, str]:
-    """The driver's environment: Ray's session and every other temporary file (vLLM's) in the test's own temp dir."""
-    (ray_tmp / "tmp").mkdir(exist_ok=True)
-    env = dict(os.environ, **TEST_ENV, PYTHONPATH=str(REPO_ROOT), RAY_TMPDIR=str(ray_tmp), TMPDIR=str(ray_tmp / "tmp"),
-               **{TRACE_ENV: str(trace)})
-    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(var, None)
-    return env
+    """The driver's environment (``driver_env``), every episode's start and close traced to ``trace``."""
+    return driver_env(ray_tmp, **{TRACE_ENV: str(trace)})
 
 
 def _start(out: Path, extra: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """The driver in a new session: its process group holds Ray's head processes and workers too."""
-    with open(log, "w") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "cluster.train", str(CONFIG), *OVERRIDES, f"trainer.output_dir={out}",
-             "trainer.run_name=agent_resume", *extra],
-            cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _tail(log: Path, n: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else "(no log)"
-
-
-def _end_group(proc: subprocess.Popen, ray_tmp: Path) -> list[str]:
-    """SIGKILL the driver's process group, then end whatever of this Ray still runs (``ray stop`` for this temp
-    dir only). Returns what had to be ended after the group's kill (descriptions), after making sure it ended."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
-    deadline = time.time() + 30
-    while (left := head_processes(ray_tmp, proc.pid)) and time.time() < deadline:
-        time.sleep(0.5)  # SIGKILLed processes of the group take a moment to go
-    named = []
-    for p in left:
-        try:
-            named.append(f"{p.pid} {' '.join(p.cmdline()[:3])}")
-        except Exception:  # noqa: BLE001 - gone meanwhile
-            continue
-    terminate_then_kill(left, grace_s=5)
-    return named
+    return start_driver(CONFIG, [*OVERRIDES, f"trainer.output_dir={out}", "trainer.run_name=agent_resume", *extra],
+                        env, log)
 
 
 def _run_to_end(out: Path, extra: list[str], env: dict[str, str], log: Path,
                 ray_tmp: Path) -> tuple[int | None, list[str]]:
     """The driver run to its end (None: past ``RUN_TIMEOUT_S``), then whatever of it still runs ended: (exit code,
     what had to be ended)."""
-    proc = _start(out, extra, env, log)
-    try:
-        rc = proc.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        escaped = _end_group(proc, ray_tmp)
-    return rc, escaped
+    return run_to_end(CONFIG, [*OVERRIDES, f"trainer.output_dir={out}", "trainer.run_name=agent_resume", *extra],
+                      env, log, ray_tmp, RUN_TIMEOUT_S)
 
 
 def _train_open(trace: Path) -> dict[str, int]:
@@ -122,14 +81,14 @@ def _kill_mid_rollout(proc: subprocess.Popen, run: Path, trace: Path, log: Path)
     deadline = time.time() + RUN_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be killed mid-rollout:\n{_tail(log)}")
+            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be killed mid-rollout:\n{tail(log)}")
         ckpt = checkpoint.latest_checkpoint(run)
         if ckpt is not None and any(r["step"] > int(ckpt.name.split("_")[1]) for r in trained_prompts.read(run)) \
                 and _train_open(trace):
             os.killpg(proc.pid, signal.SIGKILL)
             return
         time.sleep(0.01)
-    pytest.fail(f"no checkpoint with episodes under way within {RUN_TIMEOUT_S}s:\n{_tail(log)}")
+    pytest.fail(f"no checkpoint with episodes under way within {RUN_TIMEOUT_S}s:\n{tail(log)}")
 
 
 def _stream_steps(run: Path) -> list[list[str]]:
@@ -147,14 +106,10 @@ def _stream_steps(run: Path) -> list[list[str]]:
 
 @pytest.fixture
 def ray_tmp():
-    """A private temp dir for Ray and the run's other temporary files (short: socket paths must fit), removed
-    after the test with any process of it."""
-    path = Path(tempfile.mkdtemp(prefix="gspo-ray-t-", dir="/tmp"))
-    try:
+    """A private temp dir for Ray and the run's other temporary files, removed after the test with any process
+    of it."""
+    with private_ray_tmp() as path:
         yield path
-    finally:
-        terminate_then_kill(head_processes(path), grace_s=5)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_sigkill_mid_episodes_then_resume_trains_every_prompt_once(tmp_path, ray_tmp):
@@ -167,7 +122,7 @@ def test_sigkill_mid_episodes_then_resume_trains_every_prompt_once(tmp_path, ray
     try:
         _kill_mid_rollout(proc, run, trace, log1)
     finally:
-        escaped = _end_group(proc, ray_tmp)
+        escaped = end_group(proc, ray_tmp)
     assert head_processes(ray_tmp, proc.pid) == []
     assert escaped == [], f"processes of the killed run outlived its process group: {escaped}"
     at_kill = _train_open(trace)  # nothing writes the trace any more: these were under way at the kill
@@ -183,7 +138,7 @@ def test_sigkill_mid_episodes_then_resume_trains_every_prompt_once(tmp_path, ray
     # 2. resumed to the same total_steps
     log2 = tmp_path / "resumed.log"
     rc, escaped = _run_to_end(tmp_path, ["trainer.resume=true"], env, log2, ray_tmp)
-    assert rc == 0, f"the resumed run failed (rc {rc}):\n{_tail(log2)}"
+    assert rc == 0, f"the resumed run failed (rc {rc}):\n{tail(log2)}"
     assert escaped == [], f"processes of the resumed run outlived it: {escaped}"
     assert f"resumed from {ckpt} (step {ckpt_step})" in log2.read_text()
 
@@ -231,7 +186,7 @@ def test_sigkill_with_partial_episodes_in_the_backlog_then_resume_trains_every_p
     try:
         _kill_mid_rollout(proc, run, trace, log1)
     finally:
-        escaped = _end_group(proc, ray_tmp)
+        escaped = end_group(proc, ray_tmp)
     assert escaped == [], f"processes of the killed run outlived its process group: {escaped}"
     at_kill = _train_open(trace)
     ckpt = checkpoint.latest_checkpoint(run)
@@ -239,7 +194,7 @@ def test_sigkill_with_partial_episodes_in_the_backlog_then_resume_trains_every_p
 
     log2 = tmp_path / "resumed.log"
     rc, escaped = _run_to_end(tmp_path, ["trainer.resume=true", *partial], env, log2, ray_tmp)
-    assert rc == 0, f"the resumed run failed (rc {rc}):\n{_tail(log2)}"
+    assert rc == 0, f"the resumed run failed (rc {rc}):\n{tail(log2)}"
     assert escaped == []
 
     records = trained_prompts.read(run)

@@ -120,7 +120,7 @@ def test_no_rounds_beside_the_last_step(tmp_path):
     ms = [t.rl_step() for _ in range(3)]
     assert [m["partial/rounds_beside_learner"] for m in ms][0] == 0 and ms[1]["partial/rounds_beside_learner"] >= 1
     calls = len(fleet.calls)
-    assert t.collector.beside.rounds == 0 and len(fleet.calls) == calls
+    assert t.collector.buffer.beside_rounds == 0 and len(fleet.calls) == calls
     assert all(max(b) <= 2 for b in t.batches)
 
 

@@ -168,12 +168,12 @@ def test_rounds_beside_the_learner_run_until_stopped_and_count_in_the_next_colle
     fleet.rounds = len(fleet.calls) + 2  # the learner finishes during the second round beside it
     in_flight = col.buffer.num_unfinished()
     col.rounds_beside(fleet.stop)
-    assert col.beside.rounds == 2 and col.beside.generated_tokens > 0  # the round under way completed, no more
-    beside_tokens = col.beside.generated_tokens
+    assert col.buffer.beside_rounds == 2 and col.buffer.beside_tokens > 0  # the round under way completed, no more
+    beside_tokens = col.buffer.beside_tokens
     fleet.version += 1
     c = col.collect(1)
     assert col.stats["partial/rounds_beside_learner"] == 2 and c.rounds >= 2 and c.generated_tokens >= beside_tokens
-    assert col.beside.rounds == 0  # counted once
+    assert col.buffer.beside_rounds == col.buffer.beside_tokens == 0  # counted once
     assert in_flight > 0 and any(x.token_versions and x.token_versions[0] == 0 for x in c.completions)
 
 
@@ -204,12 +204,28 @@ def test_deterministic_rounds_beside_the_learner_do_not_follow_when_it_stops(sto
     col, fleet = collector(*long, fleet=LongStoppingFleet(rounds=0))
     fleet.rounds = stop_in_round
     col.rounds_beside(fleet.stop)
-    assert col.buffer.num_ready() >= 4 and col.beside.rounds >= 2
+    assert col.buffer.num_ready() >= 4 and col.buffer.beside_rounds >= 2
     ends = [(g.row.uid, [len(s.token_ids) for s in g.samples]) for g in col.buffer.groups]
     again, _ = collector(*long, fleet=LongStoppingFleet(rounds=0))
     again.rounds_beside(__import__("threading").Event())  # never stopped
-    assert again.beside.rounds == col.beside.rounds
+    assert again.buffer.beside_rounds == col.buffer.beside_rounds
     assert [(g.row.uid, [len(s.token_ids) for s in g.samples]) for g in again.buffer.groups] == ends
+
+
+def test_rounds_beside_the_learner_are_counted_after_a_resume_from_the_checkpoint_that_holds_them():
+    """The rounds beside the learner run before the step's checkpoint and are reported with the next step: the
+    buffer (what a checkpoint saves) carries their counts, so a run resumed from it reports the same step."""
+    long = ("trainer.max_staleness=2", "trainer.partial_segment_tokens=2")
+    col, fleet = collector(*long, fleet=LongStoppingFleet(rounds=0))
+    col.collect(0)
+    col.rounds_beside(__import__("threading").Event())
+    saved = pickle.dumps(col.buffer)
+    resumed, _ = collector(*long, fleet=LongStoppingFleet(rounds=0))
+    resumed.buffer, resumed.stream.position = pickle.loads(saved), col.stream.position
+    col.collect(1)
+    resumed.collect(1)
+    assert col.stats["partial/rounds_beside_learner"] >= 1
+    assert resumed.stats == col.stats  # rounds, rounds beside the learner, slot utilization: all of them
 
 
 def test_slot_utilization_counts_the_tail():
