@@ -165,7 +165,8 @@ class LearnerConfig(Section):
     pre_update_pass: Literal["auto", "always", "never"] = Field(
         "auto",
         description="the no-gradient forward over the rollout batch before the first optimizer step: 'auto' runs "
-        "it only when something needs it (old_logprob_source=recompute, routing_replay, moe_diagnostics on an MoE "
+        "it only when something needs it (old_logprob_source=recompute or auto's check steps and switch, "
+        "routing_replay, moe_diagnostics on an MoE "
         "model, or a health-guard pre-check max_logprob_diff / min_entropy / max_load_imbalance); 'never' refuses "
         "those settings. Skipped, actor/entropy, actor/train_rollout_logprob_diff and the moe/ metrics are absent "
         "(learner/README.md)",
@@ -215,7 +216,9 @@ class LearnerConfig(Section):
         "actor/entropy, mismatch/*) are measured at 1/N of the pass's cost and a broken weight sync shows up, on "
         "dense and MoE models. In the one-step overlap (trainer.max_staleness >= 1) a monitored step's rollout is "
         "collected on-policy, after the previous sync, so the metric is the engine/learner gap alone; with partial "
-        "rollouts it is not exact (samples carried over a sync, docs/partial_rollouts.md); 0 = off",
+        "rollouts it is not exact (samples carried over a sync, docs/partial_rollouts.md). These are also the "
+        "check steps of old_logprob_source='auto' (under pre_update_pass 'auto' or 'always'); 0 = off (and 'auto' "
+        "then reads as 'rollout', unchecked)",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -260,7 +263,7 @@ class LearnerConfig(Section):
         description="old_logprob_source='auto': the largest engine/learner gap, mean |learner - engine log-prob| "
         "per response token in nats on a monitored step, under which the engine's log-probs stay the behaviour "
         "log-probs. 1e-4 sits between float32 on both sides (measured 3e-7 to 7e-7 on the CPU for the tiny models, "
-        "6e-6 for a 53 M-parameter upcycled MoE) and any bf16 side (1.2e-3 with a bf16-autocast learner, 0.033 with "
+        "6.1e-6 for SmolLM2-135M upcycled into an MoE) and any bf16 side (1.2e-3 with a bf16-autocast learner, 0.033 with "
         "a bf16 engine and learner), 17x above the largest float32 gap and 12x below the smallest bf16 one; it is "
         "a third of GSPO's clip range (3e-4), so a gap under it cannot by itself push a sequence ratio out of the "
         "clip band",

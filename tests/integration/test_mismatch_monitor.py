@@ -86,3 +86,35 @@ def test_the_callers_decision_overrides_the_ranks_count(dense_path):
     assert [KEY in o for o in outs] == [False, True, True, False]
     off = _rank(dense_path, cfg.model_copy(update={"mismatch_monitor_every": 0}))
     assert KEY not in _train(off, b, monitor=True)
+
+
+def _train_sources(learner, batch: TrainBatch, behaviour: str) -> dict:
+    """``batch`` as two minibatches of 4 rows, with the step's behaviour source given as the driver gives it."""
+    parts = [batch.select(list(range(0, 4))), batch.select(list(range(4, 8)))]
+    norms = [loss_normalisers(p.response_mask) for p in parts]
+    return learner.train_rollout_batch(parts, [s for s, _ in norms], [t for _, t in norms], guard=None,
+                                       behaviour=behaviour).metrics
+
+
+def test_a_check_step_keeps_the_engines_log_probs_within_the_bound_and_trains_on_the_recomputed_above(dense_path):
+    """``old_logprob_source=auto``'s check step (``behaviour='check'``), two minibatches: engine log-probs 1e-5
+    from the learner's (gap ~8e-6 < 1e-4) train as ``rollout`` would, bit for bit; 1e-2 away (~8e-3) as
+    ``recompute`` would (its pass unfused, as the check's is), recomputed=1; older rows far off beside newest
+    rows close are left out of the gap (partial rollouts' carried samples). Every update identical to the
+    reference rank's."""
+    cfg = LearnerConfig(zero_stage=0, micro_batch_size=4, lr=1e-3, num_minibatches=2, mismatch_monitor_every=1)
+    checked = _rank(dense_path, cfg)
+    ref = _rank(dense_path, cfg.model_copy(update={"fuse_first_minibatch": False}))
+    near, far = make_batch(dense_path, 8, seed=4, noise=1e-5), make_batch(dense_path, 8, seed=5, noise=1e-2)
+    mixed = make_batch(dense_path, 8, seed=6, noise=1e-5)
+    mixed.weight_versions = torch.tensor([3, 3, 3, 3, 4, 4, 4, 4])
+    mixed.old_log_probs[:4] = torch.where(mixed.response_mask[:4], mixed.old_log_probs[:4] + 0.05, 0.0)
+    for batch, source in ((near, "rollout"), (far, "recompute"), (mixed, "rollout")):
+        out = _train_sources(checked, batch, "check")
+        want = _train_sources(ref, batch, source)
+        assert out["actor/old_logprob_recomputed"] == want["actor/old_logprob_recomputed"] == float(source == "recompute")
+        assert (out["actor/old_logprob_gap"] > 1e-4) == (source == "recompute"), out["actor/old_logprob_gap"]
+        assert out["loss/policy"] == want["loss/policy"]
+        assert checked.state_digest() == ref.state_digest(), source
+    assert out[KEY] > 0.01 > 1e-4 > out["actor/old_logprob_gap"]  # the whole batch's gap, the newest rows' gap
+    assert "actor/old_logprob_gap" not in want
