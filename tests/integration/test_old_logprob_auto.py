@@ -1,9 +1,10 @@
 """``learner.old_logprob_source=auto`` end to end (real Ray, vLLM and DeepSpeed on the CPU): the shipped config
-(configs/tiny_moe.yaml, float32 on both sides) with an engine made to disagree by a real mechanism, the engine
-in bfloat16 (``rollout.dtype=bfloat16``) beside the float32 learner: its first check step measures the gap
-above ``learner.max_rollout_logprob_gap``, trains on the recomputed log-probs, logs why once and recomputes from
-then on, and the switch is in the checkpoint's ``trainer_state.json``; the same config in float32 stays on the
-engine's log-probs."""
+(configs/tiny_moe.yaml) with an engine made to disagree by a real mechanism, the engine in bfloat16
+(``rollout.dtype=bfloat16``, ``precision`` unset) beside the float32 learner: its first check step measures
+the gap above ``learner.max_rollout_logprob_gap``, trains on the recomputed log-probs, logs why once and
+recomputes from then on, and the switch is in the checkpoint's ``trainer_state.json``. The same config in
+float32 stays on the engine's log-probs: checked on its step 1 in tests/integration/test_distill.py (and on a
+partial rollout's step in test_partial_rollouts.py), whose runs start anyway."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _run(tmp_path, name: str, extra: list[str]) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
 
 
-def test_a_bf16_engine_switches_to_recompute_and_float32_stays_on_the_engines(tmp_path, ray_session, caplog):
+def test_a_bf16_engine_switches_to_recompute_and_says_why(tmp_path, ray_session, caplog):
     caplog.set_level(logging.WARNING, logger="cluster.train")
     steps = _run(tmp_path, "bf16_engine", ["rollout.dtype=bfloat16"])
     bound = 1e-4
@@ -59,8 +60,3 @@ def test_a_bf16_engine_switches_to_recompute_and_float32_stays_on_the_engines(tm
     saved = json.loads((tmp_path / "bf16_engine" / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert saved["recompute_since"] == 1 and saved["recompute_gap"] == first["actor/old_logprob_gap"]
 
-    caplog.clear()
-    steps = _run(tmp_path, "fp32", [])
-    assert [s["actor/old_logprob_recomputed"] for s in steps] == [0.0, 0.0]
-    assert all(s["actor/old_logprob_gap"] < bound for s in steps), [s["actor/old_logprob_gap"] for s in steps]
-    assert not [r for r in caplog.records if "max_rollout_logprob_gap" in r.getMessage()]
