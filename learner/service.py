@@ -214,7 +214,8 @@ class LearnerRank:
             ``actor/grad_norm_max``; ``actor/lr``; ``actor/num_optimizer_steps`` (steps applied: 0 when the
             guard skipped the update); ``actor/old_logprob_recomputed``: 1.0 when the objective took the
             learner's recomputed behaviour log-probs, 0.0 the engine's; on a check step ``actor/old_logprob_gap``:
-            the gap (nats per token) that decided it, over the rows of the batch's newest weight version. Values are those of the steps that ran (0 steps: loss 0, ratios 1).
+            the gap (nats per token) that decided it, over the rows sampled wholly by the weights this rank holds
+            (``current_version``), and ``actor/old_logprob_gap_tokens``, their response tokens. Values are those of the steps that ran (0 steps: loss 0, ratios 1).
             ``loss/policy_minibatches``: the loss of each optimizer step (a list). The per-length sums for
             metrics sliced by length are the result's ``by_response_length``, not a metric.
 
@@ -237,7 +238,7 @@ class LearnerRank:
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
         step = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
-                                self.critic, monitor, behaviour)
+                                self.critic, monitor, behaviour, self.current_version())
         result = step.run()
         self.trained_turns = step.trained_turns
         self.weights_changed |= not result.skipped  # a refused update put the weights back

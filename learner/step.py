@@ -69,7 +69,7 @@ class _PassSums:
     mismatch: list[float] = field(default_factory=lambda: [0.0, 0.0])  # top-k sets differing from the engine's, compared
     mm_sum: list[float] = field(default_factory=lambda: [0.0] * 5)  # learner/rollout_correction.mismatch_sums, summed
     mm_max: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ... and maxed
-    fresh: list[float] = field(default_factory=lambda: [0.0, 0.0])  # check step: diff sums on the newest rows only
+    fresh: list[float] = field(default_factory=lambda: [0.0, 0.0])  # check step: diff sums on the current version's rows
 
 
 @dataclass
@@ -97,12 +97,15 @@ class RolloutBatchStep:
 
     def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
                  num_tokens: list[int], guard: dict[str, float] | None, objective: Objective, critic: Critic | None = None,
-                 monitor: bool | None = None, behaviour: str | None = None):
+                 monitor: bool | None = None, behaviour: str | None = None, current_version: int | None = None):
         self.r, self.cfg = replica, replica.cfg
         self.monitor = monitor  # the driver's decision for the mismatch monitor; None = this rank's own count
         self.source = self.step_source(behaviour)  # rollout | recompute | check (learner.old_logprobs)
         self.recompute = self.source == RECOMPUTE  # behaviour log-probs from the pass; a check step may set it
-        self.fresh_version = -1.0  # check step: the newest weight version in the batch, over all ranks
+        # check step: the rows whose gap decides are those sampled wholly by the weights the learner holds now
+        # (``LearnerRank.current_version``; None: the batch's newest version, over all ranks)
+        self.fresh_version = -1.0 if current_version is None else float(current_version)
+        self.version_given = current_version is not None
         self.guard = GuardDecision(guard)
         replica.check_normalisers(minibatches, num_sequences, num_tokens)
         if self.cfg.group_by_length:  # longest rows first: micro-batches of like length pad little
@@ -170,15 +173,19 @@ class RolloutBatchStep:
         return behaviour
 
     def check_gap(self) -> dict[str, Any]:
-        """A check step's decision, after the pass: the gap over the response tokens of the rows sampled by the
-        batch's newest weight version (with partial rollouts an older token would add its version's policy
-        change), all-reduced, against ``learner.max_rollout_logprob_gap``; above it (``gap_too_large``) this step
-        trains on the recomputed log-probs. The flag is max-reduced, so every rank takes the same decision.
-        Returns ``actor/old_logprob_gap``. Collective."""
-        gap = mean_gap(*self.r.all_reduce(self.sums.fresh))
+        """A check step's decision, after the pass: the gap over the response tokens of the rows sampled wholly
+        by the weights the learner holds (``fresh_version``: a row's version is its oldest token's, so with
+        partial rollouts or a rollout sampled ahead a row of an older version, whose gap would hold that
+        version's policy change, is left out), all-reduced, against ``learner.max_rollout_logprob_gap``; above
+        it (``gap_too_large``) this step trains on the recomputed log-probs. No such row: nothing measured, no
+        switch. The flag is max-reduced, so every rank takes the same decision. Returns
+        ``actor/old_logprob_gap`` and ``actor/old_logprob_gap_tokens`` (the tokens it was measured on).
+        Collective."""
+        abs_sum, count = self.r.all_reduce(self.sums.fresh)
+        gap = mean_gap(abs_sum, count)
         (flag,) = self.r.all_reduce([float(gap_too_large(gap, self.cfg.max_rollout_logprob_gap))], "max")
         self.recompute = flag > 0
-        return {"actor/old_logprob_gap": gap}
+        return {"actor/old_logprob_gap": gap, "actor/old_logprob_gap_tokens": count}
 
     def pre_update_decision(self) -> bool:
         """Whether this step runs the pre-update pass: ``learner.pre_update_pass`` ``always``; ``auto`` when
@@ -241,7 +248,7 @@ class RolloutBatchStep:
         metrics. Returns entropy, log-prob difference and (MoE) expert-load metrics, all-reduced; when fused,
         ``{}`` (``pass_metrics`` after training), with the guard's non-finite count of the minibatches
         forwarded plus the first one's rollout log-probs all-reduced into ``self.nonfinite``. Collective."""
-        if self.source == CHECK:  # the rows whose gap decides: those of the newest version on any rank
+        if self.source == CHECK and not self.version_given:  # the rows of the newest version on any rank
             mine = [float(mb.weight_versions.max()) for mb in self.minibatches if mb.weight_versions.numel()]
             (self.fresh_version,) = self.r.all_reduce([max(mine, default=-1.0)], "max")
         for m in range(1 if self.fused else 0, len(self.minibatches)):

@@ -50,7 +50,8 @@ def test_a_bf16_engine_switches_to_recompute_and_says_why(tmp_path, ray_session,
     steps = _run(tmp_path, "bf16_engine", ["rollout.dtype=bfloat16"])
     bound = 1e-4
     first, second = steps
-    assert first["actor/old_logprob_gap"] > 10 * bound, first["actor/old_logprob_gap"]  # measured: see the report
+    # measured 1.6e-3 nats per token on an AVX2 EPYC (bf16 weights' rounding alone is of that order)
+    assert first["actor/old_logprob_gap"] > bound and first["actor/old_logprob_gap_tokens"] > 0, first
     assert first["actor/old_logprob_recomputed"] == 1.0  # the check step trains on what it recomputed
     assert second["actor/old_logprob_recomputed"] == 1.0 and "actor/old_logprob_gap" not in second  # sticky
     assert second["actor/train_rollout_logprob_diff"] > bound  # the pass runs every step now
