@@ -20,8 +20,11 @@ elsewhere.
 Keys the config sets itself win. With ``bf16`` or ``fp32`` a key set to the other precision's value is refused,
 naming both (``precision=bf16`` with ``rollout.dtype=float32``; ``bf16`` with ``learner.zero_stage=0``, where
 DeepSpeed's bf16 has no fp32 gradient accumulation); the other keys are only filled where the config leaves them
-unset. ``learner.old_logprob_source=rollout`` set by the config is kept, and said so in the report (the
-measured case above is such a run), as is the rollout source under ``learner.pre_update_pass=never``. With
+unset. ``learner.old_logprob_source`` left at its default ``auto`` becomes ``recompute`` under bf16: ``auto``
+would measure the gap on its first monitored step and switch there anyway (a bf16 side is 10x or more above
+``learner.max_rollout_logprob_gap``), so the switch fills in the known outcome, and a run with the monitor off
+still recomputes. ``rollout`` or ``auto`` set by the config is kept, and said so in the report (the measured
+case above is a ``rollout`` run), as is the default under ``learner.pre_update_pass=never``. With
 ``auto`` set keys steer the choice: when they contradict the hardware's precision (``learner.zero_stage=0``,
 ``rollout.dtype=float32``, ...) auto takes the other one if the set keys agree with it, and refuses keys that
 contradict both. Unset (``null``, the default): no key is touched, the per-key settings as before.
@@ -165,8 +168,14 @@ def _apply(cfg: Any, chosen: str, report: dict[str, Any]) -> None:
         if lc.old_logprob_source == "rollout":
             report["kept"]["learner.old_logprob_source"] = (
                 "rollout, set in the config: a bf16 engine's log-probs widen GSPO's clip fraction (docs/results.md)")
+        elif lc.old_logprob_source == "auto":
+            report["kept"]["learner.old_logprob_source"] = (
+                "auto, set in the config: the first monitored step measures the bf16 gap against "
+                "learner.max_rollout_logprob_gap and switches to recompute when it is above (it was 0.033 nats per "
+                "token, docs/results.md)")
     elif lc.pre_update_pass == "never":
-        report["kept"]["learner.old_logprob_source"] = "rollout: learner.pre_update_pass=never runs no pass to recompute"
+        report["kept"]["learner.old_logprob_source"] = (
+            "auto, read as rollout: learner.pre_update_pass=never runs no pass to check or recompute")
     else:
         lc.old_logprob_source = "recompute"
         report["filled"]["learner.old_logprob_source"] = "recompute"

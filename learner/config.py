@@ -165,7 +165,8 @@ class LearnerConfig(Section):
     pre_update_pass: Literal["auto", "always", "never"] = Field(
         "auto",
         description="the no-gradient forward over the rollout batch before the first optimizer step: 'auto' runs "
-        "it only when something needs it (old_logprob_source=recompute, routing_replay, moe_diagnostics on an MoE "
+        "it only when something needs it (old_logprob_source=recompute or auto's check steps and switch, "
+        "routing_replay, moe_diagnostics on an MoE "
         "model, or a health-guard pre-check max_logprob_diff / min_entropy / max_load_imbalance); 'never' refuses "
         "those settings. Skipped, actor/entropy, actor/train_rollout_logprob_diff and the moe/ metrics are absent "
         "(learner/README.md)",
@@ -215,7 +216,9 @@ class LearnerConfig(Section):
         "actor/entropy, mismatch/*) are measured at 1/N of the pass's cost and a broken weight sync shows up, on "
         "dense and MoE models. In the one-step overlap (trainer.max_staleness >= 1) a monitored step's rollout is "
         "collected on-policy, after the previous sync, so the metric is the engine/learner gap alone; with partial "
-        "rollouts it is not exact (samples carried over a sync, docs/partial_rollouts.md); 0 = off",
+        "rollouts it is not exact (samples carried over a sync, docs/partial_rollouts.md). These are also the "
+        "check steps of old_logprob_source='auto' (under pre_update_pass 'auto' or 'always'); 0 = off (and 'auto' "
+        "then reads as 'rollout', unchecked)",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -243,8 +246,27 @@ class LearnerConfig(Section):
     normalize_adv_std: bool | None = Field(
         None, description="group z-score (true) or mean-only, Dr. GRPO (false); null = the algorithm's own (false "
         "for dr_grpo, true otherwise)")
-    old_logprob_source: Literal["rollout", "recompute"] = Field(
-        "rollout", description="behaviour log-probs from the engine or a learner forward before updating"
+    old_logprob_source: Literal["auto", "rollout", "recompute"] = Field(
+        "auto",
+        description="the behaviour (old) log-probs GSPO's ratio is taken against: 'rollout' the engine's, as it "
+        "sampled; 'recompute' the learner's own forward before the update (the pre-update pass, every step); "
+        "'auto' the engine's while the mismatch monitor (mismatch_monitor_every) finds the engine/learner gap "
+        "within max_rollout_logprob_gap, and the learner's from the first monitored step that finds it above, for "
+        "the rest of the run (that step trains on its recomputed ones too; logged once with the gap, the bound and "
+        "the step, actor/old_logprob_recomputed 0/1; the driver decides and checkpoints the switch, "
+        "learner/README.md). Without a monitored step (mismatch_monitor_every=0, pre_update_pass='never', or a "
+        "rank called without the driver's decision) 'auto' is 'rollout'",
+    )
+    max_rollout_logprob_gap: float = Field(
+        1e-4,
+        gt=0,
+        description="old_logprob_source='auto': the largest engine/learner gap, mean |learner - engine log-prob| "
+        "per response token in nats on a monitored step, under which the engine's log-probs stay the behaviour "
+        "log-probs. 1e-4 sits between float32 on both sides (measured 3e-7 to 7e-7 on the CPU for the tiny models, "
+        "6.1e-6 for SmolLM2-135M upcycled into an MoE) and any bf16 side (1.2e-3 with a bf16-autocast learner, 0.033 with "
+        "a bf16 engine and learner), 17x above the largest float32 gap and 12x below the smallest bf16 one; it is "
+        "a third of GSPO's clip range (3e-4), so a gap under it cannot by itself push a sequence ratio out of the "
+        "clip band",
     )
     cpu_shm_allreduce: bool = Field(
         False, description="CPU only: DeepSpeed's JIT-built shared-memory all-reduce instead of plain gloo"
@@ -378,6 +400,14 @@ class LearnerConfig(Section):
         one included)."""
         every = self.mismatch_monitor_every
         return self.pre_update_pass == "auto" and every > 0 and index % every == 0
+
+    def gap_check_at(self, index: int) -> bool:
+        """Whether ``old_logprob_source='auto'`` checks the engine/learner gap on the 0-based RL step ``index``:
+        the mismatch monitor's steps (``index`` a multiple of ``mismatch_monitor_every`` N > 0, the first one
+        included), under ``pre_update_pass`` ``auto`` or ``always`` (``never`` runs no pass to measure it)."""
+        every = self.mismatch_monitor_every
+        return (self.old_logprob_source == "auto" and self.pre_update_pass != "never" and every > 0
+                and index % every == 0)
 
     def pre_update_pass_needs(self, guard: dict | None, is_moe: bool = True) -> list[str]:
         """The settings that need the pre-update pass, as config keys (``[]`` when nothing does).

@@ -167,6 +167,7 @@ class LearnerRank:
         *,
         guard: dict[str, float] | None = None,
         monitor: bool | None = None,
+        behaviour: str | None = None,
     ) -> RolloutTrainResult:
         """Train on one rollout batch: ``cfg.ppo_epochs`` passes over the minibatches, one optimizer step each.
 
@@ -190,6 +191,12 @@ class LearnerRank:
             monitor: whether the mismatch monitor's pre-update pass runs on this batch (``learner.
                 mismatch_monitor_every`` > 0 with ``pre_update_pass='auto'``; the driver decides by RL step);
                 None = every N-th batch this rank has trained. The same on every rank.
+            behaviour: where this step's behaviour log-probs come from (``learner.old_logprobs``): ``rollout``
+                (the engine's), ``recompute`` (the pre-update pass's) or ``check`` (``old_logprob_source='auto'``
+                on a check step: the pass runs over the whole batch first, unfused, and the gap against
+                ``learner.max_rollout_logprob_gap`` picks one of the two for this step); the driver decides by
+                RL step and its checkpointed switch. None = ``learner.old_logprob_source``, ``auto`` as
+                ``rollout``. The same on every rank.
 
         Returns:
             A ``RolloutTrainResult``, the same on every rank: its typed fields (loss, optimizer steps, grad norm,
@@ -205,7 +212,10 @@ class LearnerRank:
             ``actor/train_rollout_logprob_diff``: mean |learner log-prob at the pre-update weights - rollout
             log-prob| over response tokens; ``actor/grad_norm`` (mean over steps, pre-clip) and
             ``actor/grad_norm_max``; ``actor/lr``; ``actor/num_optimizer_steps`` (steps applied: 0 when the
-            guard skipped the update). Values are those of the steps that ran (0 steps: loss 0, ratios 1).
+            guard skipped the update); ``actor/old_logprob_recomputed``: 1.0 when the objective took the
+            learner's recomputed behaviour log-probs, 0.0 the engine's; on a check step ``actor/old_logprob_gap``:
+            the gap (nats per token) that decided it, over the rows sampled wholly by the weights this rank holds
+            (``current_version``), and ``actor/old_logprob_gap_tokens``, their response tokens. Values are those of the steps that ran (0 steps: loss 0, ratios 1).
             ``loss/policy_minibatches``: the loss of each optimizer step (a list). The per-length sums for
             metrics sliced by length are the result's ``by_response_length``, not a metric.
 
@@ -228,7 +238,7 @@ class LearnerRank:
         if self.critic is not None:
             self.critic.ensure_built(self.engine, self.zero3)
         step = RolloutBatchStep(self.replica, minibatches, num_sequences, num_tokens, guard, self.objective,
-                                self.critic, monitor)
+                                self.critic, monitor, behaviour, self.current_version())
         result = step.run()
         self.trained_turns = step.trained_turns
         self.weights_changed |= not result.skipped  # a refused update put the weights back

@@ -3,7 +3,8 @@
 ``RolloutBatchStep(replica, ...).run()`` is the RL update, in named phases:
 
 1. ``pre_update_pass``: learner log-probs at the current weights (the behaviour policy for
-   ``old_logprob_source="recompute"``), the train-vs-rollout log-prob difference, the policy's entropy and,
+   ``old_logprob_source="recompute"``, and under ``auto`` once a check step found the engine's too far from
+   them: ``learner.old_logprobs``), the train-vs-rollout log-prob difference, the policy's entropy and,
    on MoE models, the experts every token is routed to (expert load, routing volatility, Routing Replay).
    It runs only when something needs it (``learner.pre_update_pass``, ``LearnerConfig.pre_update_pass_needs``);
    skipped, ``rollout_checks`` only counts non-finite rollout log-probs for the guard, and the metrics the
@@ -37,6 +38,7 @@ from learner.token_digests import trained_turn_digests
 from learner.moe import (expert_counts, load_metrics, response_positions, rollout_replay_ids, topk_set_changes,
                          volatility_metrics)
 from learner.config import PRE_UPDATE_GUARD_KEYS
+from learner.old_logprobs import CHECK, RECOMPUTE, ROLLOUT, STEP_SOURCES, gap_too_large, mean_gap
 from learner.kl import kl_penalty
 from learner.objectives import LOG_RATIO_CLAMP, Objective, SequenceCounts, policy_loss, sequence_log_ratio
 from learner.policy_metrics import combine_policy_metrics
@@ -67,6 +69,7 @@ class _PassSums:
     mismatch: list[float] = field(default_factory=lambda: [0.0, 0.0])  # top-k sets differing from the engine's, compared
     mm_sum: list[float] = field(default_factory=lambda: [0.0] * 5)  # learner/rollout_correction.mismatch_sums, summed
     mm_max: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ... and maxed
+    fresh: list[float] = field(default_factory=lambda: [0.0, 0.0])  # check step: diff sums on the current version's rows
 
 
 @dataclass
@@ -94,9 +97,15 @@ class RolloutBatchStep:
 
     def __init__(self, replica: Replica, minibatches: list[TrainBatch], num_sequences: list[int],
                  num_tokens: list[int], guard: dict[str, float] | None, objective: Objective, critic: Critic | None = None,
-                 monitor: bool | None = None):
+                 monitor: bool | None = None, behaviour: str | None = None, current_version: int | None = None):
         self.r, self.cfg = replica, replica.cfg
         self.monitor = monitor  # the driver's decision for the mismatch monitor; None = this rank's own count
+        self.source = self.step_source(behaviour)  # rollout | recompute | check (learner.old_logprobs)
+        self.recompute = self.source == RECOMPUTE  # behaviour log-probs from the pass; a check step may set it
+        # check step: the rows whose gap decides are those sampled wholly by the weights the learner holds now
+        # (``LearnerRank.current_version``; None: the batch's newest version, over all ranks)
+        self.fresh_version = -1.0 if current_version is None else float(current_version)
+        self.version_given = current_version is not None
         self.guard = GuardDecision(guard)
         replica.check_normalisers(minibatches, num_sequences, num_tokens)
         if self.cfg.group_by_length:  # longest rows first: micro-batches of like length pad little
@@ -125,6 +134,9 @@ class RolloutBatchStep:
         ``RolloutTrainResult.from_metrics``."""
         self.r.start_update()
         out = self.pre_update_pass() if self.run_pre_update else self.rollout_checks()
+        if self.source == CHECK:  # the whole batch's gap is known before any update: choose the behaviour log-probs
+            out.update(self.check_gap())
+        out["actor/old_logprob_recomputed"] = float(self.recompute)
         if self.critic is not None:  # PPO: values, GAE and whitening before any update
             self.token_adv, critic_metrics = self.critic.prepare(self)
             out.update(critic_metrics)
@@ -146,6 +158,35 @@ class RolloutBatchStep:
         return RolloutTrainResult.from_metrics(out)
 
     # -- phase 1 ------------------------------------------------------------------------------------------
+    def step_source(self, behaviour: str | None) -> str:
+        """This step's behaviour log-probs' source (``learner.old_logprobs.STEP_SOURCES``): the caller's
+        (the driver's, ``learner.old_logprobs.step_source``), or without one ``learner.old_logprob_source``,
+        ``auto`` read as ``rollout`` (the switch is the driver's state, checkpointed there).
+
+        Raises:
+            ValueError: a ``behaviour`` not in ``STEP_SOURCES``.
+        """
+        if behaviour is None:
+            return RECOMPUTE if self.cfg.old_logprob_source == RECOMPUTE else ROLLOUT
+        if behaviour not in STEP_SOURCES:
+            raise ValueError(f"behaviour={behaviour!r} is not one of {STEP_SOURCES}")
+        return behaviour
+
+    def check_gap(self) -> dict[str, Any]:
+        """A check step's decision, after the pass: the gap over the response tokens of the rows sampled wholly
+        by the weights the learner holds (``fresh_version``: a row's version is its oldest token's, so with
+        partial rollouts or a rollout sampled ahead a row of an older version, whose gap would hold that
+        version's policy change, is left out), all-reduced, against ``learner.max_rollout_logprob_gap``; above
+        it (``gap_too_large``) this step trains on the recomputed log-probs. No such row: nothing measured, no
+        switch. The flag is max-reduced, so every rank takes the same decision. Returns
+        ``actor/old_logprob_gap`` and ``actor/old_logprob_gap_tokens`` (the tokens it was measured on).
+        Collective."""
+        abs_sum, count = self.r.all_reduce(self.sums.fresh)
+        gap = mean_gap(abs_sum, count)
+        (flag,) = self.r.all_reduce([float(gap_too_large(gap, self.cfg.max_rollout_logprob_gap))], "max")
+        self.recompute = flag > 0
+        return {"actor/old_logprob_gap": gap, "actor/old_logprob_gap_tokens": count}
+
     def pre_update_decision(self) -> bool:
         """Whether this step runs the pre-update pass: ``learner.pre_update_pass`` ``always``; ``auto`` when
         ``pre_update_pass_needs`` names a setting (recompute, Routing Replay, MoE diagnostics on an MoE model,
@@ -155,6 +196,8 @@ class RolloutBatchStep:
             ValueError: ``never`` with a guard pre-check threshold (the config refuses the other settings).
         """
         needs = self.cfg.pre_update_pass_needs(self.guard.guard, is_moe=self.tap is not None)
+        if self.source != ROLLOUT and not needs:  # auto's check, or its switch to the learner's log-probs
+            needs = [f"learner.old_logprob_source='auto' ({self.source} on this step)"]
         if self.cfg.pre_update_pass == "never" and needs:
             raise ValueError(
                 "learner.pre_update_pass='never', but " + ", ".join(needs) + " need(s) the pre-update pass; use "
@@ -195,7 +238,8 @@ class RolloutBatchStep:
         before it trains: no routes recorded (``wants_routes``), no PPO critic, no health-guard pre-check on the
         pass's metrics, and no LoRA dropout (the training forward would be another policy than the pass's)."""
         guard = self.guard.guard or {}
-        return (self.run_pre_update and self.cfg.fuse_first_minibatch and not self.wants_routes()
+        return (self.run_pre_update and self.cfg.fuse_first_minibatch and self.source != CHECK
+                and not self.wants_routes()
                 and self.critic is None and not any(k in guard for k in PRE_UPDATE_GUARD_KEYS)
                 and not self.cfg.lora.dropout)
 
@@ -204,6 +248,9 @@ class RolloutBatchStep:
         metrics. Returns entropy, log-prob difference and (MoE) expert-load metrics, all-reduced; when fused,
         ``{}`` (``pass_metrics`` after training), with the guard's non-finite count of the minibatches
         forwarded plus the first one's rollout log-probs all-reduced into ``self.nonfinite``. Collective."""
+        if self.source == CHECK and not self.version_given:  # the rows of the newest version on any rank
+            mine = [float(mb.weight_versions.max()) for mb in self.minibatches if mb.weight_versions.numel()]
+            (self.fresh_version,) = self.r.all_reduce([max(mine, default=-1.0)], "max")
         for m in range(1 if self.fused else 0, len(self.minibatches)):
             self.account_minibatch(m)
         if not self.fused:
@@ -234,6 +281,12 @@ class RolloutBatchStep:
         s, tap = self.sums, self.tap
         s.diff[0] += float(torch.where(micro.mask, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
         s.diff[1] += float(micro.mask.sum())
+        if self.source == CHECK:
+            lo, hi = micro.rows
+            rows = self.minibatches[m].weight_versions[lo:hi].to(micro.mask.device) == self.fresh_version
+            fresh = micro.mask & rows[:, None]
+            s.fresh[0] += float(torch.where(fresh, (lp - micro.old_log_probs).abs(), 0.0).double().sum())
+            s.fresh[1] += float(fresh.sum())
         weights, kept, dropped = rollout_correction(lp, micro.old_log_probs, micro.mask, self.cfg.rollout_correction,
                                                     self.cfg.rollout_correction_low, self.cfg.rollout_correction_high)
         self.corrections[m].append((weights, kept))
@@ -318,7 +371,7 @@ class RolloutBatchStep:
             self.pre_lps[0].append(torch.where(mb.mask, lp.detach(), 0.0))
             self.sums.ent += ent
             self.account_micro(0, mb, self.pre_lps[0][k], None)
-        old = self.pre_lps[m][k] if cfg.old_logprob_source == "recompute" else mb.old_log_probs
+        old = self.pre_lps[m][k] if self.recompute else mb.old_log_probs
         norms = dict(num_sequences=self.num_sequences[m], num_tokens=self.num_tokens[m])
         # mismatch correction (off: weights None, kept = the response mask); normalisers stay the minibatch's
         weights, kept = self.corrections[m][k] if cfg.rollout_correction != "off" else (None, mb.mask)

@@ -296,10 +296,18 @@ def save_outputs(learners: LearnerGroup | None, audit_dir: Path, metrics: Mappin
     """Save what the learner returned for the step (``metrics``: ``RolloutTrainResult.record()``) as
     ``metrics.json``, and the gradient of the step's first optimizer step (captured on the ``learners`` ranks
     since ``save_inputs``; the capture is switched off again on every rank). ``learners`` None: the metrics
-    alone."""
+    alone. Under ``learner.old_logprob_source=auto`` the objective in ``meta.json`` gets the source the step
+    used (``actor/old_logprob_recomputed``: ``recompute`` or ``rollout``), which the audit recomputes with."""
     audit_dir = Path(audit_dir)
     audit_dir.mkdir(parents=True, exist_ok=True)
     (audit_dir / METRICS_FILE).write_text(json.dumps(_jsonable(dict(metrics)), indent=1) + "\n")
+    meta_file = audit_dir / META_FILE
+    if "actor/old_logprob_recomputed" in metrics and meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        if meta["objective"].get("old_logprob_source") == "auto":
+            meta["objective"]["old_logprob_source"] = ("recompute" if metrics["actor/old_logprob_recomputed"]
+                                                       else "rollout")
+            meta_file.write_text(json.dumps(meta, indent=1) + "\n")
     if not learners:
         return
     steps = learners.call("captured_gradients")[0]

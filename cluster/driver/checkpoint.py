@@ -123,7 +123,7 @@ RESUME_RL_ONLY = (
     "learner.algorithm", "learner.clip_low", "learner.clip_high", "learner.loss_agg", "learner.loss_options",
     "learner.num_minibatches", "learner.ppo_epochs", "learner.lr", "learner.kl_coef", "learner.kl_estimator",
     "learner.normalize_adv_std",
-    "learner.old_logprob_source", "learner.routing_replay", "learner.rollout_correction",
+    "learner.old_logprob_source", "learner.max_rollout_logprob_gap", "learner.routing_replay", "learner.rollout_correction",
     "learner.rollout_correction_low", "learner.rollout_correction_high", "rollout.return_routed_experts",
     "trainer.prompts_per_step", "trainer.group_size", "trainer.dynamic_sampling", "trainer.max_sampling_rounds",
     "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_response_tokens", "rollout.max_model_len",

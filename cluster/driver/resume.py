@@ -36,21 +36,29 @@ class DriverState:
     warm_start_done: bool = False
     stream_position: int = 0  # prompts taken from the training stream
     sft_rng: Any = None  # ``random.Random.getstate()`` of the warm start's row sampler (None: not started)
+    # learner.old_logprob_source=auto (cluster.driver.behaviour): the RL step whose check switched to the
+    # learner's recomputed log-probs and the gap it measured (nats per token); None while it has not
+    recompute_since: int | None = None
+    recompute_gap: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The state as ``trainer_state.json`` keys."""
         return {"step": self.step, "weight_version": self.weight_version, "warm_start_done": self.warm_start_done,
-                "stream_position": self.stream_position, "sft_rng": self.sft_rng}
+                "stream_position": self.stream_position, "sft_rng": self.sft_rng,
+                "recompute_since": self.recompute_since, "recompute_gap": self.recompute_gap}
 
     @classmethod
     def from_json(cls, state: dict[str, Any]) -> DriverState:
-        """The state read back from ``trainer_state.json`` (JSON lists of the RNG state back to tuples).
+        """The state read back from ``trainer_state.json`` (JSON lists of the RNG state back to tuples; a
+        checkpoint written before ``recompute_since`` existed reads as not switched).
 
         Raises:
             KeyError: a key missing from ``state``.
         """
+        since, gap = state.get("recompute_since"), state.get("recompute_gap")
         return cls(int(state["step"]), int(state["weight_version"]), bool(state["warm_start_done"]),
-                   int(state["stream_position"]), _as_tuples(state["sft_rng"]))
+                   int(state["stream_position"]), _as_tuples(state["sft_rng"]),
+                   None if since is None else int(since), None if gap is None else float(gap))
 
     def restore_rng(self, rng: random.Random) -> None:
         """Put the warm start's sampler back where the checkpoint left it."""

@@ -29,8 +29,8 @@ from cluster import precision
 from cluster.config import Config
 from cluster.data import prompts as data
 from cluster.data.tasks import load_rows, load_tokenizer
-from cluster.driver import (agent_loop, audit_dump, checkpoint, gateway_episodes, length_slices, partial_episodes,
-                            partial_rollout, step_metrics)
+from cluster.driver import (agent_loop, audit_dump, behaviour, checkpoint, gateway_episodes, length_slices,
+                            partial_episodes, partial_rollout, step_metrics)
 from cluster.driver.distill import Distiller
 from cluster.driver.batching import build_train_batch, rollout_advantages, split_for_ranks, with_branches
 from cluster.driver.collect import Collected, Collector
@@ -57,12 +57,13 @@ log = logging.getLogger("cluster.train")
 
 
 def monitor_step(cfg: Config, step: int) -> bool:
-    """Whether RL step ``step`` (1-based) runs the learner's mismatch monitor: steps 1, N+1, 2N+1, ... with
-    ``learner.mismatch_monitor_every`` N > 0 and ``learner.pre_update_pass='auto'``. Counted by the global step,
-    so a resumed run monitors the same steps. In the overlapped mode such a step's rollout is collected after the
+    """Whether RL step ``step`` (1-based) runs the learner's mismatch monitor or ``old_logprob_source='auto'``'s
+    gap check: steps 1, N+1, 2N+1, ... with ``learner.mismatch_monitor_every`` N > 0 and
+    ``learner.pre_update_pass='auto'`` (the check also under ``always``). Counted by the global step, so a
+    resumed run monitors the same steps. In the overlapped mode such a step's rollout is collected after the
     previous sync (on-policy), so ``actor/train_rollout_logprob_diff`` measures the engine/learner mismatch
     alone, not one update's policy change as well."""
-    return cfg.learner.monitor_at(step - 1)
+    return cfg.learner.monitor_at(step - 1) or cfg.learner.gap_check_at(step - 1)
 
 
 def setup_run_dir(cfg: Config) -> Path:
@@ -97,6 +98,8 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.run_dir = setup_run_dir(cfg)
         log.info("%s", precision.summary(cfg.precision_report))  # what precision chose (cluster/precision.py)
+        if warning := behaviour.unchecked_warning(cfg.learner):
+            log.warning("%s", warning)
         self.state = DriverState()
         self.trained_uids: list[list[str]] = []
         self.guard = GuardPolicy(cfg, self.run_dir)
@@ -277,8 +280,12 @@ class Trainer:
                                                weight_version=self.weight_version, completions=completions)
         self.rl_lr.apply(self.step)
         t = time.perf_counter()
-        result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1))
+        source = behaviour.source_for_step(cfg.learner, self.state, self.step + 1)  # auto: its switch, checkpointed
+        result = self.learners.train(plans, cfg.health.guard(), monitor=monitor_step(cfg, self.step + 1),
+                                     behaviour=source)
         learner_s = time.perf_counter() - t
+        if switched := behaviour.record_step(cfg.learner, self.state, self.step + 1, source, result.metrics):
+            log.warning("%s", switched)
         if self.episodes is not None:  # the engines' records against what the ranks trained (must be 0)
             self.token_check.drain(self.fleet.engines)
             c.reward_metrics.update(self.token_check.compare(

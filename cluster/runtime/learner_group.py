@@ -197,12 +197,13 @@ class LearnerGroup:
         return False
 
     def train(self, plans: list[Any], guard: dict[str, float] | None,
-              monitor: bool | None = None) -> RolloutTrainResult:
+              monitor: bool | None = None, behaviour: str | None = None) -> RolloutTrainResult:
         """One RL update: rank ``r`` trains on ``plans[r]`` (``cluster.driver.batching.RankPlan``); ``monitor``:
-        whether the mismatch monitor's pass runs (``LearnerRank.train_rollout_batch``). Returns rank 0's
-        ``RolloutTrainResult`` (identical on every rank)."""
+        whether the mismatch monitor's pass runs, ``behaviour``: the step's behaviour log-probs' source
+        (``LearnerRank.train_rollout_batch``). Returns rank 0's ``RolloutTrainResult`` (identical on every
+        rank)."""
         outs = self.call_sharded("train_rollout_batch", [(p.minibatches, p.num_sequences, p.num_tokens) for p in plans],
-                                 guard=guard, monitor=monitor)
+                                 guard=guard, monitor=monitor, behaviour=behaviour)
         return outs[0]
 
     def trained_turns(self) -> list[tuple[int, int, str]]:

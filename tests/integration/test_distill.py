@@ -45,6 +45,9 @@ def test_own_model_teacher_gives_zero_reverse_kl_and_another_seed_trains_the_stu
         assert step1["reward/groups_all_equal"] == 1.0  # the reward's advantages are all 0 ...
         assert step1["actor/num_optimizer_steps"] == cfg.learner.num_minibatches and not step1["health/skipped"]
         assert step1["actor/grad_norm"] > 1e-3, step1["actor/grad_norm"]  # ... so this gradient is the teacher's
+        # the shipped config in float32: step 1 checks the engine/learner gap (old_logprob_source=auto) and stays
+        # on the engine's log-probs (measured ~3e-7 nats per token against the 1e-4 bound)
+        assert step1["actor/old_logprob_recomputed"] == 0.0 and step1["actor/old_logprob_gap"] < 1e-4, step1
 
         t.distiller.annotate(c)  # the run's teacher (another seed) on the same samples
         old = torch.tensor([lp for x in c.completions for lp in x.response_logprobs])

@@ -86,3 +86,43 @@ def test_the_callers_decision_overrides_the_ranks_count(dense_path):
     assert [KEY in o for o in outs] == [False, True, True, False]
     off = _rank(dense_path, cfg.model_copy(update={"mismatch_monitor_every": 0}))
     assert KEY not in _train(off, b, monitor=True)
+
+
+def _train_sources(learner, batch: TrainBatch, behaviour: str) -> dict:
+    """``batch`` as two minibatches of 4 rows, with the step's behaviour source given as the driver gives it."""
+    parts = [batch.select(list(range(0, 4))), batch.select(list(range(4, 8)))]
+    norms = [loss_normalisers(p.response_mask) for p in parts]
+    return learner.train_rollout_batch(parts, [s for s, _ in norms], [t for _, t in norms], guard=None,
+                                       behaviour=behaviour).metrics
+
+
+def test_a_check_step_keeps_the_engines_log_probs_within_the_bound_and_trains_on_the_recomputed_above(dense_path):
+    """``old_logprob_source=auto``'s check step (``behaviour='check'``), two minibatches, the engine's log-probs
+    being the rank's own plus noise: 1e-5 (gap ~8e-6 < 1e-4) trains as ``rollout`` would, bit for bit; 1e-2
+    (~8e-3) as ``recompute`` would (its pass unfused, as the check's is), recomputed=1; older rows far off beside
+    newest rows close are left out of the gap (partial rollouts' carried samples). Every update identical to the
+    reference rank's."""
+    cfg = LearnerConfig(zero_stage=0, micro_batch_size=4, lr=1e-3, num_minibatches=2, mismatch_monitor_every=1)
+    checked = _rank(dense_path, cfg)
+    ref = _rank(dense_path, cfg.model_copy(update={"fuse_first_minibatch": False}))
+    g = torch.Generator().manual_seed(0)
+    for seed, noise, source in ((4, 1e-5, "rollout"), (5, 1e-2, "recompute"), (6, 1e-5, "rollout")):
+        batch = make_batch(dense_path, 8, seed=seed, noise=0.0)  # the engine: this rank's weights now, plus noise
+        batch.old_log_probs = torch.where(batch.response_mask, checked.compute_log_probs(batch)
+                                          + noise * torch.randn(batch.response_mask.shape, generator=g), 0.0)
+        now = checked.current_version()  # 0 before the first update, then 1 (updated, never synced)
+        batch.weight_versions = torch.full((8,), now)
+        if seed == 6:  # rows 0-3 sampled a version earlier, 0.05 nats off: left out of the gap
+            batch.weight_versions[:4] = now - 1
+            batch.old_log_probs[:4] = torch.where(batch.response_mask[:4], batch.old_log_probs[:4] + 0.05, 0.0)
+        out = _train_sources(checked, batch, "check")
+        want = _train_sources(ref, batch, source)
+        assert out["actor/old_logprob_recomputed"] == float(source == "recompute"), (source, out["actor/old_logprob_gap"])
+        assert want["actor/old_logprob_recomputed"] == float(source == "recompute")
+        assert (out["actor/old_logprob_gap"] > 1e-4) == (source == "recompute"), out["actor/old_logprob_gap"]
+        assert out["loss/policy"] == want["loss/policy"]
+        assert checked.state_digest() == ref.state_digest(), source
+    newest = float(batch.response_mask[4:].sum())
+    assert out["actor/old_logprob_gap_tokens"] == newest > 0
+    assert out[KEY] > 0.01 > 1e-4 > out["actor/old_logprob_gap"]  # the whole batch's gap, the newest rows' gap
+    assert "actor/old_logprob_gap" not in want

@@ -64,6 +64,10 @@ def test_a_sample_spanning_a_sync_carries_both_versions_and_their_logprobs(tmp_p
         t.pending = c
         m = t.rl_step()
         assert m["rollout/staleness_max"] == 1.0 and m["partial/multi_version_share"] > 0
+        # step 1 is old_logprob_source=auto's check: its gap is measured on the rows sampled wholly by the
+        # learner's current weights (v0 + 1) alone, so the tokens sampled by v0 (moved > 1e-3 above) do not switch
+        # a float32 run to recompute
+        assert m["actor/old_logprob_recomputed"] == 0.0 and m["actor/old_logprob_gap"] < 1e-4, m
         left = [(g.row.uid, [s.versions for s in g.samples]) for g in t.collector.buffer.groups]
         path = t.save()
         assert (path / PARTIAL_FILE).is_file()

@@ -402,8 +402,12 @@ def test_monitor_steps_are_counted_by_global_step():
     assert [s for s in range(1, 11) if monitor_step(cfg, s)] == [1, 4, 7, 10]
     off = load_config(path, ["learner.mismatch_monitor_every=0"])
     assert not any(monitor_step(off, s) for s in range(1, 5))
-    always = load_config(path, ["learner.pre_update_pass=always"])  # the pass runs anyway: nothing to schedule
-    assert not monitor_step(always, 1)
+    always = load_config(path, ["learner.pre_update_pass=always", "learner.old_logprob_source=rollout"])
+    assert not monitor_step(always, 1)  # the pass runs anyway: nothing to schedule
+    # with old_logprob_source=auto (the default) the monitor's steps are its check steps under 'always' too:
+    # sampled on-policy in the overlapped mode, so the gap it compares is the engine/learner gap alone
+    always_auto = load_config(path, ["learner.pre_update_pass=always", "learner.mismatch_monitor_every=3"])
+    assert [s for s in range(1, 8) if monitor_step(always_auto, s)] == [1, 4, 7]
 
 
 @pytest.mark.parametrize("field", ["model.path", "reward.judge.model_path", "distill.model_path"])

@@ -69,7 +69,7 @@ def test_auto_keeps_fp32_on_a_cpu_without_them(cpu, text):
     cfg = load_config(ZERO2, ["precision=auto"])
     r = cfg.precision_report
     assert r["chosen"] == "fp32" and "none of avx512_bf16, amx_bf16" in r["reason"]
-    assert (cfg.rollout.dtype, cfg.learner.dtype, cfg.learner.old_logprob_source) == ("float32", "float32", "rollout")
+    assert (cfg.rollout.dtype, cfg.learner.dtype, cfg.learner.old_logprob_source) == ("float32", "float32", "auto")
 
 
 def test_auto_picks_bf16_on_gpus_whatever_the_cpu(cpu):
@@ -123,8 +123,12 @@ def test_keys_that_agree_are_accepted_and_the_behaviour_source_can_be_kept(cpu):
     assert "kept learner.old_logprob_source=rollout" in precision.summary(cfg.precision_report)
     cfg = load_config(ZERO2, ["precision=bf16", "learner.pre_update_pass=never", "learner.moe_diagnostics=false",
                               "health.enabled=false"])
-    assert cfg.learner.old_logprob_source == "rollout"
+    assert cfg.learner.old_logprob_source == "auto"  # with no pass it reads as rollout (learner/step.py)
     assert "pre_update_pass=never" in cfg.precision_report["kept"]["learner.old_logprob_source"]
+    cfg = load_config(ZERO2, ["precision=bf16", "learner.old_logprob_source=auto"])  # set: it measures, then switches
+    assert cfg.learner.old_logprob_source == "auto"
+    assert "max_rollout_logprob_gap" in cfg.precision_report["kept"]["learner.old_logprob_source"]
+    assert "learner.old_logprob_source" not in cfg.precision_report["filled"]
 
 
 def test_unset_switch_keeps_every_config_as_it_was(cpu):
