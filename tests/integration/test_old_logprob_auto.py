@@ -45,6 +45,9 @@ def _run(tmp_path, name: str, extra: list[str]) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
 
 
+# A whole run (about 40 s on 2 cores): in the matrix; make test keeps the learner-level switch on real DeepSpeed
+# ranks (tests/integration/test_mismatch_monitor.py: a check step above the bound trains as recompute does).
+@pytest.mark.matrix
 def test_a_bf16_engine_switches_to_recompute_and_says_why(tmp_path, ray_session, caplog):
     caplog.set_level(logging.WARNING, logger="cluster.train")
     steps = _run(tmp_path, "bf16_engine", ["rollout.dtype=bfloat16"])
