@@ -225,8 +225,8 @@ def hang_hook(cls: type, methods: tuple[str, ...], phase: str, settings: Any) ->
     of it whose ``methods`` sleep ``settings.debug_hang_s`` seconds in the first call of the run before they run:
     the first call, across all the actors of every class hooked for this run, to create a marker file (one per
     run and phase, so a replacement does not hang again). The debug hook behind ``deadlines.debug_hang``: no
-    production code path sleeps."""
-    if settings.debug_hang != phase or not methods:
+    production code path sleeps. ``settings`` None (an actor started outside a run, as tests do) hooks nothing."""
+    if settings is None or settings.debug_hang != phase or not methods:
         return cls
     key = (id(settings), phase)
     if key not in _markers:  # the section is kept with its marker, so its id is not reused by another run's

@@ -15,32 +15,17 @@ from learner.moe import RouterTap
 from rollout.config import RolloutConfig
 from rollout.contracts import TurnRequest
 from rollout.engine import RolloutEngine
-from tests.helpers.rollout import checkpoint_state, perturbed, put_buckets
+from tests.helpers.rollout import LONG_PROMPT, checkpoint_state, engine_options, perturbed, put_buckets
+from tests.helpers.rollout import base_model, tokenizer  # noqa: F401 - fixtures
 
 TOL = 1e-4
-# longer than one 128-token CPU KV block: the prompt's first block enters vLLM's prefix cache
-LONG_PROMPT = "".join(f"{i} + {i + 3} = {2 * i + 3}\n" for i in range(12))[:150]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_moe):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_moe)
-
-
-@pytest.fixture(scope="module")
-def base_model(tiny_moe):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_moe, tmp_path_factory):
     cfg = RolloutConfig(max_model_len=256, max_response_tokens=12, temperature=1.0, seed=7,
                         return_routed_experts=True)
-    actor = ray_cluster.remote(RolloutEngine).options(num_cpus=1).remote(
+    actor = ray_cluster.remote(RolloutEngine).options(**engine_options(cfg)).remote(
         str(tiny_moe), cfg, cache_dir=str(tmp_path_factory.mktemp("vllm_cache")))
     yield actor
     ray_cluster.get(actor.shutdown.remote())
