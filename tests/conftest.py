@@ -101,35 +101,15 @@ def ray_cluster():
         ray.shutdown()
 
 
-#: Ray's authentication settings in the environment. Ray 2.60's ``ray.init()`` of a new local cluster sets
-#: ``RAY_AUTH_MODE=token`` in this process's ``os.environ`` (``enable_token_auth_by_default``) and leaves it there
-#: after ``ray.shutdown()``: every cluster a later module starts in this process (``ray.cluster_utils.Cluster``)
-#: would inherit token authentication with ``~/.ray/auth_token``.
-RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def ray_down_after_module():
     """Shut Ray down after every test module that left it initialised, whatever its tests did (a failed test
     skips its own clean-up): a module never inherits another module's Ray, whose leftover connection made a
-    later ``ray.init`` fail with "Maybe you called ray.init twice". The module's changes to ``RAY_AUTH_ENV`` are
-    undone and Ray's cached config re-read, so a module never inherits another one's authentication mode either
-    (the user-folder submit case failed with the job server's 401 when it ran after a module that had called
-    ``ray.init``)."""
-    before = {key: os.environ.get(key) for key in RAY_AUTH_ENV}
+    later ``ray.init`` fail with "Maybe you called ray.init twice"."""
     yield
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-    if any(os.environ.get(key) != value for key, value in before.items()):
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        from ray._raylet import Config
-
-        Config.initialize("")  # RayConfig caches the mode it read from the environment (as Ray's own switch does)
 
 
 @pytest.fixture
